@@ -1,0 +1,230 @@
+from inboxmesh.common.v1 import envelope_pb2 as _envelope_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReceiptStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECEIPT_STATUS_UNSPECIFIED: _ClassVar[ReceiptStatus]
+    RECEIPT_STATUS_ACCEPTED: _ClassVar[ReceiptStatus]
+    RECEIPT_STATUS_DUPLICATE: _ClassVar[ReceiptStatus]
+    RECEIPT_STATUS_UNKNOWN_TARGET: _ClassVar[ReceiptStatus]
+    RECEIPT_STATUS_TARGET_CLOSED: _ClassVar[ReceiptStatus]
+    RECEIPT_STATUS_NOT_PERMITTED: _ClassVar[ReceiptStatus]
+    RECEIPT_STATUS_INBOX_FULL: _ClassVar[ReceiptStatus]
+
+class SubscriptionEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SUBSCRIPTION_EVENT_KIND_UNSPECIFIED: _ClassVar[SubscriptionEventKind]
+    SUBSCRIPTION_EVENT_KIND_ATTACHED: _ClassVar[SubscriptionEventKind]
+    SUBSCRIPTION_EVENT_KIND_SUPERSEDED: _ClassVar[SubscriptionEventKind]
+    SUBSCRIPTION_EVENT_KIND_CLOSED: _ClassVar[SubscriptionEventKind]
+
+class AckStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACK_STATUS_UNSPECIFIED: _ClassVar[AckStatus]
+    ACK_STATUS_CONSUMED: _ClassVar[AckStatus]
+    ACK_STATUS_ALREADY_CONSUMED: _ClassVar[AckStatus]
+    ACK_STATUS_NOT_FOUND: _ClassVar[AckStatus]
+    ACK_STATUS_DEAD_LETTERED: _ClassVar[AckStatus]
+
+class MessageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MESSAGE_STATE_UNSPECIFIED: _ClassVar[MessageState]
+    MESSAGE_STATE_QUEUED: _ClassVar[MessageState]
+    MESSAGE_STATE_DELIVERED: _ClassVar[MessageState]
+    MESSAGE_STATE_CONSUMED: _ClassVar[MessageState]
+    MESSAGE_STATE_DEAD_LETTERED: _ClassVar[MessageState]
+RECEIPT_STATUS_UNSPECIFIED: ReceiptStatus
+RECEIPT_STATUS_ACCEPTED: ReceiptStatus
+RECEIPT_STATUS_DUPLICATE: ReceiptStatus
+RECEIPT_STATUS_UNKNOWN_TARGET: ReceiptStatus
+RECEIPT_STATUS_TARGET_CLOSED: ReceiptStatus
+RECEIPT_STATUS_NOT_PERMITTED: ReceiptStatus
+RECEIPT_STATUS_INBOX_FULL: ReceiptStatus
+SUBSCRIPTION_EVENT_KIND_UNSPECIFIED: SubscriptionEventKind
+SUBSCRIPTION_EVENT_KIND_ATTACHED: SubscriptionEventKind
+SUBSCRIPTION_EVENT_KIND_SUPERSEDED: SubscriptionEventKind
+SUBSCRIPTION_EVENT_KIND_CLOSED: SubscriptionEventKind
+ACK_STATUS_UNSPECIFIED: AckStatus
+ACK_STATUS_CONSUMED: AckStatus
+ACK_STATUS_ALREADY_CONSUMED: AckStatus
+ACK_STATUS_NOT_FOUND: AckStatus
+ACK_STATUS_DEAD_LETTERED: AckStatus
+MESSAGE_STATE_UNSPECIFIED: MessageState
+MESSAGE_STATE_QUEUED: MessageState
+MESSAGE_STATE_DELIVERED: MessageState
+MESSAGE_STATE_CONSUMED: MessageState
+MESSAGE_STATE_DEAD_LETTERED: MessageState
+
+class Receipt(_message.Message):
+    __slots__ = ("message_id", "recipient", "status", "sequence", "stored_at_us", "detail")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STORED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    recipient: str
+    status: ReceiptStatus
+    sequence: int
+    stored_at_us: int
+    detail: str
+    def __init__(self, message_id: _Optional[str] = ..., recipient: _Optional[str] = ..., status: _Optional[_Union[ReceiptStatus, str]] = ..., sequence: _Optional[int] = ..., stored_at_us: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class SendRequest(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_envelope_pb2.Envelope]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_envelope_pb2.Envelope, _Mapping]]] = ...) -> None: ...
+
+class SendResponse(_message.Message):
+    __slots__ = ("receipts",)
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
+    receipts: _containers.RepeatedCompositeFieldContainer[Receipt]
+    def __init__(self, receipts: _Optional[_Iterable[_Union[Receipt, _Mapping]]] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("credentials", "max_in_flight")
+    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    credentials: _containers.RepeatedScalarFieldContainer[str]
+    max_in_flight: int
+    def __init__(self, credentials: _Optional[_Iterable[str]] = ..., max_in_flight: _Optional[int] = ...) -> None: ...
+
+class Deliveries(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[_envelope_pb2.Envelope]
+    def __init__(self, messages: _Optional[_Iterable[_Union[_envelope_pb2.Envelope, _Mapping]]] = ...) -> None: ...
+
+class SubscriptionEvent(_message.Message):
+    __slots__ = ("agent_id", "kind", "detail")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    kind: SubscriptionEventKind
+    detail: str
+    def __init__(self, agent_id: _Optional[str] = ..., kind: _Optional[_Union[SubscriptionEventKind, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("at_us",)
+    AT_US_FIELD_NUMBER: _ClassVar[int]
+    at_us: int
+    def __init__(self, at_us: _Optional[int] = ...) -> None: ...
+
+class SubscribeResponse(_message.Message):
+    __slots__ = ("deliveries", "subscription", "heartbeat")
+    DELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    deliveries: Deliveries
+    subscription: SubscriptionEvent
+    heartbeat: Heartbeat
+    def __init__(self, deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., subscription: _Optional[_Union[SubscriptionEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("agent_id", "sequences")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    sequences: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_id: _Optional[str] = ..., sequences: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AckResult(_message.Message):
+    __slots__ = ("sequence", "message_id", "status")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    message_id: str
+    status: AckStatus
+    def __init__(self, sequence: _Optional[int] = ..., message_id: _Optional[str] = ..., status: _Optional[_Union[AckStatus, str]] = ...) -> None: ...
+
+class AckResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[AckResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ...) -> None: ...
+
+class MessageKey(_message.Message):
+    __slots__ = ("by_sender", "by_inbox")
+    BY_SENDER_FIELD_NUMBER: _ClassVar[int]
+    BY_INBOX_FIELD_NUMBER: _ClassVar[int]
+    by_sender: SenderKey
+    by_inbox: InboxKey
+    def __init__(self, by_sender: _Optional[_Union[SenderKey, _Mapping]] = ..., by_inbox: _Optional[_Union[InboxKey, _Mapping]] = ...) -> None: ...
+
+class SenderKey(_message.Message):
+    __slots__ = ("sender", "message_id")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    message_id: str
+    def __init__(self, sender: _Optional[str] = ..., message_id: _Optional[str] = ...) -> None: ...
+
+class InboxKey(_message.Message):
+    __slots__ = ("recipient", "sequence")
+    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    recipient: str
+    sequence: int
+    def __init__(self, recipient: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class MessageStatus(_message.Message):
+    __slots__ = ("envelope", "state", "delivery_attempts", "stored_at_us", "delivered_at_us", "consumed_at_us", "dead_lettered_at_us", "dead_letter_reason")
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    STORED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTER_REASON_FIELD_NUMBER: _ClassVar[int]
+    envelope: _envelope_pb2.Envelope
+    state: MessageState
+    delivery_attempts: int
+    stored_at_us: int
+    delivered_at_us: int
+    consumed_at_us: int
+    dead_lettered_at_us: int
+    dead_letter_reason: str
+    def __init__(self, envelope: _Optional[_Union[_envelope_pb2.Envelope, _Mapping]] = ..., state: _Optional[_Union[MessageState, str]] = ..., delivery_attempts: _Optional[int] = ..., stored_at_us: _Optional[int] = ..., delivered_at_us: _Optional[int] = ..., consumed_at_us: _Optional[int] = ..., dead_lettered_at_us: _Optional[int] = ..., dead_letter_reason: _Optional[str] = ...) -> None: ...
+
+class GetMessageStatusRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: MessageKey
+    def __init__(self, key: _Optional[_Union[MessageKey, _Mapping]] = ...) -> None: ...
+
+class GetMessageStatusResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: MessageStatus
+    def __init__(self, status: _Optional[_Union[MessageStatus, _Mapping]] = ...) -> None: ...
+
+class ListDeadLettersRequest(_message.Message):
+    __slots__ = ("recipient", "sender", "page_size", "page_token")
+    RECIPIENT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    recipient: str
+    sender: str
+    page_size: int
+    page_token: str
+    def __init__(self, recipient: _Optional[str] = ..., sender: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListDeadLettersResponse(_message.Message):
+    __slots__ = ("messages", "next_page_token")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[MessageStatus]
+    next_page_token: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[MessageStatus, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The mesh services: Registry, Inbox and Events over one store."""

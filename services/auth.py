@@ -1,0 +1,62 @@
+"""Credentials: issuing them, reading them from call metadata, checking them.
+
+A credential is `<agent_id>.<secret>`. The mesh stores only the SHA-256 of
+the whole credential, so a stolen database does not let anyone send as an
+agent. The agent id prefix lets the mesh find the agent without a scan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable
+
+from services import errors
+
+METADATA_KEY = "authorization"
+SCHEME = "Bearer "
+
+
+def new_agent_id() -> str:
+    return "agt_" + secrets.token_hex(10)
+
+
+def new_credential(agent_id: str) -> str:
+    return f"{agent_id}.{secrets.token_urlsafe(32)}"
+
+
+def credential_hash(credential: str) -> bytes:
+    return hashlib.sha256(credential.encode()).digest()
+
+
+def hashes_match(credential: str, stored_hash: bytes) -> bool:
+    return hmac.compare_digest(credential_hash(credential), stored_hash)
+
+
+def agent_id_of(credential: str) -> str:
+    """The agent id a credential claims to belong to (not yet verified)."""
+    agent_id, dot, secret = credential.partition(".")
+    if not dot or not agent_id or not secret:
+        raise errors.Unauthenticated(
+            "malformed credential: expected '<agent_id>.<secret>' as returned by RegisterAgent",
+            reason="MALFORMED_CREDENTIAL",
+        )
+    return agent_id
+
+
+def bearer_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The bearer token in `authorization` metadata, or None when absent."""
+    for key, value in metadata or ():
+        if key == METADATA_KEY:
+            text = value.decode() if isinstance(value, bytes) else value
+            if not text.startswith(SCHEME):
+                raise errors.Unauthenticated(
+                    "authorization metadata must be 'Bearer <credential>'", reason="MALFORMED_CREDENTIAL"
+                )
+            return text[len(SCHEME) :].strip()
+    return None
+
+
+def metadata_for(credential: str) -> tuple[tuple[str, str], ...]:
+    return ((METADATA_KEY, SCHEME + credential),)

@@ -1,0 +1,298 @@
+"""`inboxmesh`: run the mesh and talk to it from a shell.
+
+    inboxmesh up                      serve the whole mesh (embedded SQLite) and run the demo
+    inboxmesh register NAME           register an agent; prints its id and credential
+    inboxmesh send --as CRED --to ID TEXT
+    inboxmesh tail --as CRED          follow an inbox live (add --consume to ack)
+    inboxmesh status --as CRED MESSAGE_ID
+    inboxmesh events [--agent ID] [--message ID] [--follow]
+    inboxmesh close --as CRED [AGENT_ID]
+
+Commands find a local mesh through .inboxmesh/mesh.json (written by `up`),
+or --mesh / INBOXMESH_ADDRESS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from datetime import datetime, timezone
+
+from google.protobuf import json_format
+
+from inboxmesh.common.v1 import envelope_pb2 as env_pb
+from inboxmesh.events.v1 import events_pb2 as ev_pb
+from inboxmesh.inbox.v1 import inbox_pb2
+from inboxmesh.registry.v1 import registry_pb2 as reg_pb
+from services import errors, settings
+from services.client import AgentHandle, MeshClient, envelope
+from services.telemetry import configure_tracing
+
+log = logging.getLogger("inboxmesh")
+
+
+def _time(us: int) -> str:
+    return datetime.fromtimestamp(us / 1e6, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3] if us else "-"
+
+
+def _print_json(message) -> None:
+    print(json_format.MessageToJson(message, preserving_proto_field_name=True, indent=2))
+
+
+def _event_line(e: ev_pb.Event) -> str:
+    kind = ev_pb.EventKind.Name(e.kind).removeprefix("EVENT_KIND_").lower()
+    parts = [f"#{e.event_id}", _time(e.at_us), f"{kind:<22}"]
+    if e.message_id:
+        parts.append(f"msg={e.message_id}")
+    if e.sender:
+        parts.append(f"from={e.sender}")
+    if e.recipient:
+        parts.append(f"to={e.recipient}")
+    if e.sequence:
+        parts.append(f"seq={e.sequence}")
+    if e.agent_id and not e.recipient:
+        parts.append(f"agent={e.agent_id}")
+    if e.detail:
+        parts.append(f"({e.detail})")
+    return " ".join(parts)
+
+
+# -- up ---------------------------------------------------------------------
+async def _up(args) -> int:
+    from services.demo import run_demo
+    from services.server import Mesh
+
+    data = settings.data_dir(args.data_dir)
+    config = settings.mesh_config(
+        host=args.host, port=args.port, data=data, services=tuple(args.services.split(",")),
+        admin_token=args.admin_token, capacity=args.capacity, allow_cross_scope=args.allow_cross_scope,
+    )
+    mesh = Mesh(config)
+    try:
+        await mesh.start()
+    except RuntimeError as exc:
+        print(f"inboxmesh: could not listen on {args.host}:{args.port}: {exc}. Use --port 0 for any free port.",
+              file=sys.stderr)
+        return 1
+    state = settings.write_state(data, mesh.address, config.admin_token)
+    print(f"inboxmesh listening on {mesh.address} (services: {', '.join(config.services)};"
+          f" store: sqlite {config.store.path})", flush=True)
+    print(f"inboxmesh: address and admin token written to {state}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if args.demo and "inbox" in config.services:
+            await run_demo(mesh.address, say=lambda line: print(line, flush=True))
+        if args.exit_after_demo:
+            return 0
+        print("inboxmesh: serving; Ctrl-C to stop", flush=True)
+        await stop.wait()
+        print("inboxmesh: stopping", flush=True)
+        return 0
+    finally:
+        await mesh.stop()
+
+
+# -- agent commands -----------------------------------------------------------
+def _client(args) -> MeshClient:
+    data = settings.data_dir(args.data_dir)
+    return MeshClient(settings.address(args.mesh, data), timeout=args.timeout,
+                      admin_token=settings.admin_token(None, data))
+
+
+def _as(client: MeshClient, credential: str | None) -> AgentHandle:
+    if not credential:
+        raise errors.InvalidArgument("this command acts as an agent: pass --as <credential>")
+    from services.auth import agent_id_of
+
+    return client.agent(agent_id_of(credential), credential)
+
+
+async def _register(args) -> int:
+    async with _client(args) as client:
+        metadata = dict(kv.split("=", 1) for kv in args.meta)
+        if args.parent:
+            parent = _as(client, args.parent)
+            agent = await parent.spawn(args.name, reg_pb.AgentMode.Value(f"AGENT_MODE_{args.mode.upper()}"),
+                                       metadata=metadata, inbox_capacity=args.capacity)
+        else:
+            agent = await client.register(args.name, metadata=metadata, inbox_capacity=args.capacity)
+        print(json.dumps({"agent_id": agent.agent_id, "name": agent.info.name, "scope_id": agent.info.scope_id,
+                          "parent_id": agent.info.parent_id, "credential": agent.credential}, indent=2))
+    return 0
+
+
+async def _send(args) -> int:
+    async with _client(args) as client:
+        me = _as(client, args.credential)
+        kind = env_pb.MessageKind.Value(f"MESSAGE_KIND_{args.kind.upper()}")
+        if args.reply_to:
+            kind = env_pb.MESSAGE_KIND_REPLY
+        receipts = await me.send_batch([envelope(args.to, args.text, message_id=args.message_id, kind=kind,
+                                                 in_reply_to=args.reply_to or "")])
+        _print_json(receipts[0])
+        return 0 if receipts[0].status in (inbox_pb2.RECEIPT_STATUS_ACCEPTED, inbox_pb2.RECEIPT_STATUS_DUPLICATE) else 3
+
+
+async def _tail(args) -> int:
+    from agent_host.inbox_stream import InboxStream, consume
+
+    async with _client(args) as client:
+        me = _as(client, args.credential)
+        if args.consume:
+            async for item in InboxStream([me]):
+                if item.agent_event is not None:
+                    print(f"[{inbox_pb2.SubscriptionEventKind.Name(item.agent_event.kind)}] "
+                          f"{item.agent_event.detail}", flush=True)
+                for m in await consume(me, item.messages):
+                    print(f"{_time(m.stored_at_us)} seq={m.sequence} from={m.sender} id={m.message_id} "
+                          f"(consumed) {m.content.text!r}", flush=True)
+            return 0
+        async for event in me.watch_events(agent_id=me.agent_id, from_now=not args.from_start):
+            if event.kind == ev_pb.EVENT_KIND_MESSAGE_STORED and event.recipient == me.agent_id:
+                status = await me.inbox_status(event.sequence)
+                m = status.envelope
+                print(f"{_time(m.stored_at_us)} seq={m.sequence} from={m.sender} id={m.message_id} "
+                      f"{m.content.text!r}", flush=True)
+            elif event.recipient == me.agent_id and event.kind != ev_pb.EVENT_KIND_MESSAGE_SENT:
+                print(f"    {_event_line(event)}", flush=True)
+    return 0
+
+
+async def _status(args) -> int:
+    async with _client(args) as client:
+        me = _as(client, args.credential)
+        status = await me.status(args.message_id, sender=args.sender or "")
+        _print_json(status)
+        sender = status.envelope.sender
+        for e in await me.events(message_id=args.message_id, sender=sender):
+            print(_event_line(e))
+    return 0
+
+
+async def _events(args) -> int:
+    async with _client(args) as client:
+        if args.credential:
+            me = _as(client, args.credential)
+            fetch = me.events
+        elif client.admin_token:
+            fetch = client.admin_events
+        else:
+            raise errors.Unauthenticated("pass --as <credential>, or run next to `inboxmesh up` for its admin token")
+        after = 0
+        while True:
+            found = await fetch(agent_id=args.agent or "", message_id=args.message or "", after=after)
+            for e in found:
+                print(_event_line(e), flush=True)
+            after = found[-1].event_id if found else after
+            if not args.follow:
+                return 0
+            if not found:
+                await asyncio.sleep(0.5)
+
+
+async def _close(args) -> int:
+    async with _client(args) as client:
+        me = _as(client, args.credential)
+        _print_json(await me.close(args.agent_id or None, reason=args.reason))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inboxmesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--traces", default=None, help="export spans: console, otlp or none (INBOXMESH_TRACES)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def client_args(p):
+        p.add_argument("--mesh", help="mesh address host:port (default: from .inboxmesh/mesh.json, then "
+                                      f"127.0.0.1:{settings.DEFAULT_PORT})")
+        p.add_argument("--data-dir", help="state directory of a local mesh (default .inboxmesh)")
+        p.add_argument("--timeout", type=float, default=10.0, help="deadline of each call, seconds")
+
+    up = sub.add_parser("up", help="serve the mesh in one process on the embedded store")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=settings.DEFAULT_PORT, help="0 = any free port")
+    up.add_argument("--data-dir", help="where the SQLite file and mesh.json live (default .inboxmesh)")
+    up.add_argument("--services", default="registry,inbox,events", help="comma-separated services to serve")
+    up.add_argument("--admin-token", help="operator token (default: random, written to mesh.json)")
+    up.add_argument("--capacity", type=int, help="default inbox capacity")
+    up.add_argument("--allow-cross-scope", action="store_true", help="let agents send outside their own tree")
+    up.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the two-agent demo after starting (default on)")
+    up.add_argument("--exit-after-demo", action="store_true", help="stop once the demo finished")
+    up.set_defaults(run=_up)
+
+    reg = sub.add_parser("register", help="register an agent; prints its id and credential")
+    client_args(reg)
+    reg.add_argument("name")
+    reg.add_argument("--parent", metavar="CRED", help="register as a child of the agent with this credential")
+    reg.add_argument("--mode", default="async", choices=["sync", "async", "fork"], help="child mode")
+    reg.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE")
+    reg.add_argument("--capacity", type=int, default=0, help="inbox capacity (0 = mesh default)")
+    reg.set_defaults(run=_register)
+
+    send = sub.add_parser("send", help="send a message as an agent; prints the receipt")
+    client_args(send)
+    send.add_argument("--as", dest="credential", required=True, metavar="CRED")
+    send.add_argument("--to", required=True, metavar="AGENT_ID")
+    send.add_argument("--kind", default="text", choices=["text", "task", "completion", "reply", "control"])
+    send.add_argument("--reply-to", metavar="MESSAGE_ID")
+    send.add_argument("--message-id", help="idempotency key (default: random)")
+    send.add_argument("text")
+    send.set_defaults(run=_send)
+
+    tail = sub.add_parser("tail", help="follow an agent's inbox live")
+    client_args(tail)
+    tail.add_argument("--as", dest="credential", required=True, metavar="CRED")
+    tail.add_argument("--consume", action="store_true",
+                      help="subscribe and ack (consume) messages; takes delivery over from any other subscriber")
+    tail.add_argument("--from-start", action="store_true", help="show earlier messages too")
+    tail.set_defaults(run=_tail)
+
+    status = sub.add_parser("status", help="show a message's state and its events")
+    client_args(status)
+    status.add_argument("--as", dest="credential", required=True, metavar="CRED")
+    status.add_argument("--sender", help="the sender (default: the --as agent)")
+    status.add_argument("message_id")
+    status.set_defaults(run=_status)
+
+    events = sub.add_parser("events", help="show the event record")
+    client_args(events)
+    events.add_argument("--as", dest="credential", metavar="CRED", help="default: the local mesh's admin token")
+    events.add_argument("--agent")
+    events.add_argument("--message")
+    events.add_argument("--follow", action="store_true")
+    events.set_defaults(run=_events)
+
+    close = sub.add_parser("close", help="close an agent and its descendants")
+    client_args(close)
+    close.add_argument("--as", dest="credential", required=True, metavar="CRED")
+    close.add_argument("--reason", default="closed from the CLI")
+    close.add_argument("agent_id", nargs="?")
+    close.set_defaults(run=_close)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_tracing(args.traces)
+    try:
+        return asyncio.run(args.run(args))
+    except errors.MeshError as exc:
+        print(f"inboxmesh: {exc.reason}: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

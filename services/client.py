@@ -1,0 +1,337 @@
+"""A Python client for the mesh: typed calls with deadlines, declared
+retries for idempotent calls, trace context on every message, and failures
+turned back into MeshError subclasses."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+from opentelemetry import trace
+
+from inboxmesh.common.v1 import envelope_pb2 as env_pb
+from inboxmesh.events.v1 import events_pb2 as ev_pb
+from inboxmesh.events.v1 import events_pb2_grpc
+from inboxmesh.inbox.v1 import inbox_pb2 as inbox_pb
+from inboxmesh.inbox.v1 import inbox_pb2_grpc
+from inboxmesh.registry.v1 import registry_pb2 as reg_pb
+from inboxmesh.registry.v1 import registry_pb2_grpc
+from services import auth
+from services.grpc_status import from_rpc_error
+from services.telemetry import inject, tracer
+
+_IDEMPOTENT = {
+    "inboxmesh.inbox.v1.InboxService": ["Send", "Ack", "GetMessageStatus", "ListDeadLetters"],
+    "inboxmesh.registry.v1.RegistryService": ["GetAgent", "ResolveAgent", "ListAgents", "CloseAgent"],
+    "inboxmesh.events.v1.EventService": ["ListEvents"],
+}
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": s, "method": m} for s, methods in _IDEMPOTENT.items() for m in methods],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def channel_options() -> list[tuple[str, object]]:
+    return [
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", SERVICE_CONFIG),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def new_message_id() -> str:
+    return uuid.uuid4().hex
+
+
+def envelope(
+    recipient: str,
+    text: str = "",
+    *,
+    message_id: str | None = None,
+    kind: int = env_pb.MESSAGE_KIND_TEXT,
+    in_reply_to: str = "",
+    conversation_id: str = "",
+    data: bytes = b"",
+    media_type: str = "",
+    headers: dict[str, str] | None = None,
+    hop_count: int = 0,
+    expires_at_us: int = 0,
+) -> env_pb.Envelope:
+    return env_pb.Envelope(
+        message_id=message_id or new_message_id(),
+        recipient=recipient,
+        kind=kind,
+        content=env_pb.Content(text=text, data=data, media_type=media_type),
+        in_reply_to=in_reply_to,
+        conversation_id=conversation_id,
+        headers=headers or {},
+        hop_count=hop_count,
+        expires_at_us=expires_at_us,
+    )
+
+
+async def _call(awaitable):
+    try:
+        return await awaitable
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc_error(exc) from None
+
+
+class MeshClient:
+    """Connection to a mesh. `async with MeshClient("127.0.0.1:7400") as mesh:`."""
+
+    def __init__(self, target: str, *, timeout: float = 10.0, admin_token: str | None = None):
+        self.target = target
+        self.timeout = timeout
+        self.admin_token = admin_token
+        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self.registry = registry_pb2_grpc.RegistryServiceStub(self.channel)
+        self.inbox = inbox_pb2_grpc.InboxServiceStub(self.channel)
+        self.events = events_pb2_grpc.EventServiceStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> MeshClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def _admin_metadata(self):
+        return auth.metadata_for(self.admin_token) if self.admin_token else None
+
+    async def register(
+        self,
+        name: str,
+        *,
+        metadata: dict[str, str] | None = None,
+        inbox_capacity: int = 0,
+    ) -> AgentHandle:
+        """Register a top-level agent."""
+        response = await _call(
+            self.registry.RegisterAgent(
+                reg_pb.RegisterAgentRequest(name=name, mode=reg_pb.AGENT_MODE_MAIN, metadata=metadata or {},
+                                            inbox_capacity=inbox_capacity),
+                timeout=self.timeout,
+                metadata=self._admin_metadata(),
+            )
+        )
+        return AgentHandle(self, response.agent, response.credential)
+
+    def agent(self, agent: reg_pb.Agent | str, credential: str) -> AgentHandle:
+        if isinstance(agent, str):
+            agent = reg_pb.Agent(agent_id=agent)
+        return AgentHandle(self, agent, credential)
+
+    # -- operator calls (admin token) --------------------------------------
+    async def admin_events(
+        self, *, message_id: str = "", sender: str = "", agent_id: str = "", after: int = 0, limit: int = 1000
+    ) -> list[ev_pb.Event]:
+        request = ev_pb.ListEventsRequest(
+            filter=ev_pb.EventFilter(message_id=message_id, sender=sender, agent_id=agent_id),
+            after_event_id=after, limit=limit,
+        )
+        response = await _call(self.events.ListEvents(request, timeout=self.timeout, metadata=self._admin_metadata()))
+        return list(response.events)
+
+
+class AgentHandle:
+    """Calls made as one agent (with its credential)."""
+
+    def __init__(self, client: MeshClient, agent: reg_pb.Agent, credential: str):
+        self.client = client
+        self.info = agent
+        self.credential = credential
+        self.metadata = auth.metadata_for(credential)
+
+    @property
+    def agent_id(self) -> str:
+        return self.info.agent_id
+
+    def __repr__(self) -> str:
+        return f"AgentHandle({self.info.name or '?'}:{self.agent_id})"
+
+    def _opts(self, timeout: float | None = None) -> dict:
+        return {"timeout": timeout or self.client.timeout, "metadata": self.metadata}
+
+    # -- registry -----------------------------------------------------------
+    async def spawn(
+        self, name: str, mode: int = reg_pb.AGENT_MODE_ASYNC, *, metadata: dict[str, str] | None = None,
+        inbox_capacity: int = 0,
+    ) -> AgentHandle:
+        """Register a child of this agent."""
+        response = await _call(
+            self.client.registry.RegisterAgent(
+                reg_pb.RegisterAgentRequest(name=name, mode=mode, parent_id=self.agent_id, metadata=metadata or {},
+                                            inbox_capacity=inbox_capacity),
+                **self._opts(),
+            )
+        )
+        return AgentHandle(self.client, response.agent, response.credential)
+
+    async def get(self, agent_id: str | None = None) -> reg_pb.Agent:
+        response = await _call(
+            self.client.registry.GetAgent(reg_pb.GetAgentRequest(agent_id=agent_id or self.agent_id), **self._opts())
+        )
+        return response.agent
+
+    async def resolve(self, name: str, *, scope_id: str = "", include_closed: bool = False) -> reg_pb.Agent:
+        response = await _call(
+            self.client.registry.ResolveAgent(
+                reg_pb.ResolveAgentRequest(name=name, scope_id=scope_id, include_closed=include_closed),
+                **self._opts(),
+            )
+        )
+        return response.agent
+
+    async def list_agents(
+        self, *, scope_id: str = "", parent_id: str = "", include_closed: bool = False
+    ) -> list[reg_pb.Agent]:
+        agents, token = [], ""
+        while True:
+            response = await _call(
+                self.client.registry.ListAgents(
+                    reg_pb.ListAgentsRequest(scope_id=scope_id, parent_id=parent_id, include_closed=include_closed,
+                                             page_size=1000, page_token=token),
+                    **self._opts(),
+                )
+            )
+            agents += response.agents
+            token = response.next_page_token
+            if not token:
+                return agents
+
+    async def close(self, agent_id: str | None = None, reason: str = "") -> reg_pb.CloseAgentResponse:
+        return await _call(
+            self.client.registry.CloseAgent(
+                reg_pb.CloseAgentRequest(agent_id=agent_id or self.agent_id, reason=reason), **self._opts()
+            )
+        )
+
+    # -- inbox --------------------------------------------------------------
+    def _traced(self, envelopes: Iterable[env_pb.Envelope]) -> list:
+        spans = []
+        for e in envelopes:
+            span = tracer.start_span("send", kind=trace.SpanKind.PRODUCER, attributes={
+                "messaging.system": "inboxmesh", "messaging.message.id": e.message_id,
+                "inboxmesh.sender": self.agent_id, "inboxmesh.recipient": e.recipient})
+            if span.get_span_context().is_valid:
+                inject(e, trace.set_span_in_context(span))
+            spans.append(span)
+        return spans
+
+    async def send_batch(self, envelopes: list[env_pb.Envelope], timeout: float | None = None) -> list[inbox_pb.Receipt]:
+        spans = self._traced(envelopes)
+        try:
+            response = await _call(self.client.inbox.Send(inbox_pb.SendRequest(messages=envelopes),
+                                                          **self._opts(timeout)))
+        finally:
+            for span in spans:
+                span.end()
+        return list(response.receipts)
+
+    async def send(self, recipient: str, text: str = "", **fields) -> inbox_pb.Receipt:
+        """Send one message; returns its receipt (ACCEPTED, INBOX_FULL, ...)."""
+        return (await self.send_batch([envelope(recipient, text, **fields)]))[0]
+
+    async def reply(self, to: env_pb.Envelope, text: str = "", **fields) -> inbox_pb.Receipt:
+        fields.setdefault("conversation_id", to.conversation_id)
+        return await self.send(to.sender, text, kind=env_pb.MESSAGE_KIND_REPLY, in_reply_to=to.message_id, **fields)
+
+    def send_stream(self):
+        """A SendStream call as this agent (one response per request, in order)."""
+        return self.client.inbox.SendStream(metadata=self.metadata)
+
+    def subscribe(self, max_in_flight: int = 0, extra: Iterable[AgentHandle] = ()):
+        """The raw Subscribe call for this agent (and `extra` agents)."""
+        credentials = [self.credential, *(a.credential for a in extra)]
+        return self.client.inbox.Subscribe(
+            inbox_pb.SubscribeRequest(credentials=credentials, max_in_flight=max_in_flight)
+        )
+
+    async def ack(self, sequences: Iterable[int]) -> list[inbox_pb.AckResult]:
+        response = await _call(
+            self.client.inbox.Ack(inbox_pb.AckRequest(agent_id=self.agent_id, sequences=list(sequences)),
+                                  **self._opts())
+        )
+        return list(response.results)
+
+    async def status(self, message_id: str, *, sender: str = "") -> inbox_pb.MessageStatus:
+        key = inbox_pb.MessageKey(by_sender=inbox_pb.SenderKey(sender=sender, message_id=message_id))
+        response = await _call(
+            self.client.inbox.GetMessageStatus(inbox_pb.GetMessageStatusRequest(key=key), **self._opts())
+        )
+        return response.status
+
+    async def inbox_status(self, sequence: int, *, recipient: str = "") -> inbox_pb.MessageStatus:
+        key = inbox_pb.MessageKey(by_inbox=inbox_pb.InboxKey(recipient=recipient, sequence=sequence))
+        response = await _call(
+            self.client.inbox.GetMessageStatus(inbox_pb.GetMessageStatusRequest(key=key), **self._opts())
+        )
+        return response.status
+
+    async def dead_letters(self, *, recipient: str = "", sender: str = "") -> list[inbox_pb.MessageStatus]:
+        found, token = [], ""
+        while True:
+            response = await _call(
+                self.client.inbox.ListDeadLetters(
+                    inbox_pb.ListDeadLettersRequest(recipient=recipient, sender=sender, page_size=1000,
+                                                    page_token=token),
+                    **self._opts(),
+                )
+            )
+            found += response.messages
+            token = response.next_page_token
+            if not token:
+                return found
+
+    # -- events -------------------------------------------------------------
+    async def events(
+        self, *, message_id: str = "", sender: str = "", agent_id: str = "", kinds: Iterable[int] = (),
+        after: int = 0, limit: int = 1000,
+    ) -> list[ev_pb.Event]:
+        request = ev_pb.ListEventsRequest(
+            filter=ev_pb.EventFilter(message_id=message_id, sender=sender, agent_id=agent_id, kinds=list(kinds)),
+            after_event_id=after, limit=limit,
+        )
+        response = await _call(self.client.events.ListEvents(request, **self._opts()))
+        return list(response.events)
+
+    async def watch_events(
+        self, *, agent_id: str = "", sender: str = "", message_id: str = "", from_now: bool = False, after: int = 0
+    ) -> AsyncIterator[ev_pb.Event]:
+        call = self.client.events.WatchEvents(
+            ev_pb.WatchEventsRequest(
+                filter=ev_pb.EventFilter(agent_id=agent_id, sender=sender, message_id=message_id),
+                after_event_id=after, from_now=from_now,
+            ),
+            metadata=self.metadata,
+        )
+        try:
+            async for response in call:
+                for event in response.events:
+                    yield event
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()

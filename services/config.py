@@ -1,0 +1,75 @@
+"""Configuration of a mesh process. Frozen dataclasses only; reading the
+environment or files lives in services.settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where and how the mesh keeps its state."""
+
+    backend: str = "sqlite"
+    """Store implementation. Only "sqlite" exists so far."""
+    path: Path = Path(".inboxmesh/mesh.db")
+    """SQLite database file; its directory is created when missing."""
+    synchronous: str = "FULL"
+    """SQLite `synchronous` pragma. FULL fsyncs every commit (accepted = on
+    disk); NORMAL survives a process crash but not a power loss."""
+    max_pending_writes: int = 20_000
+    """Bound on store operations waiting for the writer. A caller beyond it
+    waits (back-pressure) instead of growing memory."""
+    max_ops_per_commit: int = 512
+    """Most queued operations joined into one transaction (group commit)."""
+    busy_timeout_ms: int = 5_000
+    """How long to wait for another process holding the database lock."""
+
+
+@dataclass(frozen=True)
+class InboxLimits:
+    """Bounds and rules of the delivery contract."""
+
+    default_capacity: int = 1_000
+    """Unconsumed messages an inbox holds before refusing new ones."""
+    max_capacity: int = 100_000
+    """Largest capacity an agent may ask for at registration."""
+    max_message_bytes: int = 256 * 1024
+    """Largest serialized envelope accepted; bigger ones fail the request."""
+    max_batch_messages: int = 1_000
+    """Most messages in one SendRequest."""
+    max_in_flight: int = 256
+    """Default delivered-but-unacked messages per agent on a stream."""
+    max_delivery_attempts: int = 10
+    """Deliveries without an ack before a message is dead-lettered."""
+    max_hops: int = 32
+    """Messages with a larger hop_count are refused (loop prevention)."""
+    allow_cross_scope: bool = False
+    """Whether agents may send to agents outside their own tree."""
+    max_id_length: int = 128
+    """Longest message_id / conversation_id accepted."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """One mesh process: which services it serves, where, on what store."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 0
+    """Port to listen on; 0 picks a free one (printed at start)."""
+    store: StoreConfig = field(default_factory=StoreConfig)
+    limits: InboxLimits = field(default_factory=InboxLimits)
+    services: tuple[str, ...] = ("registry", "inbox", "events")
+    """Which services this process serves. All three share the store."""
+    admin_token: str | None = None
+    """Bearer token that may read and close anything (operators, the CLI).
+    None disables admin access."""
+    max_request_bytes: int = 8 * 1024 * 1024
+    """gRPC receive limit for one request or stream message."""
+    heartbeat_interval_s: float = 10.0
+    """How often subscription streams carry a heartbeat (and re-check that
+    their agents are still open)."""
+    grace_period_s: float = 5.0
+    """How long shutdown lets in-flight calls finish."""

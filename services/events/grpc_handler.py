@@ -1,0 +1,27 @@
+"""EventService over gRPC: translation only."""
+
+from __future__ import annotations
+
+from inboxmesh.events.v1 import events_pb2 as pb
+from inboxmesh.events.v1 import events_pb2_grpc
+from services.directory import Directory
+from services.events.service import EventsService
+from services.grpc_common import caller_of, streaming, unary
+
+
+class EventServicer(events_pb2_grpc.EventServiceServicer):
+    def __init__(self, service: EventsService, directory: Directory):
+        self._service = service
+        self._directory = directory
+
+    @unary
+    async def ListEvents(self, request: pb.ListEventsRequest, context) -> pb.ListEventsResponse:
+        caller = await caller_of(context, self._directory)
+        events = await self._service.list(caller, request.filter, request.after_event_id, request.limit)
+        return pb.ListEventsResponse(events=events)
+
+    @streaming
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context):
+        caller = await caller_of(context, self._directory)
+        async for events in self._service.watch(caller, request.filter, request.after_event_id, request.from_now):
+            yield pb.WatchEventsResponse(events=events)

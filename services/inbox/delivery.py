@@ -1,0 +1,252 @@
+"""Streaming delivery: which messages go to which subscriber, when.
+
+Each subscribed agent has a Feed on exactly one Subscription (a newer
+Subscribe for the agent supersedes the older one). A feed delivers in inbox
+order from its cursor, keeps at most `max_in_flight` delivered-but-unacked
+messages outstanding, and gets its messages two ways:
+
+- fast path: messages just appended are offered to the feed from memory
+  (bounded; when the buffer overflows or shows a gap the feed falls back);
+- store path: the feed reads from the store after its cursor. Always used
+  on attach (this is how unacked messages are redelivered on reconnect),
+  after a fallback, and every heartbeat as a safety net.
+
+Sequences are contiguous per inbox, so a feed can tell a gap from a
+duplicate by comparing with its cursor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services.clock import now_us
+from services.config import InboxLimits
+from services.store.base import CloseOutcome, Store
+from services.telemetry import context_of, message_attributes, tracer
+
+log = logging.getLogger(__name__)
+_MAX_DELIVERIES_BYTES = 1024 * 1024
+_sub_ids = itertools.count(1)
+
+
+class Feed:
+    """One agent's delivery state on one subscription."""
+
+    __slots__ = ("agent_id", "max_in_flight", "cursor", "in_flight", "fresh", "fresh_limit", "needs_store", "ended")
+
+    def __init__(self, agent_id: str, max_in_flight: int):
+        self.agent_id = agent_id
+        self.max_in_flight = max_in_flight
+        self.cursor = 0
+        self.in_flight: set[int] = set()
+        self.fresh: collections.deque[envelope_pb2.Envelope] = collections.deque()
+        self.fresh_limit = max(64, 2 * max_in_flight)
+        self.needs_store = True
+        self.ended: tuple[int, str] | None = None
+
+    @property
+    def room(self) -> int:
+        return self.max_in_flight - len(self.in_flight)
+
+    def offer(self, envelope: envelope_pb2.Envelope) -> bool:
+        """Take a just-appended message; True when the feed has new work."""
+        if envelope.sequence <= self.cursor or self.ended:
+            return False
+        if self.needs_store:
+            return True
+        if len(self.fresh) >= self.fresh_limit:
+            self.fresh.clear()
+            self.needs_store = True
+            return True
+        self.fresh.append(envelope)
+        return True
+
+    def take_fresh(self, now: int) -> list[envelope_pb2.Envelope]:
+        taken = []
+        room = self.room
+        while self.fresh and len(taken) < room:
+            envelope = self.fresh[0]
+            if envelope.sequence <= self.cursor:
+                self.fresh.popleft()
+                continue
+            if envelope.sequence != self.cursor + 1 or (envelope.expires_at_us and envelope.expires_at_us <= now):
+                self.needs_store = True  # a gap, or expiry for the store to handle
+                break
+            self.fresh.popleft()
+            envelope.delivery_attempt = 1
+            self.cursor = envelope.sequence
+            self.in_flight.add(envelope.sequence)
+            taken.append(envelope)
+        return taken
+
+    def end(self, kind: int, detail: str) -> None:
+        if self.ended is None:
+            self.ended = (kind, detail)
+            self.fresh.clear()
+
+
+class Subscription:
+    def __init__(self, hub: DeliveryHub, feeds: list[Feed], peer: str):
+        self.id = next(_sub_ids)
+        self.hub = hub
+        self.peer = peer
+        self.feeds = {feed.agent_id: feed for feed in feeds}
+        self.wake = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"Subscription#{self.id}({', '.join(self.feeds)})"
+
+    async def responses(self) -> AsyncIterator[pb.SubscribeResponse]:
+        hub = self.hub
+        for agent_id in self.feeds:
+            yield pb.SubscribeResponse(
+                subscription=pb.SubscriptionEvent(agent_id=agent_id, kind=pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
+            )
+        while self.feeds and not hub.closing:
+            self.wake.clear()
+            batch: list[envelope_pb2.Envelope] = []
+            for feed in list(self.feeds.values()):
+                if feed.ended is not None:
+                    del self.feeds[feed.agent_id]
+                    kind, detail = feed.ended
+                    yield pb.SubscribeResponse(
+                        subscription=pb.SubscriptionEvent(agent_id=feed.agent_id, kind=kind, detail=detail)
+                    )
+                    continue
+                if feed.room <= 0:
+                    continue
+                if feed.needs_store:
+                    batch += await self._read_store(feed)
+                else:
+                    fresh = feed.take_fresh(now_us())
+                    if fresh:
+                        await hub.store.mark_delivered(feed.agent_id, fresh, now_us())
+                        batch += fresh
+            if batch:
+                for response in self._deliveries(batch):
+                    yield response
+                continue
+            if any(f.ended or (f.needs_store and f.room > 0) for f in self.feeds.values()):
+                continue
+            try:
+                await asyncio.wait_for(self.wake.wait(), hub.heartbeat_interval_s)
+            except TimeoutError:
+                yield pb.SubscribeResponse(heartbeat=pb.Heartbeat(at_us=now_us()))
+                for feed in self.feeds.values():
+                    feed.needs_store = True  # safety net: re-read (also notices closes by other processes)
+
+    async def _read_store(self, feed: Feed) -> list[envelope_pb2.Envelope]:
+        limit = feed.room
+        found = await self.hub.store.next_deliveries(
+            feed.agent_id, feed.cursor, limit, self.hub.limits.max_delivery_attempts, now_us()
+        )
+        if not found.recipient_open:
+            feed.end(pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent {feed.agent_id} is closed")
+            return []
+        for record in found.dead_lettered:
+            feed.cursor = max(feed.cursor, record.envelope.sequence)
+            log.info(
+                "dead-lettered message %s from %s in %s's inbox: %s",
+                record.envelope.message_id, record.envelope.sender, feed.agent_id, record.dead_reason,
+            )
+        for envelope in found.messages:
+            feed.cursor = max(feed.cursor, envelope.sequence)
+            feed.in_flight.add(envelope.sequence)
+        if len(found.messages) + len(found.dead_lettered) < limit:
+            feed.needs_store = False
+            while feed.fresh and feed.fresh[0].sequence <= feed.cursor:
+                feed.fresh.popleft()
+        return found.messages
+
+    def _deliveries(self, batch: list[envelope_pb2.Envelope]):
+        spans = [
+            tracer.start_span("deliver", context=context_of(e), attributes=message_attributes(e)) for e in batch
+        ]
+        if log.isEnabledFor(logging.DEBUG):
+            for e in batch:
+                log.debug("delivering %s seq=%d from %s to %s (attempt %d) on %r",
+                          e.message_id, e.sequence, e.sender, e.recipient, e.delivery_attempt, self)
+        chunk: list[envelope_pb2.Envelope] = []
+        size = 0
+        for envelope in batch:
+            envelope_size = envelope.ByteSize()
+            if chunk and size + envelope_size > _MAX_DELIVERIES_BYTES:
+                yield pb.SubscribeResponse(deliveries=pb.Deliveries(messages=chunk))
+                chunk, size = [], 0
+            chunk.append(envelope)
+            size += envelope_size
+        yield pb.SubscribeResponse(deliveries=pb.Deliveries(messages=chunk))
+        for span in spans:
+            span.end()
+
+
+class DeliveryHub:
+    """Routes appended messages, acks and closes to the owning feeds."""
+
+    def __init__(self, store: Store, limits: InboxLimits, heartbeat_interval_s: float):
+        self.store = store
+        self.limits = limits
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.closing = False
+        self._owners: dict[str, tuple[Subscription, Feed]] = {}
+
+    def open(self, agent_ids: list[str], max_in_flight: int, peer: str) -> Subscription:
+        max_in_flight = min(max_in_flight or self.limits.max_in_flight, 10 * self.limits.max_in_flight)
+        subscription = Subscription(self, [Feed(a, max_in_flight) for a in agent_ids], peer)
+        for agent_id in agent_ids:
+            previous = self._owners.get(agent_id)
+            if previous is not None:
+                old_subscription, old_feed = previous
+                old_feed.end(pb.SUBSCRIPTION_EVENT_KIND_SUPERSEDED, f"taken over by a subscription from {peer}")
+                old_subscription.wake.set()
+                log.info("agent %s: subscription from %s supersedes %r", agent_id, peer, old_subscription)
+            self._owners[agent_id] = (subscription, subscription.feeds[agent_id])
+        log.info("subscribed %s from %s", ", ".join(agent_ids), peer)
+        return subscription
+
+    def release(self, subscription: Subscription) -> list[str]:
+        """Forget a finished subscription; returns the agents it still owned."""
+        released = []
+        for agent_id in list(subscription.feeds) + [a for a, (s, _) in self._owners.items() if s is subscription]:
+            owner = self._owners.get(agent_id)
+            if owner is not None and owner[0] is subscription:
+                del self._owners[agent_id]
+                released.append(agent_id)
+        return released
+
+    def on_appended(self, envelopes: list[envelope_pb2.Envelope]) -> None:
+        for envelope in envelopes:
+            owner = self._owners.get(envelope.recipient)
+            if owner is not None and owner[1].offer(envelope):
+                owner[0].wake.set()
+
+    def on_acked(self, agent_id: str, sequences: list[int]) -> None:
+        owner = self._owners.get(agent_id)
+        if owner is not None:
+            owner[1].in_flight.difference_update(sequences)
+            owner[0].wake.set()
+
+    def on_closed(self, outcome: CloseOutcome) -> None:
+        for record in outcome.closed:
+            owner = self._owners.get(record.agent_id)
+            if owner is not None:
+                owner[1].end(pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent closed: {record.close_reason}")
+                owner[0].wake.set()
+
+    def shutdown(self) -> None:
+        self.closing = True
+        for subscription, _ in list(self._owners.values()):
+            subscription.wake.set()
+
+    @staticmethod
+    def subscription_events(kind: int, agent_ids: list[str], detail: str) -> list[ev.Event]:
+        at = now_us()
+        return [ev.Event(at_us=at, kind=kind, agent_id=a, detail=detail) for a in agent_ids]
+

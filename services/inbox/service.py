@@ -1,0 +1,216 @@
+"""Inbox rules: sending with receipts, acks, status and dead letters.
+Knows nothing of gRPC; delivery streams live in services.inbox.delivery."""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import trace
+
+from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services import errors
+from services.clock import now_us
+from services.config import InboxLimits
+from services.directory import Caller, Directory
+from services.inbox.delivery import DeliveryHub, Subscription
+from services.store.base import ACCEPTED, NOT_PERMITTED, UNKNOWN_TARGET, AckOutcome, AppendItem, MessageRecord, SendOutcome, Store
+from services.telemetry import context_of, inject, message_attributes, tracer
+from services.validation import check_text, page_size
+
+log = logging.getLogger(__name__)
+_LOCAL = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_LOCAL)
+
+
+class InboxService:
+    def __init__(self, store: Store, directory: Directory, limits: InboxLimits, hub: DeliveryHub):
+        self._store = store
+        self._directory = directory
+        self._limits = limits
+        self.hub = hub
+
+    # -- send ---------------------------------------------------------------
+    def _validate(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
+        limits = self._limits
+        if not envelopes:
+            raise errors.InvalidArgument("the request holds no messages", reason="EMPTY_REQUEST")
+        if len(envelopes) > limits.max_batch_messages:
+            raise errors.InvalidArgument(
+                f"{len(envelopes)} messages in one request; at most {limits.max_batch_messages}",
+                reason="BATCH_TOO_LARGE",
+            )
+        for index, env in enumerate(envelopes):
+            where = f"message {index} ({env.message_id or 'no id'})"
+            for field, value in (("message_id", env.message_id), ("recipient", env.recipient)):
+                if not value:
+                    raise errors.InvalidArgument(f"{where}: {field} is required", reason="MISSING_FIELD",
+                                                 metadata={"index": str(index), "field": field})
+            for field, value in (("message_id", env.message_id), ("recipient", env.recipient),
+                                 ("conversation_id", env.conversation_id), ("in_reply_to", env.in_reply_to)):
+                check_text(f"{where}: {field}", value, max_len=limits.max_id_length)
+            if env.sender and env.sender != sender_id:
+                raise errors.PermissionDenied(
+                    f"{where} names sender {env.sender} but the credential is {sender_id}'s:"
+                    " an agent can only send as itself",
+                    reason="SENDER_MISMATCH",
+                    metadata={"index": str(index), "claimed_sender": env.sender, "sender": sender_id},
+                )
+            if env.kind == envelope_pb2.MESSAGE_KIND_REPLY and not env.in_reply_to:
+                raise errors.InvalidArgument(f"{where}: a REPLY needs in_reply_to", reason="MISSING_FIELD",
+                                             metadata={"index": str(index), "field": "in_reply_to"})
+            if env.kind not in envelope_pb2.MessageKind.values():
+                raise errors.InvalidArgument(f"{where}: unknown kind {env.kind}", reason="BAD_KIND")
+            if env.origin.kind == envelope_pb2.ORIGIN_KIND_IOA:
+                raise errors.PermissionDenied(f"{where}: only the IOA relay may send with an IOA origin",
+                                              reason="ORIGIN_NOT_ALLOWED")
+            size = env.ByteSize()
+            if size > limits.max_message_bytes:
+                raise errors.InvalidArgument(
+                    f"{where} is {size} bytes; the limit is {limits.max_message_bytes}",
+                    reason="MESSAGE_TOO_LARGE",
+                    metadata={"index": str(index), "size": str(size), "limit": str(limits.max_message_bytes)},
+                )
+
+    async def send(self, caller: Caller, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
+        """Store the messages in order; one outcome each. Malformed input
+        fails the whole call before anything is stored."""
+        sender = caller.require_agent("sending")
+        self._validate(sender.agent_id, envelopes)
+        now = now_us()
+        items, spans = [], []
+        for env in envelopes:
+            env.sender = sender.agent_id
+            env.created_at_us = env.created_at_us or now
+            env.origin.CopyFrom(_LOCAL)
+            env.sequence = env.stored_at_us = env.delivery_attempt = 0
+            span = tracer.start_span("enqueue", context=context_of(env), attributes=message_attributes(env))
+            if not env.trace.traceparent and span.get_span_context().is_valid:
+                inject(env, trace.set_span_in_context(span))
+            spans.append(span)
+            items.append(AppendItem(env, await self._precheck(sender.agent_id, caller, env)))
+        try:
+            outcomes = await self._store.append(sender.agent_id, items, now)
+        except BaseException as exc:
+            for span in spans:
+                span.record_exception(exc)
+                span.end()
+            raise
+        accepted = []
+        for span, outcome in zip(spans, outcomes):
+            span.set_attribute("inboxmesh.receipt", pb.ReceiptStatus.Name(outcome.status))
+            span.set_attribute("inboxmesh.sequence", outcome.sequence)
+            span.end()
+            if outcome.status == ACCEPTED:
+                accepted.append(outcome.envelope)
+            elif log.isEnabledFor(logging.INFO):
+                log.info("send %s from %s to %s: %s (%s)", outcome.message_id, sender.agent_id, outcome.recipient,
+                         pb.ReceiptStatus.Name(outcome.status), outcome.detail)
+        if accepted:
+            if log.isEnabledFor(logging.DEBUG):
+                for env in accepted:
+                    log.debug("stored %s from %s in %s's inbox at seq %d", env.message_id, env.sender,
+                              env.recipient, env.sequence)
+            self.hub.on_appended(accepted)
+        return outcomes
+
+    async def _precheck(self, sender_id: str, caller: Caller, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
+        """Rejections decided from facts that never change (existence, scope, hops)."""
+        if env.hop_count > self._limits.max_hops:
+            return NOT_PERMITTED, f"hop_count {env.hop_count} is over the limit of {self._limits.max_hops}"
+        target = await self._directory.get(env.recipient)
+        if target is None:
+            return UNKNOWN_TARGET, f"no agent {env.recipient}"
+        if not self._directory.in_reach(caller, target):
+            return NOT_PERMITTED, f"{env.recipient} is outside {sender_id}'s scope"
+        return None
+
+    # -- subscribe / ack ----------------------------------------------------
+    async def subscribe(self, callers: list[Caller], max_in_flight: int, peer: str) -> Subscription:
+        agent_ids = []
+        for caller in callers:
+            agent = caller.require_agent("subscribing")
+            fresh = await self._directory.fresh(agent.agent_id)
+            if not fresh.is_open:
+                raise errors.FailedPrecondition(f"agent {agent.agent_id} is closed; its inbox delivers nothing",
+                                                reason="AGENT_CLOSED", metadata={"agent_id": agent.agent_id})
+            if agent.agent_id not in agent_ids:
+                agent_ids.append(agent.agent_id)
+        if not agent_ids:
+            raise errors.InvalidArgument("subscribe names no agent", reason="MISSING_FIELD")
+        subscription = self.hub.open(agent_ids, max_in_flight, peer)
+        await self._store.record_events(
+            self.hub.subscription_events(ev.EVENT_KIND_SUBSCRIBED, agent_ids, f"from {peer}")
+        )
+        return subscription
+
+    async def unsubscribed(self, subscription: Subscription, why: str) -> None:
+        released = self.hub.release(subscription)
+        log.info("subscription %r ended (%s)", subscription, why)
+        if released:
+            await self._store.record_events(self.hub.subscription_events(ev.EVENT_KIND_UNSUBSCRIBED, released, why))
+
+    async def ack(self, caller: Caller, agent_id: str, sequences: list[int]) -> list[AckOutcome]:
+        agent = caller.require_agent("acking")
+        if agent_id and agent_id != agent.agent_id:
+            raise errors.PermissionDenied(
+                f"ack names agent {agent_id} but the credential is {agent.agent_id}'s: an agent acks only its own inbox",
+                reason="AGENT_MISMATCH",
+            )
+        if not sequences:
+            raise errors.InvalidArgument("ack names no sequences", reason="MISSING_FIELD")
+        if len(sequences) > 10 * self._limits.max_batch_messages:
+            raise errors.InvalidArgument(f"{len(sequences)} sequences in one ack; at most "
+                                         f"{10 * self._limits.max_batch_messages}", reason="BATCH_TOO_LARGE")
+        outcomes = await self._store.ack(agent.agent_id, sequences, now_us())
+        for outcome in outcomes:
+            if outcome.status == pb.ACK_STATUS_CONSUMED:
+                if outcome.traceparent:
+                    carrier_ctx = context_of(envelope_pb2.Envelope(trace={"traceparent": outcome.traceparent}))
+                    tracer.start_span("ack", context=carrier_ctx, attributes={
+                        "messaging.message.id": outcome.message_id, "inboxmesh.recipient": agent.agent_id,
+                        "inboxmesh.sequence": outcome.sequence}).end()
+            elif log.isEnabledFor(logging.INFO):
+                log.info("ack of seq %d in %s's inbox: %s", outcome.sequence, agent.agent_id,
+                         pb.AckStatus.Name(outcome.status))
+        self.hub.on_acked(agent.agent_id, sequences)
+        return outcomes
+
+    # -- queries ------------------------------------------------------------
+    async def status(self, caller: Caller, key: pb.MessageKey) -> MessageRecord:
+        which = key.WhichOneof("key")
+        if which == "by_sender":
+            sender = key.by_sender.sender or caller.require_agent("naming no sender").agent_id
+            check_text("message_id", key.by_sender.message_id, max_len=self._limits.max_id_length, required=True)
+            record = await self._store.get_message_by_sender(sender, key.by_sender.message_id)
+            name = f"message {key.by_sender.message_id!r} from {sender}"
+        elif which == "by_inbox":
+            recipient = key.by_inbox.recipient or caller.require_agent("naming no recipient").agent_id
+            record = await self._store.get_message_by_inbox(recipient, key.by_inbox.sequence)
+            name = f"message {key.by_inbox.sequence} in {recipient}'s inbox"
+        else:
+            raise errors.InvalidArgument("key must be by_sender or by_inbox", reason="MISSING_FIELD")
+        if record is None:
+            raise errors.NotFound(f"no {name}", reason="MESSAGE_NOT_FOUND")
+        await self._check_may_see(caller, record.envelope.sender, record.envelope.recipient, name)
+        return record
+
+    async def dead_letters(
+        self, caller: Caller, *, recipient: str, sender: str, size: int, page_token: str
+    ) -> tuple[list[MessageRecord], str]:
+        if recipient and sender:
+            raise errors.InvalidArgument("give recipient or sender, not both", reason="CONFLICTING_FIELDS")
+        if not recipient and not sender:
+            recipient = caller.require_agent("naming no agent").agent_id
+        subject = await self._directory.require(recipient or sender)
+        self._directory.check_reach(caller, subject, "list the dead letters of")
+        return await self._store.list_dead_letters(
+            recipient=recipient, sender=sender, after_key=page_token, limit=page_size(size)
+        )
+
+    async def _check_may_see(self, caller: Caller, sender: str, recipient: str, name: str) -> None:
+        for agent_id in (sender, recipient):
+            record = await self._directory.get(agent_id)
+            if record is not None and self._directory.in_reach(caller, record):
+                return
+        raise errors.PermissionDenied(f"{caller} may not see {name}: outside its scope", reason="OUT_OF_SCOPE")

@@ -1,0 +1,78 @@
+"""RegistryService over gRPC: translation only."""
+
+from __future__ import annotations
+
+from inboxmesh.registry.v1 import registry_pb2 as pb
+from inboxmesh.registry.v1 import registry_pb2_grpc
+from services.directory import Directory
+from services.grpc_common import bearer, caller_of, unary
+from services.registry.service import RegistryService
+from services.store.base import AgentRecord
+
+
+def agent_pb(record: AgentRecord) -> pb.Agent:
+    return pb.Agent(
+        agent_id=record.agent_id,
+        name=record.name,
+        mode=record.mode,
+        parent_id=record.parent_id,
+        scope_id=record.scope_id,
+        state=record.state,
+        metadata=record.metadata,
+        created_at_us=record.created_at_us,
+        closed_at_us=record.closed_at_us,
+        close_reason=record.close_reason,
+        inbox_capacity=record.inbox_capacity,
+        depth=record.depth,
+    )
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
+    def __init__(self, service: RegistryService, directory: Directory):
+        self._service = service
+        self._directory = directory
+
+    @unary
+    async def RegisterAgent(self, request: pb.RegisterAgentRequest, context) -> pb.RegisterAgentResponse:
+        caller = await self._directory.authenticate(bearer(context), allow_anonymous=True)
+        record, credential = await self._service.register(
+            caller,
+            name=request.name,
+            mode=request.mode,
+            parent_id=request.parent_id,
+            metadata=dict(request.metadata),
+            inbox_capacity=request.inbox_capacity,
+        )
+        return pb.RegisterAgentResponse(agent=agent_pb(record), credential=credential)
+
+    @unary
+    async def GetAgent(self, request: pb.GetAgentRequest, context) -> pb.GetAgentResponse:
+        caller = await caller_of(context, self._directory)
+        return pb.GetAgentResponse(agent=agent_pb(await self._service.get(caller, request.agent_id)))
+
+    @unary
+    async def ResolveAgent(self, request: pb.ResolveAgentRequest, context) -> pb.ResolveAgentResponse:
+        caller = await caller_of(context, self._directory)
+        record = await self._service.resolve(caller, request.name, request.scope_id, request.include_closed)
+        return pb.ResolveAgentResponse(agent=agent_pb(record))
+
+    @unary
+    async def ListAgents(self, request: pb.ListAgentsRequest, context) -> pb.ListAgentsResponse:
+        caller = await caller_of(context, self._directory)
+        found, token = await self._service.list(
+            caller,
+            scope_id=request.scope_id,
+            parent_id=request.parent_id,
+            include_closed=request.include_closed,
+            size=request.page_size,
+            page_token=request.page_token,
+        )
+        return pb.ListAgentsResponse(agents=[agent_pb(a) for a in found], next_page_token=token)
+
+    @unary
+    async def CloseAgent(self, request: pb.CloseAgentRequest, context) -> pb.CloseAgentResponse:
+        caller = await caller_of(context, self._directory)
+        outcome = await self._service.close(caller, request.agent_id, request.reason)
+        return pb.CloseAgentResponse(
+            closed_agent_ids=[a.agent_id for a in outcome.closed], dead_lettered=len(outcome.dead_lettered)
+        )

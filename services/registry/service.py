@@ -1,0 +1,170 @@
+"""Registry rules: registering agents into trees, finding and closing them.
+Knows nothing of gRPC."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from inboxmesh.registry.v1 import registry_pb2 as pb
+from services import auth, errors
+from services.clock import now_us
+from services.config import InboxLimits
+from services.directory import Caller, Directory
+from services.store.base import AGENT_OPEN, AgentRecord, CloseOutcome, Store
+from services.validation import check_map, check_text, page_size
+
+log = logging.getLogger(__name__)
+CHILD_MODES = (pb.AGENT_MODE_SYNC, pb.AGENT_MODE_ASYNC, pb.AGENT_MODE_FORK)
+
+
+class RegistryService:
+    def __init__(self, store: Store, directory: Directory, limits: InboxLimits):
+        self._store = store
+        self._directory = directory
+        self._limits = limits
+        self._close_listeners: list[Callable[[CloseOutcome], None]] = []
+
+    def on_close(self, listener: Callable[[CloseOutcome], None]) -> None:
+        """Call listener after agents were closed (subscriptions end)."""
+        self._close_listeners.append(listener)
+
+    async def register(
+        self,
+        caller: Caller | None,
+        *,
+        name: str,
+        mode: int,
+        parent_id: str,
+        metadata: dict[str, str],
+        inbox_capacity: int,
+    ) -> tuple[AgentRecord, str]:
+        check_text("name", name, max_len=128, required=True)
+        check_map("metadata", metadata)
+        if inbox_capacity > self._limits.max_capacity:
+            raise errors.InvalidArgument(
+                f"inbox_capacity {inbox_capacity} is above the mesh maximum {self._limits.max_capacity}",
+                reason="CAPACITY_TOO_LARGE",
+            )
+        if parent_id:
+            if caller is None:
+                raise errors.Unauthenticated(
+                    f"registering a child of {parent_id} needs the parent's credential", reason="MISSING_CREDENTIAL"
+                )
+            if caller.agent is None or caller.agent.agent_id != parent_id:
+                raise errors.PermissionDenied(
+                    f"only agent {parent_id} itself may register its children; the credential is {caller}'s",
+                    reason="NOT_PARENT",
+                    metadata={"parent_id": parent_id},
+                )
+            if mode not in CHILD_MODES:
+                raise errors.InvalidArgument(
+                    f"a child needs mode SYNC, ASYNC or FORK, not {pb.AgentMode.Name(mode)}", reason="BAD_MODE"
+                )
+            parent = caller.agent
+            scope_id, depth = parent.scope_id, parent.depth + 1
+        else:
+            if mode not in (pb.AGENT_MODE_UNSPECIFIED, pb.AGENT_MODE_MAIN):
+                raise errors.InvalidArgument(
+                    f"a top-level agent has mode MAIN; {pb.AgentMode.Name(mode)} needs a parent_id", reason="BAD_MODE"
+                )
+            mode, scope_id, depth = pb.AGENT_MODE_MAIN, "", 0
+        agent_id = auth.new_agent_id()
+        credential = auth.new_credential(agent_id)
+        record = AgentRecord(
+            agent_id=agent_id,
+            name=name,
+            mode=mode,
+            parent_id=parent_id,
+            scope_id=scope_id or agent_id,
+            depth=depth,
+            state=AGENT_OPEN,
+            metadata=dict(metadata),
+            inbox_capacity=inbox_capacity or self._limits.default_capacity,
+            created_at_us=now_us(),
+            credential_hash=auth.credential_hash(credential),
+        )
+        await self._store.create_agent(record)
+        self._directory.remember(record)
+        log.info(
+            "registered agent %s name=%r mode=%s parent=%s scope=%s",
+            agent_id, name, pb.AgentMode.Name(mode), parent_id or "-", record.scope_id,
+        )
+        return record, credential
+
+    async def get(self, caller: Caller, agent_id: str) -> AgentRecord:
+        check_text("agent_id", agent_id, max_len=128, required=True)
+        record = await self._directory.fresh(agent_id)
+        self._directory.check_reach(caller, record, "read")
+        return record
+
+    async def resolve(self, caller: Caller, name: str, scope_id: str, include_closed: bool) -> AgentRecord:
+        check_text("name", name, max_len=128, required=True)
+        scope_id = await self._scope_for(caller, scope_id)
+        found = await self._store.find_agents(scope_id, name, include_closed)
+        if not found:
+            raise errors.NotFound(
+                f"no {'' if include_closed else 'open '}agent named {name!r} in scope {scope_id}",
+                reason="NAME_NOT_FOUND",
+                metadata={"name": name, "scope_id": scope_id},
+            )
+        if len(found) > 1:
+            ids = [a.agent_id for a in found]
+            raise errors.FailedPrecondition(
+                f"name {name!r} is ambiguous in scope {scope_id}: {len(ids)} agents ({', '.join(ids)});"
+                " address one by agent_id",
+                reason="AMBIGUOUS_NAME",
+                metadata={"name": name, "candidates": ",".join(ids)},
+            )
+        return found[0]
+
+    async def list(
+        self, caller: Caller, *, scope_id: str, parent_id: str, include_closed: bool, size: int, page_token: str
+    ) -> tuple[list[AgentRecord], str]:
+        if scope_id and parent_id:
+            raise errors.InvalidArgument("give scope_id or parent_id, not both", reason="CONFLICTING_FIELDS")
+        limit = page_size(size)
+        if parent_id:
+            parent = await self._directory.require(parent_id)
+            self._directory.check_reach(caller, parent, "list the children of")
+            found = await self._store.list_agents(
+                parent_id=parent_id, include_closed=include_closed, after_key=page_token, limit=limit
+            )
+        else:
+            scope_id = await self._scope_for(caller, scope_id)
+            found = await self._store.list_agents(
+                scope_id=scope_id, include_closed=include_closed, after_key=page_token, limit=limit
+            )
+        return found, (found[-1].agent_id if len(found) == limit else "")
+
+    async def close(self, caller: Caller, agent_id: str, reason: str) -> CloseOutcome:
+        check_text("agent_id", agent_id, max_len=128, required=True)
+        check_text("reason", reason, max_len=1024)
+        target = await self._directory.require(agent_id)
+        if not await self._directory.is_self_or_ancestor(caller, target):
+            raise errors.PermissionDenied(
+                f"{caller} may not close {agent_id}: only the agent itself or an ancestor may",
+                reason="NOT_ANCESTOR",
+                metadata={"agent_id": agent_id},
+            )
+        outcome = await self._store.close_agent(agent_id, reason or "closed", now_us())
+        self._directory.note_closed(outcome.closed)
+        for record in outcome.closed:
+            log.info("closed agent %s (%s)", record.agent_id, record.close_reason)
+        if outcome.dead_lettered:
+            log.info("dead-lettered %d queued messages of closed agents", len(outcome.dead_lettered))
+        for listener in self._close_listeners:
+            listener(outcome)
+        return outcome
+
+    async def _scope_for(self, caller: Caller, scope_id: str) -> str:
+        if not scope_id:
+            return caller.require_agent("naming no scope").scope_id
+        root = await self._directory.require(scope_id)
+        if root.scope_id != scope_id:
+            raise errors.InvalidArgument(
+                f"{scope_id} is not a scope: scopes are named by their top-level agent ({root.scope_id})",
+                reason="NOT_A_SCOPE",
+            )
+        self._directory.check_reach(caller, root, "look into scope")
+        return scope_id

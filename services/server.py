@@ -1,0 +1,151 @@
+"""One mesh process: the store, the services the config names, one gRPC
+server with health checking and reflection, and an orderly lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inboxmesh.events.v1 import events_pb2, events_pb2_grpc
+from inboxmesh.inbox.v1 import inbox_pb2, inbox_pb2_grpc
+from inboxmesh.registry.v1 import registry_pb2, registry_pb2_grpc
+from services import errors
+from services.config import MeshConfig
+from services.directory import Directory
+from services.events.grpc_handler import EventServicer
+from services.events.service import EventsService
+from services.inbox.delivery import DeliveryHub
+from services.inbox.grpc_handler import InboxServicer
+from services.inbox.service import InboxService
+from services.registry.grpc_handler import RegistryServicer
+from services.registry.service import RegistryService
+from services.store import open_store
+from services.store.base import Store
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = {
+    "registry": registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
+    "inbox": inbox_pb2.DESCRIPTOR.services_by_name["InboxService"].full_name,
+    "events": events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
+}
+
+
+def server_options(config: MeshConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.max_send_message_length", config.max_request_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class Mesh:
+    """The mesh services of one process. `async with Mesh(config) as mesh:`."""
+
+    def __init__(self, config: MeshConfig, store: Store | None = None):
+        unknown = set(config.services) - set(SERVICE_NAMES)
+        if unknown:
+            raise errors.InvalidArgument(
+                f"unknown services {sorted(unknown)}; known: {sorted(SERVICE_NAMES)}", reason="BAD_CONFIG"
+            )
+        self.config = config
+        self.store = store or open_store(config.store)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.health = health.aio.HealthServicer()
+        self.directory = Directory(
+            self.store, admin_token=config.admin_token, allow_cross_scope=config.limits.allow_cross_scope
+        )
+        self.hub = DeliveryHub(self.store, config.limits, config.heartbeat_interval_s)
+        self.registry = RegistryService(self.store, self.directory, config.limits)
+        self.inbox = InboxService(self.store, self.directory, config.limits, self.hub)
+        self.events = EventsService(self.store, self.directory)
+        self.registry.on_close(self.hub.on_closed)
+        self._stopped = asyncio.Event()
+        self._state = "new"
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def _build_server(self) -> grpc.aio.Server:
+        server = grpc.aio.server(options=server_options(self.config))
+        wanted = self.config.services
+        if "registry" in wanted:
+            registry_pb2_grpc.add_RegistryServiceServicer_to_server(
+                RegistryServicer(self.registry, self.directory), server
+            )
+        if "inbox" in wanted:
+            inbox_pb2_grpc.add_InboxServiceServicer_to_server(InboxServicer(self.inbox, self.directory), server)
+        if "events" in wanted:
+            events_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(self.events, self.directory), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [SERVICE_NAMES[s] for s in wanted]
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+        )
+        return server
+
+    async def start(self) -> int:
+        if self._state != "new":
+            raise RuntimeError(f"mesh already {self._state}")
+        self._state = "starting"
+        await self.store.start()
+        try:
+            self.server, self.port = create_server(self.config, self._build_server())
+            await self.server.start()
+        except BaseException:
+            await self.store.close()
+            raise
+        for service in self.config.services:
+            await self.health.set(SERVICE_NAMES[service], health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._state = "running"
+        log.info("mesh serving %s on %s", ", ".join(self.config.services), self.address)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let running ones finish within the grace
+        period, end subscriptions, flush the store. Safe to call twice."""
+        if self._state in ("stopping", "stopped", "new"):
+            if self._state == "stopping":
+                await self._stopped.wait()
+            return
+        self._state = "stopping"
+        try:
+            await self.health.enter_graceful_shutdown()
+            self.hub.shutdown()
+            self.events.shutdown()
+            if self.server is not None:
+                await self.server.stop(self.config.grace_period_s if grace is None else grace)
+        finally:
+            await self.store.close()
+            self._state = "stopped"
+            self._stopped.set()
+            log.info("mesh on %s stopped", self.address)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def __aenter__(self) -> Mesh:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.stop()
+
+
+def create_server(config: MeshConfig, server: grpc.aio.Server) -> tuple[grpc.aio.Server, int]:
+    """Bind the server to the configured address; returns it with its port."""
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise errors.Unavailable(f"could not listen on {config.host}:{config.port}", reason="BIND_FAILED")
+    return server, port

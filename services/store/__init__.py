@@ -1,0 +1,18 @@
+"""Storage behind the services: one interface (base.Store), one
+implementation per backend."""
+
+from __future__ import annotations
+
+from services.config import StoreConfig
+from services.store.base import Store
+
+
+def open_store(config: StoreConfig) -> Store:
+    """The store the configuration names (not yet started)."""
+    if config.backend == "sqlite":
+        from services.store.sqlite import SqliteStore
+
+        return SqliteStore(config)
+    from services.errors import InvalidArgument
+
+    raise InvalidArgument(f"unknown store backend {config.backend!r}; known: 'sqlite'", reason="BAD_CONFIG")

@@ -1,0 +1,233 @@
+"""The store interface the services use, and the records it speaks.
+
+Shaped so that an append-only log with per-subject sequences (NATS
+JetStream) can implement it as well as SQLite:
+
+- every inbox has its own sequence, assigned at append, starting at 1;
+- (sender, message_id) is the idempotency key;
+- consumption is an explicit ack of a sequence, and exactly one ack wins;
+- dead letters keep the message and the reason.
+
+Everything that must be atomic with respect to concurrent calls (duplicate
+detection, capacity, "is the recipient still open", ack winning once, close
+dead-lettering what is queued) happens inside the store. Checks on facts
+that never change after registration (scope, existence) happen in the
+services against cached records.
+
+Message envelopes are `inboxmesh.common.v1.Envelope` protobufs: they are the
+wire contract, so the store keeps them as they travel.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.events.v1 import events_pb2
+from inboxmesh.inbox.v1 import inbox_pb2
+from inboxmesh.registry.v1 import registry_pb2
+
+AGENT_OPEN = registry_pb2.AGENT_STATE_OPEN
+AGENT_CLOSED = registry_pb2.AGENT_STATE_CLOSED
+
+QUEUED = inbox_pb2.MESSAGE_STATE_QUEUED
+DELIVERED = inbox_pb2.MESSAGE_STATE_DELIVERED
+CONSUMED = inbox_pb2.MESSAGE_STATE_CONSUMED
+DEAD_LETTERED = inbox_pb2.MESSAGE_STATE_DEAD_LETTERED
+
+ACCEPTED = inbox_pb2.RECEIPT_STATUS_ACCEPTED
+DUPLICATE = inbox_pb2.RECEIPT_STATUS_DUPLICATE
+UNKNOWN_TARGET = inbox_pb2.RECEIPT_STATUS_UNKNOWN_TARGET
+TARGET_CLOSED = inbox_pb2.RECEIPT_STATUS_TARGET_CLOSED
+NOT_PERMITTED = inbox_pb2.RECEIPT_STATUS_NOT_PERMITTED
+INBOX_FULL = inbox_pb2.RECEIPT_STATUS_INBOX_FULL
+
+REASON_CLOSED = "recipient closed"
+REASON_ATTEMPTS = "too many delivery attempts"
+REASON_EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    agent_id: str
+    name: str
+    mode: int
+    parent_id: str
+    scope_id: str
+    depth: int
+    state: int
+    metadata: dict[str, str]
+    inbox_capacity: int
+    created_at_us: int
+    credential_hash: bytes = field(repr=False)
+    closed_at_us: int = 0
+    close_reason: str = ""
+
+    @property
+    def is_open(self) -> bool:
+        return self.state == AGENT_OPEN
+
+
+@dataclass(frozen=True)
+class AppendItem:
+    """One message of a send. `rejection` is set when the service already
+    refused it (unknown target, not permitted): the store only records the
+    attempt so that every outcome shows in the event record."""
+
+    envelope: envelope_pb2.Envelope
+    rejection: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True)
+class SendOutcome:
+    message_id: str
+    recipient: str
+    status: int
+    sequence: int = 0
+    stored_at_us: int = 0
+    detail: str = ""
+    envelope: envelope_pb2.Envelope | None = None
+    """The stored envelope (sequence filled) when status is ACCEPTED."""
+
+
+@dataclass(frozen=True)
+class AckOutcome:
+    sequence: int
+    message_id: str
+    status: int
+    traceparent: str = ""
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    envelope: envelope_pb2.Envelope
+    state: int
+    attempts: int
+    stored_at_us: int
+    delivered_at_us: int = 0
+    consumed_at_us: int = 0
+    dead_at_us: int = 0
+    dead_reason: str = ""
+
+
+@dataclass(frozen=True)
+class CloseOutcome:
+    closed: list[AgentRecord]
+    """Agents this call closed (the target first, then descendants)."""
+    dead_lettered: list[MessageRecord]
+
+
+@dataclass(frozen=True)
+class EventQuery:
+    message_id: str = ""
+    sender: str = ""
+    agent_id: str = ""
+    kinds: tuple[int, ...] = ()
+    after_event_id: int = 0
+    limit: int = 100
+
+
+@dataclass(frozen=True)
+class DeliveryBatch:
+    """What a subscription should stream next for one agent."""
+
+    messages: list[envelope_pb2.Envelope]
+    dead_lettered: list[MessageRecord]
+    """Messages found expired or over the attempt limit instead of delivered."""
+    recipient_open: bool
+
+
+EventRecord = events_pb2.Event
+
+
+class Store(abc.ABC):
+    """Durable state of the mesh. All methods are coroutines; results are
+    returned only after the change is durable."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Finish queued writes and release resources. Safe to call twice."""
+
+    # -- registry -----------------------------------------------------------
+    @abc.abstractmethod
+    async def create_agent(self, record: AgentRecord) -> AgentRecord:
+        """Store a new agent. Raises FailedPrecondition when its parent is
+        closed, NotFound when the parent does not exist."""
+
+    @abc.abstractmethod
+    async def get_agent(self, agent_id: str) -> AgentRecord | None: ...
+
+    @abc.abstractmethod
+    async def find_agents(self, scope_id: str, name: str, include_closed: bool) -> list[AgentRecord]: ...
+
+    @abc.abstractmethod
+    async def list_agents(
+        self, *, scope_id: str = "", parent_id: str = "", include_closed: bool, after_key: str, limit: int
+    ) -> list[AgentRecord]:
+        """Agents in creation order; `after_key` is the last agent_id seen."""
+
+    @abc.abstractmethod
+    async def close_agent(self, agent_id: str, reason: str, at_us: int) -> CloseOutcome:
+        """Close the agent and all its open descendants, dead-letter their
+        unconsumed messages, atomically."""
+
+    # -- inbox --------------------------------------------------------------
+    @abc.abstractmethod
+    async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
+        """Store the messages in order, one outcome each. Duplicate, target
+        closed, sender closed and inbox full are decided here atomically."""
+
+    @abc.abstractmethod
+    async def next_deliveries(
+        self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int
+    ) -> DeliveryBatch:
+        """Unconsumed messages after `after_sequence`, in order, marked
+        delivered with their attempt counted. Expired messages and messages
+        over the attempt limit are dead-lettered instead."""
+
+    @abc.abstractmethod
+    async def mark_delivered(
+        self, recipient: str, envelopes: list[envelope_pb2.Envelope], at_us: int
+    ) -> asyncio.Future:
+        """Record the first delivery of freshly appended messages streamed
+        straight from memory. Returns once the write is queued behind every
+        earlier write (so a later ack is ordered after it); the returned
+        future resolves when it is durable."""
+
+    @abc.abstractmethod
+    async def ack(self, recipient: str, sequences: list[int], at_us: int) -> list[AckOutcome]: ...
+
+    @abc.abstractmethod
+    async def get_message_by_sender(self, sender: str, message_id: str) -> MessageRecord | None: ...
+
+    @abc.abstractmethod
+    async def get_message_by_inbox(self, recipient: str, sequence: int) -> MessageRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_dead_letters(
+        self, *, recipient: str = "", sender: str = "", after_key: str, limit: int
+    ) -> tuple[list[MessageRecord], str]:
+        """Dead letters in the order they died; returns (page, next key)."""
+
+    # -- events -------------------------------------------------------------
+    @abc.abstractmethod
+    async def list_events(self, query: EventQuery) -> list[EventRecord]: ...
+
+    @abc.abstractmethod
+    async def last_event_id(self) -> int: ...
+
+    @abc.abstractmethod
+    async def record_events(self, events: list[EventRecord]) -> None:
+        """Append events that are not a side effect of another store call
+        (subscriptions starting and ending, later runtime events)."""
+
+    @abc.abstractmethod
+    def add_commit_listener(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the event loop after every commit that may have
+        added events (used to wake live event watchers)."""

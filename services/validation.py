@@ -1,0 +1,41 @@
+"""Checks on caller-supplied strings and maps, with errors that name the field."""
+
+from __future__ import annotations
+
+from services import errors
+
+
+def check_text(field: str, value: str, *, max_len: int, required: bool = False) -> None:
+    if required and not value:
+        raise errors.InvalidArgument(f"{field} is required", reason="MISSING_FIELD", metadata={"field": field})
+    if len(value) > max_len:
+        raise errors.InvalidArgument(
+            f"{field} is {len(value)} characters; at most {max_len} allowed",
+            reason="FIELD_TOO_LONG",
+            metadata={"field": field},
+        )
+    if any(ord(c) < 32 for c in value):
+        raise errors.InvalidArgument(
+            f"{field} contains control characters", reason="BAD_CHARACTERS", metadata={"field": field}
+        )
+
+
+def check_map(field: str, values: dict[str, str], *, max_entries: int = 64, max_value: int = 4096) -> None:
+    if len(values) > max_entries:
+        raise errors.InvalidArgument(
+            f"{field} has {len(values)} entries; at most {max_entries} allowed",
+            reason="TOO_MANY_ENTRIES",
+            metadata={"field": field},
+        )
+    for key, value in values.items():
+        check_text(f"{field} key", key, max_len=128, required=True)
+        if len(value) > max_value:
+            raise errors.InvalidArgument(
+                f"{field}[{key!r}] is {len(value)} characters; at most {max_value} allowed",
+                reason="FIELD_TOO_LONG",
+                metadata={"field": field},
+            )
+
+
+def page_size(requested: int, *, default: int = 100, maximum: int = 1000) -> int:
+    return min(requested or default, maximum)
