@@ -70,6 +70,7 @@ async def _up(args) -> int:
     config = settings.mesh_config(
         host=args.host, port=args.port, data=data, services=tuple(args.services.split(",")),
         admin_token=args.admin_token, capacity=args.capacity, allow_cross_scope=args.allow_cross_scope,
+        heartbeat_interval_s=args.heartbeat_interval,
     )
     mesh = Mesh(config)
     try:
@@ -148,8 +149,9 @@ async def _tail(args) -> int:
         if args.consume:
             async for item in InboxStream([me]):
                 if item.agent_event is not None:
-                    print(f"[{inbox_pb2.SubscriptionEventKind.Name(item.agent_event.kind)}] "
-                          f"{item.agent_event.detail}", flush=True)
+                    kind = inbox_pb2.SubscriptionEventKind.Name(item.agent_event.kind)
+                    print(f"-- {kind.removeprefix('SUBSCRIPTION_EVENT_KIND_').lower()} {item.agent_event.agent_id} "
+                          f"{item.agent_event.detail}".rstrip(), flush=True)
                 for m in await consume(me, item.messages):
                     print(f"{_time(m.stored_at_us)} seq={m.sequence} from={m.sender} id={m.message_id} "
                           f"(consumed) {m.content.text!r}", flush=True)
@@ -224,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--services", default="registry,inbox,events", help="comma-separated services to serve")
     up.add_argument("--admin-token", help="operator token (default: random, written to mesh.json)")
     up.add_argument("--capacity", type=int, help="default inbox capacity")
+    up.add_argument("--heartbeat-interval", type=float, default=10.0,
+                    help="seconds between stream heartbeats (and re-checks of closes made by other processes)")
     up.add_argument("--allow-cross-scope", action="store_true", help="let agents send outside their own tree")
     up.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True,
                     help="run the two-agent demo after starting (default on)")

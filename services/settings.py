@@ -32,6 +32,7 @@ def mesh_config(
     capacity: int | None = None,
     allow_cross_scope: bool = False,
     synchronous: str = "FULL",
+    heartbeat_interval_s: float = 10.0,
 ) -> MeshConfig:
     limits = InboxLimits(allow_cross_scope=allow_cross_scope)
     if capacity:
@@ -43,6 +44,7 @@ def mesh_config(
         limits=limits,
         services=services,
         admin_token=admin_token or os.environ.get(ENV_ADMIN_TOKEN) or secrets.token_urlsafe(24),
+        heartbeat_interval_s=heartbeat_interval_s,
     )
 
 

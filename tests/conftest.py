@@ -1,0 +1,81 @@
+"""Fixtures: a real mesh (gRPC on a free loopback port, SQLite in tmp_path),
+clients, and an in-memory span exporter installed once for the session."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.client import MeshClient
+from services.config import InboxLimits, MeshConfig, StoreConfig
+from services.server import Mesh
+
+ADMIN_TOKEN = "test-admin-token"
+_EXPORTER = InMemorySpanExporter()
+
+
+def pytest_configure(config):
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+    trace.set_tracer_provider(provider)
+
+
+@pytest.fixture
+def spans():
+    _EXPORTER.clear()
+    yield _EXPORTER
+    _EXPORTER.clear()
+
+
+def make_config(tmp_path: Path, **limits) -> MeshConfig:
+    return MeshConfig(
+        port=0,
+        store=StoreConfig(path=tmp_path / "mesh.db"),
+        limits=replace(InboxLimits(), **limits),
+        admin_token=ADMIN_TOKEN,
+        heartbeat_interval_s=0.5,
+        grace_period_s=1.0,
+    )
+
+
+@pytest.fixture
+def mesh_config(tmp_path) -> MeshConfig:
+    return make_config(tmp_path)
+
+
+@pytest.fixture
+async def mesh(mesh_config):
+    instance = Mesh(mesh_config)
+    await instance.start()
+    try:
+        yield instance
+    finally:
+        await instance.stop(grace=0.5)
+
+
+@pytest.fixture
+async def client(mesh):
+    async with MeshClient(mesh.address, timeout=10.0, admin_token=ADMIN_TOKEN) as c:
+        yield c
+
+
+async def eventually(predicate, timeout: float = 10.0, interval: float = 0.01, message: str = "condition"):
+    """Poll an async or sync predicate until it returns truthy, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        await asyncio.sleep(interval)

@@ -1,0 +1,61 @@
+"""Mesh processes for tests: `inboxmesh up` started as a real subprocess on a
+free port, found through what it prints, stopped by its PID."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_LISTENING = re.compile(r"inboxmesh listening on (\S+)")
+
+
+class MeshProcess:
+    def __init__(self, data_dir: Path, *extra: str, admin_token: str = "test-admin-token"):
+        self.data_dir = data_dir
+        self.args = [sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--port", "0", "--no-demo",
+                     "--data-dir", str(data_dir), "--admin-token", admin_token, *extra]
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self, timeout: float = 30.0) -> str:
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=Path(__file__).resolve().parent.parent)
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            match = _LISTENING.search(line)
+            if match:
+                self.address = match.group(1)
+                return self.address
+        self.kill()
+        raise RuntimeError(f"mesh process did not start: {''.join(seen)}")
+
+    def kill(self) -> None:
+        """kill -9: no chance to flush or say goodbye."""
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            return self.proc.wait(timeout)
+        return self.proc.returncode if self.proc else 0
+
+    def __enter__(self) -> MeshProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill()
+        if self.proc and self.proc.stdout:
+            self.proc.stdout.close()

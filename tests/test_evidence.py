@@ -1,0 +1,82 @@
+"""Evidence: spans joined by the trace context in the envelope, and the
+event record (list and live watch)."""
+
+import asyncio
+
+import pytest
+
+from inboxmesh.events.v1 import events_pb2 as ev
+from services import errors
+from services.telemetry import trace_id_of
+from tests.conftest import eventually
+from tests.streams import Collector
+
+
+async def test_send_enqueue_deliver_ack_form_one_trace(client, spans):
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    sub = Collector(b)
+    try:
+        receipt = await a.send(b.agent_id, "traced")
+        got = (await sub.wait_for(1))[0]
+        await b.ack([got.sequence])
+        trace_id = trace_id_of(got.trace.traceparent)
+        assert trace_id, "the delivered envelope carries W3C trace context"
+
+        def by_name():
+            found = {}
+            for span in spans.get_finished_spans():
+                if format(span.context.trace_id, "032x") == trace_id:
+                    found.setdefault(span.name, []).append(span)
+            return found
+
+        found = await eventually(lambda: (lambda f: f if {"send", "enqueue", "deliver", "ack"} <= set(f) else None)(
+            by_name()), message="send, enqueue, deliver and ack spans")
+        send = found["send"][0]
+        for name in ("enqueue", "deliver", "ack"):
+            assert found[name][0].parent.span_id == send.context.span_id, f"{name} is a child of send"
+        assert found["enqueue"][0].attributes["inboxmesh.receipt"] == "RECEIPT_STATUS_ACCEPTED"
+        assert found["enqueue"][0].attributes["messaging.message.id"] == receipt.message_id
+        events = await a.events(message_id=receipt.message_id)
+        assert {e.trace_id for e in events} == {trace_id}
+    finally:
+        await sub.stop()
+
+
+async def test_event_record_filters_and_watch(client):
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    seen = []
+
+    async def watch():
+        async for event in lead.watch_events(agent_id=b.agent_id, from_now=True):
+            seen.append(event)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.sleep(0.1)  # let the watch start at "now"
+        receipt = await a.send(b.agent_id, "watched")
+        await b.ack([receipt.sequence])
+        await eventually(lambda: any(e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED for e in seen))
+        kinds = [e.kind for e in seen if e.message_id == receipt.message_id]
+        assert kinds == [ev.EVENT_KIND_MESSAGE_SENT, ev.EVENT_KIND_MESSAGE_STORED, ev.EVENT_KIND_MESSAGE_CONSUMED]
+        assert all(e.recipient == b.agent_id and e.sender == a.agent_id for e in seen)
+        ids = [e.event_id for e in seen]
+        assert ids == sorted(ids)
+    finally:
+        watcher.cancel()
+    registered = await lead.events(agent_id=a.agent_id, kinds=[ev.EVENT_KIND_AGENT_REGISTERED])
+    assert len(registered) == 1 and "name=a" in registered[0].detail
+    page = await lead.events(agent_id=b.agent_id, limit=2)
+    rest = await lead.events(agent_id=b.agent_id, after=page[-1].event_id)
+    assert len(page) == 2 and rest and rest[0].event_id > page[-1].event_id
+
+
+async def test_events_of_other_scopes_are_private(client):
+    lead = await client.register("lead")
+    stranger = await client.register("stranger")
+    with pytest.raises(errors.PermissionDenied):
+        await stranger.events(agent_id=lead.agent_id)
+    assert all(e.agent_id == stranger.agent_id or e.sender == stranger.agent_id for e in await stranger.events())
+    admin_view = await client.admin_events(agent_id=lead.agent_id)
+    assert admin_view and admin_view[0].kind == ev.EVENT_KIND_AGENT_REGISTERED

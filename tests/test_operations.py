@@ -1,0 +1,165 @@
+"""Operations: health checking, reflection, graceful shutdown, the CLI, and
+services run as separate processes."""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services.client import MeshClient
+from services.server import Mesh
+from tests.conftest import ADMIN_TOKEN, eventually, make_config
+from tests.processes import MeshProcess
+from tests.streams import Collector
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_health_and_reflection(mesh):
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inboxmesh.inbox.v1.InboxService", "inboxmesh.registry.v1.RegistryService",
+                        "inboxmesh.events.v1.EventService"):
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def reflect():
+        with grpc.insecure_channel(mesh.address) as channel:
+            return set(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+    services = await asyncio.to_thread(reflect)
+    assert {"inboxmesh.inbox.v1.InboxService", "inboxmesh.registry.v1.RegistryService",
+            "inboxmesh.events.v1.EventService", "grpc.health.v1.Health"} <= services
+
+
+async def test_graceful_shutdown_tells_subscribers_to_come_back(tmp_path):
+    mesh = Mesh(make_config(tmp_path))
+    await mesh.start()
+    try:
+        async with MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+            lead = await client.register("lead")
+            b = await lead.spawn("b")
+            sub = Collector(b)
+            await sub.wait_event(pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
+            receipt = await lead.send(b.agent_id, "before shutdown")
+            await sub.wait_for(1)
+            await mesh.stop(grace=2)
+            await asyncio.wait_for(sub.ended.wait(), 5)
+            assert sub.error is not None and sub.error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in sub.error.details()
+    finally:
+        await mesh.stop()
+        await mesh.stop()  # twice is fine
+    async with Mesh(make_config(tmp_path)) as again:
+        async with MeshClient(again.address, admin_token=ADMIN_TOKEN) as client:
+            lead = client.agent(lead.info, lead.credential)
+            assert (await lead.status(receipt.message_id)).state == pb.MESSAGE_STATE_DELIVERED
+
+
+def _cli(*args, data_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "--log-level", "warning", *args,
+                           "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_cli_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "services.cli", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    for command in ("up", "register", "send", "tail", "status", "events", "close"):
+        assert command in out
+
+
+def test_up_runs_the_demo_exchange(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--port", "0",
+                             "--data-dir", str(tmp_path), "--exit-after-demo"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "inboxmesh listening on 127.0.0.1:" in out
+    assert "bob consumed" in out and "alice consumed" in out
+    assert "sent +" in out and "stored +" in out and "delivered +" in out and "consumed +" in out
+
+
+def test_cli_register_send_status_events_against_a_running_mesh(tmp_path):
+    with MeshProcess(tmp_path):
+        lead = json.loads(_cli("register", "lead", data_dir=tmp_path).stdout)
+        child = json.loads(_cli("register", "child", "--parent", lead["credential"], data_dir=tmp_path).stdout)
+        assert child["parent_id"] == lead["agent_id"] and child["scope_id"] == lead["agent_id"]
+        sent = _cli("send", "--as", lead["credential"], "--to", child["agent_id"], "--message-id", "cli-1",
+                    "hello from the shell", data_dir=tmp_path)
+        assert sent.returncode == 0, sent.stderr
+        assert json.loads(sent.stdout)["status"] == "RECEIPT_STATUS_ACCEPTED"
+        status = _cli("status", "--as", lead["credential"], "cli-1", data_dir=tmp_path)
+        assert '"state": "MESSAGE_STATE_QUEUED"' in status.stdout and "message_stored" in status.stdout
+        events = _cli("events", "--agent", child["agent_id"], data_dir=tmp_path)  # admin token from mesh.json
+        assert "message_sent" in events.stdout and "msg=cli-1" in events.stdout
+        full = _cli("send", "--as", lead["credential"], "--to", "agt_nobody", "x", data_dir=tmp_path)
+        assert full.returncode == 3 and "UNKNOWN_TARGET" in full.stdout
+        bad = _cli("send", "--as", "nonsense", "--to", child["agent_id"], "x", data_dir=tmp_path)
+        assert bad.returncode == 2 and "MALFORMED_CREDENTIAL" in bad.stderr
+
+
+async def test_cli_tail_shows_messages_live(tmp_path):
+    with MeshProcess(tmp_path) as proc:
+        async with MeshClient(proc.address, admin_token=ADMIN_TOKEN) as client:
+            lead = await client.register("lead")
+            child = await lead.spawn("child")
+            tail = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "services.cli", "--log-level", "warning", "tail", "--as", child.credential,
+                "--consume", "--data-dir", str(tmp_path), cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+            try:
+                await eventually(lambda: _subscribed(lead, child.agent_id), 20)
+                await lead.send(child.agent_id, "live one")
+                first = await asyncio.wait_for(tail.stdout.readline(), 20)
+                assert first.startswith(b"-- attached " + child.agent_id.encode())
+                line = await asyncio.wait_for(tail.stdout.readline(), 20)
+                assert b"live one" in line and b"(consumed)" in line
+                status = await lead.inbox_status(1, recipient=child.agent_id)
+                assert status.state == pb.MESSAGE_STATE_CONSUMED
+            finally:
+                tail.kill()
+                await tail.wait()
+
+
+async def _subscribed(agent, agent_id):
+    from inboxmesh.events.v1 import events_pb2 as ev
+
+    return await agent.events(agent_id=agent_id, kinds=[ev.EVENT_KIND_SUBSCRIBED])
+
+
+async def test_registry_and_inbox_as_separate_processes_on_one_store(tmp_path):
+    """Registry in one process, Inbox and Events in another, sharing the
+    SQLite file: an agent registered in one sends and receives in the other,
+    and a close made in the registry process ends the inbox stream."""
+    with MeshProcess(tmp_path, "--services", "registry") as registry, \
+            MeshProcess(tmp_path, "--services", "inbox,events", "--heartbeat-interval", "0.5") as inbox:
+        async with MeshClient(registry.address, admin_token=ADMIN_TOKEN) as reg_client, \
+                MeshClient(inbox.address, admin_token=ADMIN_TOKEN) as inbox_client:
+            lead = await reg_client.register("lead")
+            b = await lead.spawn("b")
+            lead_i, b_i = inbox_client.agent(lead.info, lead.credential), inbox_client.agent(b.info, b.credential)
+            sub = Collector(b_i, auto_ack=True)
+            try:
+                assert (await lead_i.send(b.agent_id, "across processes")).status == pb.RECEIPT_STATUS_ACCEPTED
+                await eventually(lambda: len(sub.consumed) == 1)
+                await lead.close(b.agent_id, reason="closed elsewhere")
+                event = await sub.wait_event(pb.SUBSCRIPTION_EVENT_KIND_CLOSED, timeout=15)
+                assert b.agent_id == event.agent_id
+                assert (await lead_i.send(b.agent_id, "late")).status == pb.RECEIPT_STATUS_TARGET_CLOSED
+            finally:
+                await sub.stop()
+        with pytest.raises(grpc.aio.AioRpcError):
+            async with grpc.aio.insecure_channel(registry.address) as channel:
+                await pb_stub(channel).Send(pb.SendRequest(), timeout=2)
+
+
+def pb_stub(channel):
+    from inboxmesh.inbox.v1 import inbox_pb2_grpc
+
+    return inbox_pb2_grpc.InboxServiceStub(channel)

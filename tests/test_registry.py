@@ -1,0 +1,143 @@
+"""Registry over real gRPC: registration into trees, credentials, names,
+scopes, listing and cascading close."""
+
+import grpc
+import pytest
+
+from inboxmesh.registry.v1 import registry_pb2 as reg
+from services import errors
+from services.client import AgentHandle
+
+
+async def test_register_top_level_and_children(client):
+    lead = await client.register("lead", metadata={"team": "x"})
+    assert lead.info.mode == reg.AGENT_MODE_MAIN
+    assert lead.info.scope_id == lead.agent_id and lead.info.depth == 0
+    assert lead.credential.startswith(lead.agent_id + ".")
+    child = await lead.spawn("worker", reg.AGENT_MODE_SYNC)
+    grandchild = await child.spawn("helper", reg.AGENT_MODE_FORK)
+    assert child.info.parent_id == lead.agent_id and child.info.scope_id == lead.agent_id
+    assert grandchild.info.scope_id == lead.agent_id and grandchild.info.depth == 2
+    fetched = await lead.get(grandchild.agent_id)
+    assert fetched.name == "helper" and fetched.state == reg.AGENT_STATE_OPEN
+    assert (await lead.get()).metadata["team"] == "x"
+
+
+async def test_child_registration_needs_the_parents_credential(client):
+    lead = await client.register("lead")
+    other = await client.register("intruder")
+    request = reg.RegisterAgentRequest(name="graft", mode=reg.AGENT_MODE_ASYNC, parent_id=lead.agent_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.registry.RegisterAgent(request, metadata=other.metadata, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert lead.agent_id in caught.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.registry.RegisterAgent(request, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert [a.name for a in await lead.list_agents(parent_id=lead.agent_id)] == []
+
+
+async def test_bad_modes_and_names_are_refused(client):
+    lead = await client.register("lead")
+    with pytest.raises(errors.InvalidArgument, match="SYNC, ASYNC or FORK"):
+        await lead.spawn("x", reg.AGENT_MODE_MAIN)
+    with pytest.raises(errors.InvalidArgument, match="name is required"):
+        await client.register("")
+    with pytest.raises(grpc.aio.AioRpcError) as raw:
+        await client.registry.RegisterAgent(reg.RegisterAgentRequest(name="x", mode=reg.AGENT_MODE_FORK), timeout=5)
+    assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "needs a parent_id" in raw.value.details()
+    with pytest.raises(errors.InvalidArgument, match="maximum"):
+        await client.register("big", inbox_capacity=10**9)
+
+
+async def test_credentials_are_checked(client):
+    lead = await client.register("lead")
+    forged = AgentHandle(client, lead.info, lead.agent_id + ".not-the-secret")
+    with pytest.raises(errors.Unauthenticated) as caught:
+        await forged.get()
+    assert caught.value.reason == "BAD_CREDENTIAL"
+    garbage = AgentHandle(client, lead.info, "garbage")
+    with pytest.raises(errors.Unauthenticated) as caught:
+        await garbage.get()
+    assert caught.value.reason == "MALFORMED_CREDENTIAL"
+    with pytest.raises(grpc.aio.AioRpcError) as raw:
+        await client.registry.GetAgent(reg.GetAgentRequest(agent_id=lead.agent_id), timeout=5)
+    assert raw.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization: Bearer" in raw.value.details()
+
+
+async def test_resolve_names_within_a_scope(client):
+    lead = await client.register("lead")
+    a = await lead.spawn("alpha")
+    await lead.spawn("beta")
+    dup1 = await lead.spawn("twin")
+    dup2 = await lead.spawn("twin")
+    other_lead = await client.register("lead2")
+    await other_lead.spawn("alpha")
+    assert (await a.resolve("alpha")).agent_id == a.agent_id
+    with pytest.raises(errors.FailedPrecondition) as caught:
+        await a.resolve("twin")
+    assert caught.value.reason == "AMBIGUOUS_NAME"
+    assert set(caught.value.metadata["candidates"].split(",")) == {dup1.agent_id, dup2.agent_id}
+    assert dup1.agent_id in caught.value.message and dup2.agent_id in caught.value.message
+    with pytest.raises(errors.NotFound):
+        await a.resolve("nobody")
+    with pytest.raises(errors.PermissionDenied):
+        await a.resolve("alpha", scope_id=other_lead.agent_id)
+    with pytest.raises(errors.InvalidArgument, match="not a scope"):
+        await a.resolve("alpha", scope_id=a.agent_id)
+
+
+async def test_reads_across_scopes_are_refused(client):
+    lead = await client.register("lead")
+    stranger = await client.register("stranger")
+    with pytest.raises(errors.PermissionDenied) as caught:
+        await stranger.get(lead.agent_id)
+    assert caught.value.reason == "OUT_OF_SCOPE"
+    with pytest.raises(errors.PermissionDenied):
+        await stranger.list_agents(scope_id=lead.agent_id)
+    with pytest.raises(errors.NotFound):
+        await stranger.get("agt_doesnotexist")
+
+
+async def test_list_by_scope_and_parent_with_paging(client):
+    lead = await client.register("lead")
+    kids = [await lead.spawn(f"kid{i}") for i in range(5)]
+    grandkid = await kids[0].spawn("grandkid")
+    listed = await lead.list_agents()
+    assert [a.agent_id for a in listed] == [lead.agent_id, *(k.agent_id for k in kids), grandkid.agent_id]
+    children = await lead.list_agents(parent_id=lead.agent_id)
+    assert [a.agent_id for a in children] == [k.agent_id for k in kids]
+    page = await client.registry.ListAgents(reg.ListAgentsRequest(page_size=2), metadata=lead.metadata, timeout=5)
+    assert len(page.agents) == 2 and page.next_page_token
+    rest = await client.registry.ListAgents(
+        reg.ListAgentsRequest(page_size=100, page_token=page.next_page_token), metadata=lead.metadata, timeout=5)
+    assert [a.agent_id for a in page.agents] + [a.agent_id for a in rest.agents] == [a.agent_id for a in listed]
+
+
+async def test_close_cascades_to_descendants(client):
+    lead = await client.register("lead")
+    a = await lead.spawn("a")
+    a1 = await a.spawn("a1")
+    b = await lead.spawn("b")
+    with pytest.raises(errors.PermissionDenied, match="ancestor"):
+        await b.close(a.agent_id)
+    result = await lead.close(a.agent_id, reason="done with a")
+    assert list(result.closed_agent_ids) == [a.agent_id, a1.agent_id]
+    assert (await lead.get(a1.agent_id)).state == reg.AGENT_STATE_CLOSED
+    assert "done with a" in (await lead.get(a1.agent_id)).close_reason
+    assert (await lead.get(b.agent_id)).state == reg.AGENT_STATE_OPEN
+    assert list((await lead.close(a.agent_id)).closed_agent_ids) == []  # closing twice is harmless
+    with pytest.raises(errors.FailedPrecondition, match="closed"):
+        await a.spawn("late")
+    assert [x.agent_id for x in await lead.list_agents(include_closed=False)] == [lead.agent_id, b.agent_id]
+    whole = await lead.close()
+    assert list(whole.closed_agent_ids) == [lead.agent_id, b.agent_id]
+
+
+async def test_admin_token_sees_everything_but_cannot_act_as_an_agent(client, mesh):
+    lead = await client.register("lead")
+    admin = AgentHandle(client, reg.Agent(agent_id=""), "test-admin-token")
+    assert (await admin.get(lead.agent_id)).name == "lead"
+    with pytest.raises(errors.PermissionDenied, match="admin token cannot act"):
+        await admin.send(lead.agent_id, "hi")

@@ -1,0 +1,121 @@
+"""The SQLite store on its own: atomicity under concurrency, group commit,
+isolation of a failing operation."""
+
+import asyncio
+
+import pytest
+
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services import auth, errors
+from services.clock import now_us
+from services.config import StoreConfig
+from services.store.base import ACCEPTED, AGENT_OPEN, TARGET_CLOSED, AgentRecord, AppendItem
+from services.store.sqlite import SqliteStore
+from services.client import envelope
+
+
+@pytest.fixture
+async def store(tmp_path):
+    s = SqliteStore(StoreConfig(path=tmp_path / "store.db"))
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.close()
+        await s.close()
+
+
+async def _agent(store, name, parent=None, capacity=1000):
+    agent_id = auth.new_agent_id()
+    record = AgentRecord(
+        agent_id=agent_id, name=name, mode=1, parent_id=parent.agent_id if parent else "",
+        scope_id=parent.scope_id if parent else agent_id, depth=0, state=AGENT_OPEN, metadata={},
+        inbox_capacity=capacity, created_at_us=now_us(), credential_hash=auth.credential_hash("x"),
+    )
+    return await store.create_agent(record)
+
+
+async def test_concurrent_appends_are_group_committed(store):
+    lead = await _agent(store, "lead")
+    b = await _agent(store, "b", lead)
+    commits_before = store.writer.commits
+
+    async def one(i):
+        return await store.append(lead.agent_id, [AppendItem(envelope(b.agent_id, f"m{i}", message_id=f"m{i}"))],
+                                  now_us())
+
+    outcomes = await asyncio.gather(*(one(i) for i in range(200)))
+    assert sorted(o[0].sequence for o in outcomes) == list(range(1, 201))
+    assert all(o[0].status == ACCEPTED for o in outcomes)
+    assert store.writer.commits - commits_before < 200, "operations queued together share a commit"
+
+
+async def test_capacity_holds_under_concurrent_senders(store):
+    lead = await _agent(store, "lead")
+    small = await _agent(store, "small", lead, capacity=10)
+    outcomes = await asyncio.gather(*(
+        store.append(lead.agent_id, [AppendItem(envelope(small.agent_id, str(i)))], now_us()) for i in range(50)))
+    statuses = [o[0].status for o in outcomes]
+    assert statuses.count(ACCEPTED) == 10 and statuses.count(pb.RECEIPT_STATUS_INBOX_FULL) == 40
+
+
+async def test_exactly_one_ack_wins(store):
+    lead = await _agent(store, "lead")
+    b = await _agent(store, "b", lead)
+    await store.append(lead.agent_id, [AppendItem(envelope(b.agent_id, "once"))], now_us())
+    results = await asyncio.gather(*(store.ack(b.agent_id, [1], now_us()) for _ in range(20)))
+    statuses = [r[0].status for r in results]
+    assert statuses.count(pb.ACK_STATUS_CONSUMED) == 1
+    assert statuses.count(pb.ACK_STATUS_ALREADY_CONSUMED) == 19
+
+
+async def test_sends_racing_a_close_are_accepted_then_dead_lettered_or_refused(store):
+    lead = await _agent(store, "lead")
+    b = await _agent(store, "b", lead)
+    sends = [store.append(lead.agent_id, [AppendItem(envelope(b.agent_id, str(i), message_id=str(i)))], now_us())
+             for i in range(100)]
+    close = store.close_agent(b.agent_id, "racing", now_us())
+    *outcomes, closed = await asyncio.gather(*sends[:50], close, *sends[50:])
+    outcomes.append(closed)
+    closed_outcome = outcomes.pop(50)
+    send_outcomes = [o[0] for o in outcomes]
+    accepted = {o.message_id for o in send_outcomes if o.status == ACCEPTED}
+    refused = {o.message_id for o in send_outcomes if o.status == TARGET_CLOSED}
+    assert len(accepted) + len(refused) == 100
+    assert {r.envelope.message_id for r in closed_outcome.dead_lettered} == accepted
+    for mid in accepted:
+        assert (await store.get_message_by_sender(lead.agent_id, mid)).state == pb.MESSAGE_STATE_DEAD_LETTERED
+
+
+async def test_a_failing_operation_does_not_sink_its_batch(store):
+    lead = await _agent(store, "lead")
+
+    def boom(conn):
+        conn.execute("INSERT INTO meta VALUES ('x', 'y')")
+        raise errors.FailedPrecondition("deliberate")
+
+    failing = store.writer.run(boom)
+    fine = _agent(store, "fine")
+    results = await asyncio.gather(failing, fine, return_exceptions=True)
+    assert isinstance(results[0], errors.FailedPrecondition)
+    assert (await store.get_agent(results[1].agent_id)).name == "fine"
+    assert await store.reader.run(lambda c: c.execute("SELECT count(*) FROM meta WHERE key='x'").fetchone()[0]) == 0
+    assert lead.agent_id
+
+
+async def test_child_of_closed_or_missing_parent_is_refused(store):
+    lead = await _agent(store, "lead")
+    await store.close_agent(lead.agent_id, "bye", now_us())
+    with pytest.raises(errors.FailedPrecondition):
+        await _agent(store, "late", lead)
+    ghost = AgentRecord(**{**lead.__dict__, "agent_id": "agt_ghost"})
+    with pytest.raises(errors.NotFound):
+        await _agent(store, "orphan", ghost)
+
+
+async def test_closed_store_refuses_calls_clearly(tmp_path):
+    s = SqliteStore(StoreConfig(path=tmp_path / "x.db"))
+    await s.start()
+    await s.close()
+    with pytest.raises(errors.Unavailable):
+        await s.get_agent("agt_x")
