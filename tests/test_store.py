@@ -9,7 +9,7 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services import auth, errors
 from services.clock import now_us
 from services.config import StoreConfig
-from services.store.base import ACCEPTED, AGENT_OPEN, TARGET_CLOSED, AgentRecord, AppendItem
+from services.store.base import ACCEPTED, AGENT_OPEN, TARGET_CLOSED, AgentRecord, AppendItem, EventQuery
 from services.store.sqlite import SqliteStore
 from services.client import envelope
 
@@ -90,8 +90,9 @@ async def test_sends_racing_a_close_are_accepted_then_dead_lettered_or_refused(s
 async def test_a_failing_operation_does_not_sink_its_batch(store):
     lead = await _agent(store, "lead")
 
-    def boom(conn):
+    def boom(conn, events):
         conn.execute("INSERT INTO meta VALUES ('x', 'y')")
+        events.append((1, 1, "agt_boom", "", "", "", 0, "must not be recorded", ""))
         raise errors.FailedPrecondition("deliberate")
 
     failing = store.writer.run(boom)
@@ -100,7 +101,7 @@ async def test_a_failing_operation_does_not_sink_its_batch(store):
     assert isinstance(results[0], errors.FailedPrecondition)
     assert (await store.get_agent(results[1].agent_id)).name == "fine"
     assert await store.reader.run(lambda c: c.execute("SELECT count(*) FROM meta WHERE key='x'").fetchone()[0]) == 0
-    assert lead.agent_id
+    assert not [e for e in await store.list_events(EventQuery(agent_id="agt_boom")) if e.detail]
 
 
 async def test_child_of_closed_or_missing_parent_is_refused(store):

@@ -1,8 +1,18 @@
-"""The event record: listing and following it. Knows nothing of gRPC."""
+"""The event record: listing it, and following it live.
+
+Live watchers are fed from memory: after each commit the store hands over
+the event rows it just wrote (with their ids), and every watcher keeps the
+ones its filter matches in a bounded buffer. A watcher reads the store
+instead when it starts behind (replay), when its buffer overflowed, and
+when events appear that this process did not write (another process on the
+same store): the ids then show a gap. Ids are one total order, so a watcher
+never yields an event twice or skips one.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -12,7 +22,41 @@ from services.directory import Caller, Directory
 from services.store.base import EventQuery, Store
 from services.validation import page_size
 
-_WATCH_PAGE = 1000
+_PAGE = 1000
+_BUFFER_LIMIT = 10_000
+
+
+class _Watcher:
+    __slots__ = ("query", "buffer", "needs_store", "wake")
+
+    def __init__(self, query: EventQuery):
+        self.query = query
+        self.buffer: collections.deque[ev.Event] = collections.deque()
+        self.needs_store = True
+        self.wake = asyncio.Event()
+
+    def matches(self, row: tuple) -> bool:
+        q = self.query
+        # row: (at_us, kind, agent_id, message_id, sender, recipient, seq, detail, trace_id)
+        if q.message_id and row[3] != q.message_id:
+            return False
+        if q.sender and row[4] != q.sender:
+            return False
+        if q.agent_id and q.agent_id != row[2] and q.agent_id != row[4]:
+            return False
+        return not q.kinds or row[1] in q.kinds
+
+    def offer(self, event_id: int, row: tuple) -> None:
+        # Buffer even while a store read is pending: the read may have taken
+        # its snapshot before this event committed.
+        if len(self.buffer) >= _BUFFER_LIMIT:
+            self.buffer.clear()
+            self.needs_store = True
+        else:
+            self.buffer.append(ev.Event(
+                event_id=event_id, at_us=row[0], kind=row[1], agent_id=row[2], message_id=row[3], sender=row[4],
+                recipient=row[5], sequence=row[6], detail=row[7], trace_id=row[8]))
+        self.wake.set()
 
 
 class EventsService:
@@ -20,17 +64,28 @@ class EventsService:
         self._store = store
         self._directory = directory
         self._poll_interval_s = poll_interval_s
-        self._committed = asyncio.Event()
+        self._watchers: set[_Watcher] = set()
+        self._last_seen = -1  # highest event id handed over by this process's commits
         self.closing = False
         store.add_commit_listener(self._on_commit)
 
-    def _on_commit(self) -> None:
-        committed, self._committed = self._committed, asyncio.Event()
-        committed.set()
+    def _on_commit(self, first_id: int, rows: list[tuple]) -> None:
+        gap = self._last_seen >= 0 and first_id != self._last_seen + 1
+        self._last_seen = first_id + len(rows) - 1
+        for watcher in self._watchers:
+            if gap:
+                watcher.needs_store = True  # someone else wrote events in between
+                watcher.buffer.clear()
+                watcher.wake.set()
+                continue
+            for offset, row in enumerate(rows):
+                if watcher.matches(row):
+                    watcher.offer(first_id + offset, row)
 
     def shutdown(self) -> None:
         self.closing = True
-        self._on_commit()
+        for watcher in self._watchers:
+            watcher.wake.set()
 
     async def _query(self, caller: Caller, flt: ev.EventFilter, after: int, limit: int) -> EventQuery:
         agent_id, sender = flt.agent_id, flt.sender
@@ -57,17 +112,35 @@ class EventsService:
     async def watch(
         self, caller: Caller, flt: ev.EventFilter, after: int, from_now: bool
     ) -> AsyncIterator[list[ev.Event]]:
-        """Yield batches of matching events as they are recorded, forever."""
-        query = await self._query(caller, flt, after, _WATCH_PAGE)
-        last = after or (await self._store.last_event_id() if from_now else 0)
-        while not self.closing:
-            committed = self._committed
-            events = await self._store.list_events(replace(query, after_event_id=last))
-            if events:
-                last = events[-1].event_id
-                yield events
-                continue
-            try:
-                await asyncio.wait_for(committed.wait(), self._poll_interval_s)
-            except TimeoutError:
-                pass  # also catches events written by another process
+        """Yield batches of matching events as they are recorded, until shutdown."""
+        watcher = _Watcher(await self._query(caller, flt, after, _PAGE))
+        self._watchers.add(watcher)
+        try:
+            last = after
+            if from_now and not after:
+                last = self._last_seen if self._last_seen >= 0 else await self._store.last_event_id()
+            while not self.closing:
+                watcher.wake.clear()
+                if watcher.needs_store:
+                    found = await self._store.list_events(replace(watcher.query, after_event_id=last))
+                    if len(found) < _PAGE:
+                        watcher.needs_store = False
+                    if found:
+                        last = found[-1].event_id
+                        yield found
+                    continue
+                batch = []
+                while watcher.buffer:
+                    event = watcher.buffer.popleft()
+                    if event.event_id > last:
+                        batch.append(event)
+                if batch:
+                    last = batch[-1].event_id
+                    yield batch
+                    continue
+                try:
+                    await asyncio.wait_for(watcher.wake.wait(), self._poll_interval_s)
+                except TimeoutError:
+                    watcher.needs_store = True  # safety net for writers in other processes
+        finally:
+            self._watchers.discard(watcher)

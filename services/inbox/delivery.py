@@ -59,8 +59,8 @@ class Feed:
         """Take a just-appended message; True when the feed has new work."""
         if envelope.sequence <= self.cursor or self.ended:
             return False
-        if self.needs_store:
-            return True
+        # Buffer even while a store read is pending: the read may have taken
+        # its snapshot before this message committed.
         if len(self.fresh) >= self.fresh_limit:
             self.fresh.clear()
             self.needs_store = True

@@ -228,6 +228,9 @@ class Store(abc.ABC):
         (subscriptions starting and ending, later runtime events)."""
 
     @abc.abstractmethod
-    def add_commit_listener(self, callback: Callable[[], None]) -> None:
-        """Call `callback` on the event loop after every commit that may have
-        added events (used to wake live event watchers)."""
+    def add_commit_listener(self, callback: Callable[[int, list[tuple]], None]) -> None:
+        """Call `callback(first_event_id, rows)` on the event loop after every
+        commit that recorded events. Rows are (at_us, kind, agent_id,
+        message_id, sender, recipient, sequence, detail, trace_id) with
+        contiguous ids from first_event_id. Events written by another process
+        are not reported; watchers find them by reading the store."""

@@ -190,7 +190,8 @@ class SqliteStore(base.Store):
             conn.close()
             raise
         self._writer = Writer(
-            conn, max_pending=self.config.max_pending_writes, max_ops_per_commit=self.config.max_ops_per_commit
+            conn, max_pending=self.config.max_pending_writes, max_ops_per_commit=self.config.max_ops_per_commit,
+            insert_events=_INSERT_EVENT,
         )
         self._writer.after_commit = self._after_commit
         self._writer.start()
@@ -199,10 +200,10 @@ class SqliteStore(base.Store):
         )
         log.info("sqlite store open at %s (synchronous=%s)", self.path, self.config.synchronous)
 
-    def _after_commit(self) -> None:
+    def _after_commit(self, first_event_id: int, events: list[tuple]) -> None:
         for callback in self._listeners:
             try:
-                callback()
+                callback(first_event_id, events)
             except Exception:  # a listener's bug must not stop the writer
                 log.exception("commit listener failed")
 
@@ -228,7 +229,7 @@ class SqliteStore(base.Store):
 
     # -- registry -----------------------------------------------------------
     async def create_agent(self, record: AgentRecord) -> AgentRecord:
-        def op(conn: sqlite3.Connection) -> AgentRecord:
+        def op(conn: sqlite3.Connection, events: list[tuple]) -> AgentRecord:
             if record.parent_id:
                 parent = conn.execute(
                     "SELECT state FROM agents WHERE agent_id = ?", (record.parent_id,)
@@ -248,10 +249,9 @@ class SqliteStore(base.Store):
                     record.created_at_us, record.credential_hash, record.closed_at_us, record.close_reason,
                 ),
             )
-            conn.execute(
-                _INSERT_EVENT,
+            events.append(
                 (record.created_at_us, ev.EVENT_KIND_AGENT_REGISTERED, record.agent_id, "", record.parent_id, "", 0,
-                 f"name={record.name} mode={record.mode} scope={record.scope_id}", ""),
+                 f"name={record.name} mode={record.mode} scope={record.scope_id}", "")
             )
             return record
 
@@ -299,7 +299,7 @@ class SqliteStore(base.Store):
         return await self.reader.run(op)
 
     async def close_agent(self, agent_id: str, reason: str, at_us: int) -> CloseOutcome:
-        def op(conn: sqlite3.Connection) -> CloseOutcome:
+        def op(conn: sqlite3.Connection, events: list[tuple]) -> CloseOutcome:
             rows = conn.execute(
                 f"""WITH RECURSIVE tree(id, level) AS (
                         SELECT agent_id, 0 FROM agents WHERE agent_id = ?
@@ -310,7 +310,7 @@ class SqliteStore(base.Store):
                     WHERE agents.state = {AGENT_OPEN} ORDER BY tree.level, agents.row""",
                 (agent_id,),
             ).fetchall()
-            closed, dead, events = [], [], []
+            closed, dead = [], []
             for row in rows:
                 agent = _agent(row)
                 detail = reason if agent.agent_id == agent_id else f"ancestor {agent_id} closed: {reason}"
@@ -328,19 +328,17 @@ class SqliteStore(base.Store):
                 dead += _dead_letter(conn, [(*r[:5], _message(r[5:])) for r in queued], base.REASON_CLOSED, at_us,
                                      events)
                 closed.append(replace(agent, state=AGENT_CLOSED, closed_at_us=at_us, close_reason=detail))
-            conn.executemany(_INSERT_EVENT, events)
             return CloseOutcome(closed=closed, dead_lettered=dead)
 
         return await self.writer.run(op)
 
     # -- inbox --------------------------------------------------------------
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
-        def op(conn: sqlite3.Connection) -> list[SendOutcome]:
+        def op(conn: sqlite3.Connection, events: list[tuple]) -> list[SendOutcome]:
             sender_row = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (sender_id,)).fetchone()
             sender_open = sender_row is not None and sender_row[0] == AGENT_OPEN
             inboxes: dict[str, _Inbox | None] = {}
             outcomes: list[SendOutcome] = []
-            events: list[tuple] = []
             for item in items:
                 env = item.envelope
                 mid, rid = env.message_id, env.recipient
@@ -402,7 +400,6 @@ class SqliteStore(base.Store):
                         "UPDATE agents SET next_seq = ?, unconsumed = ? WHERE agent_id = ?",
                         (inbox.next_seq, inbox.unconsumed, inbox.agent_id),
                     )
-            conn.executemany(_INSERT_EVENT, events)
             return outcomes
 
         return await self.writer.run(op)
@@ -410,7 +407,7 @@ class SqliteStore(base.Store):
     async def next_deliveries(
         self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int
     ) -> DeliveryBatch:
-        def op(conn: sqlite3.Connection) -> DeliveryBatch:
+        def op(conn: sqlite3.Connection, events: list[tuple]) -> DeliveryBatch:
             state = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (recipient,)).fetchone()
             if state is None or state[0] != AGENT_OPEN:
                 return DeliveryBatch([], [], recipient_open=False)
@@ -419,7 +416,7 @@ class SqliteStore(base.Store):
                 " FROM messages WHERE recipient = ? AND seq > ? AND state IN (1, 2) ORDER BY seq LIMIT ?",
                 (recipient, after_sequence, limit),
             ).fetchall()
-            deliver, expired, exhausted, events = [], [], [], []
+            deliver, expired, exhausted = [], [], []
             for row in rows:
                 key, expires_at, record = row[:5], row[5], _message(row[6:])
                 if expires_at and expires_at <= now_us:
@@ -450,7 +447,6 @@ class SqliteStore(base.Store):
                 )
                 record.envelope.delivery_attempt = attempt
                 envelopes.append(record.envelope)
-            conn.executemany(_INSERT_EVENT, events)
             return DeliveryBatch(envelopes, dead, recipient_open=True)
 
         return await self.writer.run(op)
@@ -460,8 +456,7 @@ class SqliteStore(base.Store):
     ) -> asyncio.Future:
         keys = [(e.sequence, e.message_id, e.sender, trace_id_of(e.trace.traceparent)) for e in envelopes]
 
-        def op(conn: sqlite3.Connection) -> None:
-            events = []
+        def op(conn: sqlite3.Connection, events: list[tuple]) -> None:
             for seq, mid, sender, trace_id in keys:
                 cur = conn.execute(
                     "UPDATE messages SET state = ?, attempts = 1, delivered_at_us = ?"
@@ -473,13 +468,12 @@ class SqliteStore(base.Store):
                         (at_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, mid, sender, recipient, seq,
                          "attempt=1", trace_id)
                     )
-            conn.executemany(_INSERT_EVENT, events)
 
         return await self.writer.enqueue(op)
 
     async def ack(self, recipient: str, sequences: list[int], at_us: int) -> list[AckOutcome]:
-        def op(conn: sqlite3.Connection) -> list[AckOutcome]:
-            outcomes, events = [], []
+        def op(conn: sqlite3.Connection, events: list[tuple]) -> list[AckOutcome]:
+            outcomes = []
             consumed = 0
             for seq in sequences:
                 row = conn.execute(
@@ -509,7 +503,6 @@ class SqliteStore(base.Store):
                 conn.execute(
                     "UPDATE agents SET unconsumed = unconsumed - ? WHERE agent_id = ?", (consumed, recipient)
                 )
-            conn.executemany(_INSERT_EVENT, events)
             return outcomes
 
         return await self.writer.run(op)
@@ -582,7 +575,7 @@ class SqliteStore(base.Store):
             (e.at_us, e.kind, e.agent_id, e.message_id, e.sender, e.recipient, e.sequence, e.detail, e.trace_id)
             for e in events
         ]
-        await self.writer.run(lambda conn: conn.executemany(_INSERT_EVENT, rows) and None)
+        await self.writer.run(lambda conn, events: events.extend(rows))
 
     def add_commit_listener(self, callback) -> None:
         self._listeners.append(callback)

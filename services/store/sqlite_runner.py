@@ -23,7 +23,9 @@ from services import errors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Op = Callable[[sqlite3.Connection], Any]
+Op = Callable[[sqlite3.Connection, list[tuple]], Any]
+"""A write operation: runs inside the transaction, may append event rows to
+the list it is given; they are inserted only if the operation succeeds."""
 
 
 def connect(path: Path, *, synchronous: str, busy_timeout_ms: int, readonly: bool = False) -> sqlite3.Connection:
@@ -40,7 +42,7 @@ def connect(path: Path, *, synchronous: str, busy_timeout_ms: int, readonly: boo
 class Writer:
     """The single writing connection, with group commit and a bounded queue."""
 
-    def __init__(self, conn: sqlite3.Connection, *, max_pending: int, max_ops_per_commit: int):
+    def __init__(self, conn: sqlite3.Connection, *, max_pending: int, max_ops_per_commit: int, insert_events: str):
         self._conn = conn
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
         self._pending: collections.deque[tuple[Op, asyncio.Future]] = collections.deque()
@@ -51,7 +53,9 @@ class Writer:
         self._closing = False
         self.commits = 0
         self.ops = 0
-        self.after_commit: Callable[[], None] | None = None
+        self._insert_events = insert_events
+        self.after_commit: Callable[[int, list[tuple]], None] | None = None
+        """Called on the loop after each commit with (first event id, event rows)."""
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sqlite-writer")
@@ -81,7 +85,7 @@ class Writer:
                     batch.append(self._pending.popleft())
                 ops = [op for op, _ in batch]
                 try:
-                    results = await loop.run_in_executor(self._thread, self._apply, ops)
+                    results, first_event_id, events = await loop.run_in_executor(self._thread, self._apply, ops)
                 except BaseException as exc:  # the loop is going away: fail the batch, then stop
                     for _, fut in batch:
                         if not fut.done():
@@ -96,23 +100,25 @@ class Writer:
                         fut.set_result(value)
                     else:
                         fut.set_exception(value)
-                if self.after_commit is not None:
-                    self.after_commit()
+                if self.after_commit is not None and events:
+                    self.after_commit(first_event_id, events)
             if self._closing and not self._pending:
                 return
 
-    def _apply(self, ops: list[Op]) -> list[tuple[bool, Any]]:
+    def _apply(self, ops: list[Op]) -> tuple[list[tuple[bool, Any]], int, list[tuple]]:
         conn = self._conn
         results: list[tuple[bool, Any]] = []
+        events: list[tuple] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             failure = errors.Unavailable(f"store could not start a transaction: {exc}; nothing was written")
-            return [(False, failure)] * len(ops)
+            return [(False, failure)] * len(ops), 0, []
         for op in ops:
             conn.execute("SAVEPOINT op")
+            op_events: list[tuple] = []
             try:
-                value = op(conn)
+                value = op(conn, op_events)
             except Exception as exc:  # one operation failing must not sink the others
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
@@ -123,7 +129,14 @@ class Writer:
             else:
                 conn.execute("RELEASE op")
                 results.append((True, value))
+                events += op_events
+        first_event_id = 0
         try:
+            if events:
+                conn.executemany(self._insert_events, events)
+                # One writer holds the lock for the whole transaction, so the
+                # AUTOINCREMENT ids of this batch are contiguous.
+                first_event_id = conn.execute("SELECT last_insert_rowid()").fetchone()[0] - len(events) + 1
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             log.error("commit failed, %d operations rolled back: %s", len(ops), exc)
@@ -132,10 +145,10 @@ class Writer:
             except sqlite3.Error:
                 pass
             failure = errors.Unavailable(f"store commit failed: {exc}; nothing was written")
-            return [(False, failure)] * len(ops)
+            return [(False, failure)] * len(ops), 0, []
         self.commits += 1
         self.ops += len(ops)
-        return results
+        return results, first_event_id, events
 
     async def close(self) -> None:
         if self._task is None:
