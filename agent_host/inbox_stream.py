@@ -1,15 +1,21 @@
-"""Following agents' inboxes from a host: one Subscribe stream for many
-agents, resubscribing after failures, and consuming through acks.
+"""Following agents' inboxes from a host: one Consume stream for many
+agents (deliveries in, acks out on the same stream), resubscribing after
+failures.
 
 The mesh redelivers everything not yet acked when a stream is opened again,
 and exactly one ack of a message ever reports CONSUMED. `consume` returns
 only the messages whose ack this host won, so a host that injects exactly
 what `consume` returns never takes a message into an agent's context twice.
+
+Bounds: deliveries wait in an in-memory queue until the host takes them;
+the mesh never has more than `max_in_flight` unacked messages out per agent,
+so that queue cannot outgrow agents x max_in_flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -26,6 +32,7 @@ from services.grpc_status import from_rpc_error
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+_ENDED = object()
 
 
 @dataclass
@@ -40,7 +47,8 @@ class InboxStream:
     """Deliveries for a set of agents, across reconnects.
 
     `async for item in stream:` yields StreamItems until every agent was
-    closed or superseded, or `stop()` is called.
+    closed or superseded, or `stop()` is called. `await stream.consume(...)`
+    acks on the same stream.
     """
 
     def __init__(
@@ -51,6 +59,7 @@ class InboxStream:
         min_backoff: float = 0.05,
         max_backoff: float = 2.0,
         max_failures: int | None = None,
+        ack_timeout: float = 30.0,
     ):
         if not agents:
             raise ValueError("an InboxStream needs at least one agent")
@@ -58,8 +67,12 @@ class InboxStream:
         self.max_in_flight = max_in_flight
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.max_failures = max_failures
+        self.ack_timeout = ack_timeout
         self.reconnects = 0
         self._call = None
+        self._write_lock = asyncio.Lock()
+        self._acks: dict[int, asyncio.Future] = {}
+        self._ack_ids = itertools.count(1)
         self._stopped = False
 
     def stop(self) -> None:
@@ -70,31 +83,36 @@ class InboxStream:
     async def __aiter__(self) -> AsyncIterator[StreamItem]:
         failures = 0
         while self.agents and not self._stopped:
-            first, *rest = self.agents.values()
-            self._call = first.subscribe(self.max_in_flight, extra=rest)
+            first = next(iter(self.agents.values()))
+            call = self._call = first.client.inbox.Consume()
+            items: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.create_task(self._read(call, items))
+            failure: errors.MeshError | None = None
             try:
-                async for response in self._call:
+                await self._write(inbox_pb2.ConsumeRequest(subscribe=inbox_pb2.SubscribeRequest(
+                    credentials=[a.credential for a in self.agents.values()], max_in_flight=self.max_in_flight)))
+                while (item := await items.get()) is not _ENDED:
+                    if isinstance(item, grpc.aio.AioRpcError):
+                        if self._stopped:
+                            return
+                        if item.code() not in _RETRYABLE:
+                            raise from_rpc_error(item) from None
+                        failure = from_rpc_error(item)
+                        break
                     failures = 0
-                    which = response.WhichOneof("event")
-                    if which == "deliveries":
-                        yield StreamItem(messages=list(response.deliveries.messages))
-                    elif which == "subscription":
-                        event = response.subscription
-                        if event.kind in (inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED,
-                                          inbox_pb2.SUBSCRIPTION_EVENT_KIND_SUPERSEDED):
-                            self.agents.pop(event.agent_id, None)
-                        yield StreamItem(agent_event=event)
-                if self._stopped or not self.agents:
-                    return
-                failure: errors.MeshError = errors.Unavailable("the stream ended")
-            except grpc.aio.AioRpcError as exc:
-                if self._stopped:
-                    return
+                    yield item
+                else:
+                    if self._stopped or not self.agents:
+                        return
+                    failure = errors.Unavailable("the stream ended")
+            except grpc.aio.AioRpcError as exc:  # the subscribe write failed
                 if exc.code() not in _RETRYABLE:
                     raise from_rpc_error(exc) from None
                 failure = from_rpc_error(exc)
             finally:
-                self._call.cancel()
+                call.cancel()
+                reader.cancel()
+                self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered"))
             failures += 1
             if self.max_failures is not None and failures > self.max_failures:
                 raise failure
@@ -103,10 +121,67 @@ class InboxStream:
             self.reconnects += 1
             await asyncio.sleep(delay)
 
+    async def _read(self, call, items: asyncio.Queue) -> None:
+        try:
+            async for response in call:
+                which = response.WhichOneof("event")
+                if which == "deliveries":
+                    items.put_nowait(StreamItem(messages=list(response.deliveries.messages)))
+                elif which == "acked":
+                    future = self._acks.pop(response.acked.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(list(response.acked.results))
+                elif which == "subscription":
+                    event = response.subscription
+                    if event.kind in (inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED,
+                                      inbox_pb2.SUBSCRIPTION_EVENT_KIND_SUPERSEDED):
+                        self.agents.pop(event.agent_id, None)
+                    items.put_nowait(StreamItem(agent_event=event))
+            items.put_nowait(_ENDED)
+        except grpc.aio.AioRpcError as exc:
+            items.put_nowait(exc)
+        except asyncio.CancelledError:
+            items.put_nowait(_ENDED)
+
+    async def _write(self, request: inbox_pb2.ConsumeRequest) -> None:
+        async with self._write_lock:
+            await self._call.write(request)
+
+    def _fail_acks(self, failure: errors.MeshError) -> None:
+        for future in self._acks.values():
+            if not future.done():
+                future.set_exception(failure)
+        self._acks.clear()
+
+    async def ack(self, agent_id: str, sequences: list[int]) -> list[inbox_pb2.AckResult]:
+        """Ack on the stream; raises Unavailable when the stream is lost first
+        (the messages then come again and can be acked again)."""
+        if self._call is None:
+            raise errors.Unavailable("the inbox stream is not connected")
+        request_id = next(self._ack_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._acks[request_id] = future
+        try:
+            await self._write(inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest(
+                agent_id=agent_id, sequences=sequences, request_id=request_id)))
+        except grpc.aio.AioRpcError as exc:
+            self._acks.pop(request_id, None)
+            raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}") from None
+        return await asyncio.wait_for(future, self.ack_timeout)
+
+    async def consume(self, agent_id: str, messages: list[envelope_pb2.Envelope]) -> list[envelope_pb2.Envelope]:
+        """Ack the agent's messages on the stream; return those this ack
+        consumed (in order). Already-consumed or dead-lettered ones are left out."""
+        mine = [m for m in messages if m.recipient == agent_id]
+        if not mine:
+            return []
+        results = await self.ack(agent_id, [m.sequence for m in mine])
+        won = {r.sequence for r in results if r.status == inbox_pb2.ACK_STATUS_CONSUMED}
+        return [m for m in mine if m.sequence in won]
+
 
 async def consume(agent: AgentHandle, messages: list[envelope_pb2.Envelope]) -> list[envelope_pb2.Envelope]:
-    """Ack the agent's messages; return those this ack consumed (in order).
-    Messages already consumed earlier, or dead-lettered, are left out."""
+    """Like InboxStream.consume, with the unary Ack call (no stream needed)."""
     mine = [m for m in messages if m.recipient == agent.agent_id]
     if not mine:
         return []

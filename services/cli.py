@@ -142,17 +142,18 @@ async def _send(args) -> int:
 
 
 async def _tail(args) -> int:
-    from agent_host.inbox_stream import InboxStream, consume
+    from agent_host.inbox_stream import InboxStream
 
     async with _client(args) as client:
         me = _as(client, args.credential)
         if args.consume:
-            async for item in InboxStream([me]):
+            stream = InboxStream([me])
+            async for item in stream:
                 if item.agent_event is not None:
                     kind = inbox_pb2.SubscriptionEventKind.Name(item.agent_event.kind)
                     print(f"-- {kind.removeprefix('SUBSCRIPTION_EVENT_KIND_').lower()} {item.agent_event.agent_id} "
                           f"{item.agent_event.detail}".rstrip(), flush=True)
-                for m in await consume(me, item.messages):
+                for m in await stream.consume(me.agent_id, item.messages):
                     print(f"{_time(m.stored_at_us)} seq={m.sequence} from={m.sender} id={m.message_id} "
                           f"(consumed) {m.content.text!r}", flush=True)
             return 0

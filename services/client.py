@@ -318,11 +318,12 @@ class AgentHandle:
         return list(response.events)
 
     async def watch_events(
-        self, *, agent_id: str = "", sender: str = "", message_id: str = "", from_now: bool = False, after: int = 0
+        self, *, agent_id: str = "", sender: str = "", message_id: str = "", kinds: Iterable[int] = (),
+        from_now: bool = False, after: int = 0,
     ) -> AsyncIterator[ev_pb.Event]:
         call = self.client.events.WatchEvents(
             ev_pb.WatchEventsRequest(
-                filter=ev_pb.EventFilter(agent_id=agent_id, sender=sender, message_id=message_id),
+                filter=ev_pb.EventFilter(agent_id=agent_id, sender=sender, message_id=message_id, kinds=list(kinds)),
                 after_event_id=after, from_now=from_now,
             ),
             metadata=self.metadata,

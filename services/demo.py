@@ -9,13 +9,13 @@ from collections.abc import Callable
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.registry.v1 import registry_pb2 as reg
-from agent_host.inbox_stream import InboxStream, consume
+from agent_host.inbox_stream import InboxStream
 from services.client import AgentHandle, MeshClient
 
 
-async def _next_message(stream_iter, agent: AgentHandle):
+async def _next_message(stream: InboxStream, stream_iter, agent: AgentHandle):
     async for item in stream_iter:
-        consumed = await consume(agent, item.messages)
+        consumed = await stream.consume(agent.agent_id, item.messages)
         if consumed:
             return consumed[0]
     raise RuntimeError(f"{agent}'s inbox stream ended before a message arrived")
@@ -43,11 +43,11 @@ async def run_demo(address: str, say: Callable[[str], None] = print) -> dict[str
             receipt = await alice.send(bob.agent_id, "Hello Bob, this is Alice.")
             say(f"demo: alice -> bob {receipt.message_id}: {inbox_pb2.ReceiptStatus.Name(receipt.status)}"
                 f" at seq {receipt.sequence}")
-            got = await _next_message(bob_iter, bob)
+            got = await _next_message(bob_stream, bob_iter, bob)
             say(f"demo: bob consumed {got.message_id} from {got.sender}: {got.content.text!r}")
             reply = await bob.reply(got, "Hi Alice, Bob here. Got it.")
             say(f"demo: bob -> alice reply {reply.message_id}: {inbox_pb2.ReceiptStatus.Name(reply.status)}")
-            answer = await _next_message(alice_iter, alice)
+            answer = await _next_message(alice_stream, alice_iter, alice)
             say(f"demo: alice consumed {answer.message_id} (in reply to {answer.in_reply_to}): {answer.content.text!r}")
             both = await lead.events(agent_id=bob.agent_id) + await lead.events(agent_id=alice.agent_id)
             events = sorted({e.event_id: e for e in both}.values(), key=lambda e: e.event_id)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 from services import errors
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def check_text(field: str, value: str, *, max_len: int, required: bool = False) -> None:
@@ -14,7 +18,7 @@ def check_text(field: str, value: str, *, max_len: int, required: bool = False) 
             reason="FIELD_TOO_LONG",
             metadata={"field": field},
         )
-    if any(ord(c) < 32 for c in value):
+    if _CONTROL.search(value):
         raise errors.InvalidArgument(
             f"{field} contains control characters", reason="BAD_CHARACTERS", metadata={"field": field}
         )

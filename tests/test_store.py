@@ -100,7 +100,7 @@ async def test_a_failing_operation_does_not_sink_its_batch(store):
     results = await asyncio.gather(failing, fine, return_exceptions=True)
     assert isinstance(results[0], errors.FailedPrecondition)
     assert (await store.get_agent(results[1].agent_id)).name == "fine"
-    assert await store.reader.run(lambda c: c.execute("SELECT count(*) FROM meta WHERE key='x'").fetchone()[0]) == 0
+    assert await store._read(lambda c: c.execute("SELECT count(*) FROM meta WHERE key='x'").fetchone()[0]) == 0
     assert not [e for e in await store.list_events(EventQuery(agent_id="agt_boom")) if e.detail]
 
 

@@ -139,7 +139,8 @@ class EventsService:
                     yield batch
                     continue
                 try:
-                    await asyncio.wait_for(watcher.wake.wait(), self._poll_interval_s)
+                    async with asyncio.timeout(self._poll_interval_s):
+                        await watcher.wake.wait()
                 except TimeoutError:
                     watcher.needs_store = True  # safety net for writers in other processes
         finally:

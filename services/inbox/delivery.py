@@ -136,7 +136,8 @@ class Subscription:
             if any(f.ended or (f.needs_store and f.room > 0) for f in self.feeds.values()):
                 continue
             try:
-                await asyncio.wait_for(self.wake.wait(), hub.heartbeat_interval_s)
+                async with asyncio.timeout(hub.heartbeat_interval_s):
+                    await self.wake.wait()
             except TimeoutError:
                 yield pb.SubscribeResponse(heartbeat=pb.Heartbeat(at_us=now_us()))
                 for feed in self.feeds.values():

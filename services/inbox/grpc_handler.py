@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from services import errors
-from services.directory import Directory
+from services.directory import Caller, Directory
 from services.grpc_common import bearer, caller_of, streaming, unary
 from services.grpc_status import to_grpc
+from services.inbox.delivery import Subscription
 from services.inbox.service import InboxService
-from services.store.base import MessageRecord, SendOutcome
+from services.store.base import AckOutcome, MessageRecord, SendOutcome
+
+_ACKS_IN_FLIGHT = 8
+"""Acks of one Consume stream being processed at once (they group-commit)."""
 
 
 def receipt_pb(outcome: SendOutcome) -> pb.Receipt:
@@ -23,6 +29,10 @@ def receipt_pb(outcome: SendOutcome) -> pb.Receipt:
         stored_at_us=outcome.stored_at_us,
         detail=outcome.detail,
     )
+
+
+def ack_result_pb(outcome: AckOutcome) -> pb.AckResult:
+    return pb.AckResult(sequence=outcome.sequence, message_id=outcome.message_id, status=outcome.status)
 
 
 def status_pb(record: MessageRecord) -> pb.MessageStatus:
@@ -56,36 +66,95 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
             outcomes = await self._service.send(caller, list(request.messages))
             yield pb.SendResponse(receipts=[receipt_pb(o) for o in outcomes])
 
+    async def _open(self, request: pb.SubscribeRequest, context) -> tuple[Subscription, dict[str, Caller]]:
+        credentials = list(request.credentials) or [bearer(context)]
+        callers = [await self._directory.authenticate(c) for c in credentials]
+        subscription = await self._service.subscribe(callers, request.max_in_flight, context.peer())
+        return subscription, {c.agent.agent_id: c for c in callers if c.agent is not None}
+
+    async def _finish(self, subscription: Subscription, context) -> None:
+        """The subscription stopped producing: all its agents left, or the mesh is stopping."""
+        if self._service.hub.closing:
+            await self._service.unsubscribed(subscription, "mesh shutting down")
+            await context.abort(*to_grpc(errors.Unavailable(
+                "the mesh is shutting down; subscribe again to resume (unacked messages are redelivered)",
+                reason="SHUTTING_DOWN")))
+        await self._service.unsubscribed(subscription, "all its agents left")
+
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
         try:
-            credentials = list(request.credentials) or [bearer(context)]
-            callers = [await self._directory.authenticate(c) for c in credentials]
-            subscription = await self._service.subscribe(callers, request.max_in_flight, context.peer())
+            subscription, _ = await self._open(request, context)
         except errors.MeshError as exc:
             await context.abort(*to_grpc(exc))
             return
-        why = "stream ended"
         try:
             async for response in subscription.responses():
                 await context.write(response)
-            if self._service.hub.closing:
-                why = "mesh shutting down"
-                await context.abort(*to_grpc(errors.Unavailable(
-                    "the mesh is shutting down; subscribe again to resume (unacked messages are redelivered)",
-                    reason="SHUTTING_DOWN")))
         except BaseException as exc:
-            why = f"subscriber gone ({type(exc).__name__})"
+            await self._service.unsubscribed(subscription, f"subscriber gone ({type(exc).__name__})")
             raise
-        finally:
-            await self._service.unsubscribed(subscription, why)
+        await self._finish(subscription, context)
+
+    async def Consume(self, request_iterator, context: grpc.aio.ServicerContext):
+        requests = request_iterator.__aiter__()
+        try:
+            first = await anext(requests)
+            if first.WhichOneof("request") != "subscribe":
+                raise errors.InvalidArgument("the first ConsumeRequest must be `subscribe`", reason="SUBSCRIBE_FIRST")
+            subscription, callers = await self._open(first.subscribe, context)
+        except StopAsyncIteration:
+            return
+        except errors.MeshError as exc:
+            await context.abort(*to_grpc(exc))
+            return
+        writing = asyncio.Lock()  # one write at a time on the stream; acks and deliveries take turns
+        acking = asyncio.Semaphore(_ACKS_IN_FLIGHT)
+
+        async def write(response: pb.SubscribeResponse) -> None:
+            async with writing:
+                await context.write(response)
+
+        async def ack_one(request: pb.AckRequest) -> None:
+            try:
+                caller = callers.get(request.agent_id)
+                if caller is None:
+                    raise errors.PermissionDenied(
+                        f"ack names agent {request.agent_id!r}, which this stream did not subscribe",
+                        reason="AGENT_MISMATCH")
+                outcomes = await self._service.ack(caller, request.agent_id, list(request.sequences))
+                await write(pb.SubscribeResponse(acked=pb.AckResponse(
+                    results=[ack_result_pb(o) for o in outcomes], agent_id=request.agent_id,
+                    request_id=request.request_id)))
+            finally:
+                acking.release()
+
+        async def read_acks(group: asyncio.TaskGroup) -> None:
+            async for request in requests:
+                if request.WhichOneof("request") != "ack":
+                    raise errors.InvalidArgument("only `ack` may follow the first ConsumeRequest",
+                                                 reason="ACK_EXPECTED")
+                await acking.acquire()
+                group.create_task(ack_one(request.ack))
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                reader = group.create_task(read_acks(group))
+                async for response in subscription.responses():
+                    await write(response)
+                reader.cancel()
+        except* errors.MeshError as failed:
+            await self._service.unsubscribed(subscription, "bad request on the stream")
+            await context.abort(*to_grpc(failed.exceptions[0]))
+        except* BaseException as gone:
+            await self._service.unsubscribed(subscription, f"subscriber gone ({type(gone.exceptions[0]).__name__})")
+            raise
+        await self._finish(subscription, context)
 
     @unary
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
         caller = await caller_of(context, self._directory)
         outcomes = await self._service.ack(caller, request.agent_id, list(request.sequences))
-        return pb.AckResponse(
-            results=[pb.AckResult(sequence=o.sequence, message_id=o.message_id, status=o.status) for o in outcomes]
-        )
+        return pb.AckResponse(results=[ack_result_pb(o) for o in outcomes], agent_id=caller.agent.agent_id)
 
     @unary
     async def GetMessageStatus(self, request: pb.GetMessageStatusRequest, context) -> pb.GetMessageStatusResponse:

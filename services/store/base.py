@@ -225,7 +225,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def record_events(self, events: list[EventRecord]) -> None:
         """Append events that are not a side effect of another store call
-        (subscriptions starting and ending, later runtime events)."""
+        (subscriptions starting and ending). Returns once queued; they are
+        written with the next commit (at the latest shortly after)."""
 
     @abc.abstractmethod
     def add_commit_listener(self, callback: Callable[[int, list[tuple]], None]) -> None:

@@ -13,8 +13,10 @@ import asyncio
 import json
 import logging
 import sqlite3
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -43,11 +45,12 @@ from services.store.base import (
     MessageRecord,
     SendOutcome,
 )
-from services.store.sqlite_runner import Reader, Writer, connect
+from services.store.sqlite_runner import Writer, connect
 from services.store.sqlite_schema import SCHEMA, SCHEMA_VERSION
 from services.telemetry import trace_id_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _AGENT_COLUMNS = (
     "agent_id, name, mode, parent_id, scope_id, depth, state, metadata, inbox_capacity,"
@@ -169,7 +172,7 @@ class SqliteStore(base.Store):
         self.config = config
         self.path = Path(config.path)
         self._writer: Writer | None = None
-        self._reader: Reader | None = None
+        self._conn: sqlite3.Connection | None = None
         self._listeners: list = []
 
     # -- lifecycle ----------------------------------------------------------
@@ -195,9 +198,7 @@ class SqliteStore(base.Store):
         )
         self._writer.after_commit = self._after_commit
         self._writer.start()
-        self._reader = Reader(
-            connect(self.path, synchronous=self.config.synchronous, busy_timeout_ms=self.config.busy_timeout_ms)
-        )
+        self._conn = conn
         log.info("sqlite store open at %s (synchronous=%s)", self.path, self.config.synchronous)
 
     def _after_commit(self, first_event_id: int, events: list[tuple]) -> None:
@@ -209,11 +210,11 @@ class SqliteStore(base.Store):
 
     async def close(self) -> None:
         writer, self._writer = self._writer, None
-        reader, self._reader = self._reader, None
         if writer is not None:
             await writer.close()
-        if reader is not None:
-            await reader.close()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     @property
     def writer(self) -> Writer:
@@ -221,11 +222,12 @@ class SqliteStore(base.Store):
             raise errors.Unavailable("the store is not running", reason="STORE_CLOSED")
         return self._writer
 
-    @property
-    def reader(self) -> Reader:
-        if self._reader is None:
+    async def _read(self, op: Callable[[sqlite3.Connection], T]) -> T:
+        """Run a read on the connection. Reads are short indexed queries;
+        outside a flush no transaction is open, so they see every commit."""
+        if self._conn is None or self._writer is None:
             raise errors.Unavailable("the store is not running", reason="STORE_CLOSED")
-        return self._reader
+        return op(self._conn)
 
     # -- registry -----------------------------------------------------------
     async def create_agent(self, record: AgentRecord) -> AgentRecord:
@@ -262,7 +264,7 @@ class SqliteStore(base.Store):
             row = conn.execute(f"SELECT {_AGENT_COLUMNS} FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
             return _agent(row) if row else None
 
-        return await self.reader.run(op)
+        return await self._read(op)
 
     async def find_agents(self, scope_id: str, name: str, include_closed: bool) -> list[AgentRecord]:
         def op(conn: sqlite3.Connection) -> list[AgentRecord]:
@@ -274,7 +276,7 @@ class SqliteStore(base.Store):
             ).fetchall()
             return [_agent(r) for r in rows]
 
-        return await self.reader.run(op)
+        return await self._read(op)
 
     async def list_agents(
         self, *, scope_id: str = "", parent_id: str = "", include_closed: bool, after_key: str, limit: int
@@ -296,7 +298,7 @@ class SqliteStore(base.Store):
             ).fetchall()
             return [_agent(r) for r in rows]
 
-        return await self.reader.run(op)
+        return await self._read(op)
 
     async def close_agent(self, agent_id: str, reason: str, at_us: int) -> CloseOutcome:
         def op(conn: sqlite3.Connection, events: list[tuple]) -> CloseOutcome:
@@ -469,7 +471,7 @@ class SqliteStore(base.Store):
                          "attempt=1", trace_id)
                     )
 
-        return await self.writer.enqueue(op)
+        return await self.writer.enqueue(op, lazy=True)
 
     async def ack(self, recipient: str, sequences: list[int], at_us: int) -> list[AckOutcome]:
         def op(conn: sqlite3.Connection, events: list[tuple]) -> list[AckOutcome]:
@@ -514,7 +516,7 @@ class SqliteStore(base.Store):
             ).fetchone()
             return _message(row) if row else None
 
-        return await self.reader.run(op)
+        return await self._read(op)
 
     async def get_message_by_inbox(self, recipient: str, sequence: int) -> MessageRecord | None:
         def op(conn: sqlite3.Connection) -> MessageRecord | None:
@@ -523,7 +525,7 @@ class SqliteStore(base.Store):
             ).fetchone()
             return _message(row) if row else None
 
-        return await self.reader.run(op)
+        return await self._read(op)
 
     async def list_dead_letters(
         self, *, recipient: str = "", sender: str = "", after_key: str, limit: int
@@ -545,7 +547,7 @@ class SqliteStore(base.Store):
             next_key = str(rows[-1][0]) if len(rows) == limit else ""
             return page, next_key
 
-        return await self.reader.run(op)
+        return await self._read(op)
 
     # -- events -------------------------------------------------------------
     async def list_events(self, query: EventQuery) -> list[ev.Event]:
@@ -568,14 +570,14 @@ class SqliteStore(base.Store):
         def op(conn: sqlite3.Connection) -> list[ev.Event]:
             return [_event(r) for r in conn.execute(sql, params).fetchall()]
 
-        return await self.reader.run(op)
+        return await self._read(op)
 
     async def record_events(self, events: list[ev.Event]) -> None:
         rows = [
             (e.at_us, e.kind, e.agent_id, e.message_id, e.sender, e.recipient, e.sequence, e.detail, e.trace_id)
             for e in events
         ]
-        await self.writer.run(lambda conn, events: events.extend(rows))
+        await self.writer.enqueue(lambda conn, events: events.extend(rows), lazy=True)
 
     def add_commit_listener(self, callback) -> None:
         self._listeners.append(callback)
@@ -585,4 +587,4 @@ class SqliteStore(base.Store):
             row = conn.execute("SELECT max(event_id) FROM events").fetchone()
             return row[0] or 0
 
-        return await self.reader.run(op)
+        return await self._read(op)

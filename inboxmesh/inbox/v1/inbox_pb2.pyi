@@ -120,22 +120,34 @@ class Heartbeat(_message.Message):
     def __init__(self, at_us: _Optional[int] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("deliveries", "subscription", "heartbeat")
+    __slots__ = ("deliveries", "subscription", "heartbeat", "acked")
     DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
     deliveries: Deliveries
     subscription: SubscriptionEvent
     heartbeat: Heartbeat
-    def __init__(self, deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., subscription: _Optional[_Union[SubscriptionEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    acked: AckResponse
+    def __init__(self, deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., subscription: _Optional[_Union[SubscriptionEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., acked: _Optional[_Union[AckResponse, _Mapping]] = ...) -> None: ...
+
+class ConsumeRequest(_message.Message):
+    __slots__ = ("subscribe", "ack")
+    SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    subscribe: SubscribeRequest
+    ack: AckRequest
+    def __init__(self, subscribe: _Optional[_Union[SubscribeRequest, _Mapping]] = ..., ack: _Optional[_Union[AckRequest, _Mapping]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("agent_id", "sequences")
+    __slots__ = ("agent_id", "sequences", "request_id")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     sequences: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, agent_id: _Optional[str] = ..., sequences: _Optional[_Iterable[int]] = ...) -> None: ...
+    request_id: int
+    def __init__(self, agent_id: _Optional[str] = ..., sequences: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class AckResult(_message.Message):
     __slots__ = ("sequence", "message_id", "status")
@@ -148,10 +160,14 @@ class AckResult(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., message_id: _Optional[str] = ..., status: _Optional[_Union[AckStatus, str]] = ...) -> None: ...
 
 class AckResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "agent_id", "request_id")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[AckResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ...) -> None: ...
+    agent_id: str
+    request_id: int
+    def __init__(self, results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ..., agent_id: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class MessageKey(_message.Message):
     __slots__ = ("by_sender", "by_inbox")

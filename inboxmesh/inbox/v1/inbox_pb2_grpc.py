@@ -54,6 +54,11 @@ class InboxServiceStub(object):
                 request_serializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.AckRequest.SerializeToString,
                 response_deserializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.AckResponse.FromString,
                 _registered_method=True)
+        self.Consume = channel.stream_stream(
+                '/inboxmesh.inbox.v1.InboxService/Consume',
+                request_serializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.ConsumeRequest.SerializeToString,
+                response_deserializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.SubscribeResponse.FromString,
+                _registered_method=True)
         self.GetMessageStatus = channel.unary_unary(
                 '/inboxmesh.inbox.v1.InboxService/GetMessageStatus',
                 request_serializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.GetMessageStatusRequest.SerializeToString,
@@ -100,6 +105,16 @@ class InboxServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Consume(self, request_iterator, context):
+        """Subscribe and ack on one stream (for hosts that consume at a high rate
+        or want the lowest latency): the first request subscribes, later ones
+        ack; acks are authorised by the subscription's credentials. Responses
+        are those of Subscribe plus one `acked` per AckRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetMessageStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -134,6 +149,11 @@ def add_InboxServiceServicer_to_server(servicer, server):
                     servicer.Ack,
                     request_deserializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.AckRequest.FromString,
                     response_serializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.AckResponse.SerializeToString,
+            ),
+            'Consume': grpc.stream_stream_rpc_method_handler(
+                    servicer.Consume,
+                    request_deserializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.ConsumeRequest.FromString,
+                    response_serializer=inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.SubscribeResponse.SerializeToString,
             ),
             'GetMessageStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetMessageStatus,
@@ -254,6 +274,33 @@ class InboxService(object):
             '/inboxmesh.inbox.v1.InboxService/Ack',
             inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.AckRequest.SerializeToString,
             inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.AckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Consume(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inboxmesh.inbox.v1.InboxService/Consume',
+            inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.ConsumeRequest.SerializeToString,
+            inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2.SubscribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

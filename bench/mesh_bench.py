@@ -1,0 +1,199 @@
+"""The mesh under the bench/common.py workload: a mesh process (`inboxmesh
+up`, embedded SQLite with synchronous=FULL: every accepted message and every
+consumption is fsynced before it is acknowledged), a sender process and a
+receiver process.
+
+- sender: SendStream; whenever window slots are free it sends that many
+  messages in one request (one message per request at concurrency 1). It
+  learns that a message was consumed from the mesh's own event stream
+  (WatchEvents, MESSAGE_CONSUMED events of its messages) and only then
+  frees the slot.
+- receiver: one Consume stream (deliveries in, acks out on the same
+  stream, through agent_host.inbox_stream.InboxStream); acks each delivered
+  batch at once; a message counts as consumed when its ack returns CONSUMED.
+
+    python bench/mesh_bench.py --messages 5000 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import emit, now_ns, payload, python_env, summarize  # noqa: E402
+from bench.procs import Child, python  # noqa: E402
+
+WARMUP = 300
+
+
+async def run_sender(address: str, agent_id: str, credential: str, recipient: str, n: int, c: int) -> None:
+    from inboxmesh.events.v1 import events_pb2 as ev
+    from inboxmesh.inbox.v1 import inbox_pb2 as pb
+    from services.client import MeshClient, envelope
+
+    async with MeshClient(address) as client:
+        me = client.agent(agent_id, credential)
+        window = asyncio.Semaphore(c)
+        consumed = 0
+        all_consumed = asyncio.Event()
+        target = 0
+
+        async def watch():
+            nonlocal consumed
+            async for _ in me.watch_events(sender=agent_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED], from_now=True):
+                consumed += 1
+                window.release()
+                if consumed >= target:
+                    all_consumed.set()
+
+        watcher = asyncio.create_task(watch())
+        call = me.send_stream()
+
+        async def check_receipts():
+            async for response in call:
+                for receipt in response.receipts:
+                    if receipt.status != pb.RECEIPT_STATUS_ACCEPTED:
+                        raise SystemExit(f"unexpected receipt {receipt}")
+
+        checker = asyncio.create_task(check_receipts())
+        await asyncio.sleep(0.2)  # let the event watch attach before the first consumption can happen
+
+        async def phase(prefix: str, count: int, sent_ns: dict) -> None:
+            nonlocal target
+            target = consumed + count
+            all_consumed.clear()
+            i = 0
+            while i < count:
+                await window.acquire()
+                batch = [i]
+                while len(batch) < count - i and not window.locked():
+                    await window.acquire()
+                    batch.append(i + len(batch))
+                envelopes = []
+                for k in batch:
+                    e = envelope(recipient, payload(k), message_id=f"{prefix}{k}")
+                    sent_ns[e.message_id] = now_ns()
+                    envelopes.append(e)
+                await call.write(pb.SendRequest(messages=envelopes))
+                i += len(batch)
+            await all_consumed.wait()
+
+        await phase("w", WARMUP, {})
+        print("warmed", flush=True)
+        sys.stdin.readline()
+        sent_ns: dict[str, int] = {}
+        await phase("m", n, sent_ns)
+        await call.done_writing()
+        await checker
+        watcher.cancel()
+        print("sent " + json.dumps(sent_ns), flush=True)
+
+
+async def run_receiver(address: str, agent_id: str, credential: str) -> None:
+    from agent_host.inbox_stream import InboxStream
+    from services.client import MeshClient
+
+    async with MeshClient(address) as client:
+        me = client.agent(agent_id, credential)
+        stream = InboxStream([me], max_in_flight=2048)
+        consumed_ns: dict[str, int] = {}
+        acking = asyncio.Semaphore(8)
+        tasks: set[asyncio.Task] = set()
+
+        async def consume(batch):
+            try:
+                won = await stream.consume(agent_id, batch)
+                at = now_ns()
+                if len(won) != len(batch):
+                    raise SystemExit(f"only {len(won)} of {len(batch)} messages consumed")
+                for m in won:
+                    consumed_ns[m.message_id] = at
+            finally:
+                acking.release()
+
+        async def report():
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            await asyncio.gather(*tasks)
+            print("consumed " + json.dumps({k: v for k, v in consumed_ns.items() if k.startswith("m")}), flush=True)
+            stream.stop()
+
+        reporter = asyncio.create_task(report())
+        async for item in stream:
+            if item.agent_event is not None:
+                print("ready", flush=True)
+            elif item.messages:
+                await acking.acquire()
+                task = asyncio.create_task(consume(item.messages))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        await reporter
+
+
+async def setup_agents(address: str) -> tuple:
+    from services.client import MeshClient
+
+    async with MeshClient(address) as client:
+        lead = await client.register("bench")
+        sender = await lead.spawn("sender")
+        receiver = await lead.spawn("receiver", inbox_capacity=100_000)
+        return sender, receiver
+
+
+def run(n: int, c: int) -> dict:
+    env = python_env()
+    with tempfile.TemporaryDirectory(prefix="meshbench") as data:
+        mesh = Child([python(), "-m", "services.cli", "--log-level", "warning", "up", "--port", "0", "--no-demo",
+                      "--data-dir", data], env, name="mesh")
+        children = [mesh]
+        try:
+            address = mesh.expect("inboxmesh listening on ").split()[0]
+            sender, receiver = asyncio.run(setup_agents(address))
+            me = str(Path(__file__).resolve())
+            recv = Child([python(), me, "--role", "receiver", "--address", address, "--agent", receiver.agent_id,
+                          "--credential", receiver.credential], env, name="receiver")
+            children.append(recv)
+            recv.expect("ready")
+            send = Child([python(), me, "--role", "sender", "--address", address, "--agent", sender.agent_id,
+                          "--credential", sender.credential, "--recipient", receiver.agent_id, "--messages", str(n),
+                          "--concurrency", str(c)], env, name="sender")
+            children.append(send)
+            send.expect("warmed")
+            before = {"mesh": mesh.cpu(), "sender": send.cpu(), "receiver": recv.cpu()}
+            send.tell("go")
+            sent_ns = json.loads(send.expect("sent ", timeout=600))
+            after = {"mesh": mesh.cpu(), "sender": send.cpu(), "receiver": recv.cpu()}
+            recv.tell("report")
+            consumed_ns = json.loads(recv.expect("consumed "))
+            return summarize("inboxmesh", c, sent_ns, consumed_ns, {k: after[k] - before[k] for k in before})
+        finally:
+            for child in reversed(children):
+                child.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=5000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--agent", help=argparse.SUPPRESS)
+    parser.add_argument("--credential", help=argparse.SUPPRESS)
+    parser.add_argument("--recipient", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "sender":
+        asyncio.run(run_sender(args.address, args.agent, args.credential, args.recipient, args.messages,
+                               args.concurrency))
+    elif args.role == "receiver":
+        asyncio.run(run_receiver(args.address, args.agent, args.credential))
+    else:
+        emit(run(args.messages, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()
