@@ -92,6 +92,8 @@ class InboxStream:
                 await self._write(inbox_pb2.ConsumeRequest(subscribe=inbox_pb2.SubscribeRequest(
                     credentials=[a.credential for a in self.agents.values()], max_in_flight=self.max_in_flight)))
                 while (item := await items.get()) is not _ENDED:
+                    if isinstance(item, StreamItem) and item.messages:
+                        item = self._coalesce(item, items)
                     if isinstance(item, grpc.aio.AioRpcError):
                         if self._stopped:
                             return
@@ -120,6 +122,17 @@ class InboxStream:
             log.info("inbox stream for %s lost (%s); resubscribing in %.2fs", ", ".join(self.agents), failure, delay)
             self.reconnects += 1
             await asyncio.sleep(delay)
+
+    @staticmethod
+    def _coalesce(item: StreamItem, items: asyncio.Queue) -> StreamItem:
+        """Join deliveries already waiting behind this one, so a host takes
+        everything pending in one go (one ack, one turn)."""
+        while not items.empty():
+            following = items._queue[0]  # peek: only plain deliveries are joined, in order
+            if not (isinstance(following, StreamItem) and following.messages):
+                break
+            item.messages.extend(items.get_nowait().messages)
+        return item
 
     async def _read(self, call, items: asyncio.Queue) -> None:
         try:

@@ -9,8 +9,9 @@ receiver process.
   (WatchEvents, MESSAGE_CONSUMED events of its messages) and only then
   frees the slot.
 - receiver: one Consume stream (deliveries in, acks out on the same
-  stream, through agent_host.inbox_stream.InboxStream); acks each delivered
-  batch at once; a message counts as consumed when its ack returns CONSUMED.
+  stream, through agent_host.inbox_stream.InboxStream, which hands over
+  everything delivered meanwhile as one batch); acks each batch with one
+  ack; a message counts as consumed when its ack returns CONSUMED.
 
     python bench/mesh_bench.py --messages 5000 --concurrency 64
 """
@@ -103,35 +104,23 @@ async def run_receiver(address: str, agent_id: str, credential: str) -> None:
         me = client.agent(agent_id, credential)
         stream = InboxStream([me], max_in_flight=2048)
         consumed_ns: dict[str, int] = {}
-        acking = asyncio.Semaphore(8)
-        tasks: set[asyncio.Task] = set()
-
-        async def consume(batch):
-            try:
-                won = await stream.consume(agent_id, batch)
-                at = now_ns()
-                if len(won) != len(batch):
-                    raise SystemExit(f"only {len(won)} of {len(batch)} messages consumed")
-                for m in won:
-                    consumed_ns[m.message_id] = at
-            finally:
-                acking.release()
 
         async def report():
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-            await asyncio.gather(*tasks)
             print("consumed " + json.dumps({k: v for k, v in consumed_ns.items() if k.startswith("m")}), flush=True)
             stream.stop()
 
         reporter = asyncio.create_task(report())
-        async for item in stream:
+        async for item in stream:  # everything delivered meanwhile comes as one item: one ack
             if item.agent_event is not None:
                 print("ready", flush=True)
-            elif item.messages:
-                await acking.acquire()
-                task = asyncio.create_task(consume(item.messages))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                continue
+            won = await stream.consume(agent_id, item.messages)
+            at = now_ns()
+            if len(won) != len(item.messages):
+                raise SystemExit(f"only {len(won)} of {len(item.messages)} messages consumed")
+            for m in won:
+                consumed_ns[m.message_id] = at
         await reporter
 
 
@@ -145,11 +134,11 @@ async def setup_agents(address: str) -> tuple:
         return sender, receiver
 
 
-def run(n: int, c: int) -> dict:
+def run(n: int, c: int, synchronous: str = "full") -> dict:
     env = python_env()
     with tempfile.TemporaryDirectory(prefix="meshbench") as data:
         mesh = Child([python(), "-m", "services.cli", "--log-level", "warning", "up", "--port", "0", "--no-demo",
-                      "--data-dir", data], env, name="mesh")
+                      "--data-dir", data, "--synchronous", synchronous], env, name="mesh")
         children = [mesh]
         try:
             address = mesh.expect("inboxmesh listening on ").split()[0]
@@ -180,6 +169,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--synchronous", default="full", choices=["full", "normal"],
+                        help="the mesh's durability setting (the comparison uses full)")
     parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--agent", help=argparse.SUPPRESS)
@@ -192,7 +183,7 @@ def main() -> None:
     elif args.role == "receiver":
         asyncio.run(run_receiver(args.address, args.agent, args.credential))
     else:
-        emit(run(args.messages, args.concurrency))
+        emit(run(args.messages, args.concurrency, args.synchronous))
 
 
 if __name__ == "__main__":

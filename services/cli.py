@@ -70,7 +70,7 @@ async def _up(args) -> int:
     config = settings.mesh_config(
         host=args.host, port=args.port, data=data, services=tuple(args.services.split(",")),
         admin_token=args.admin_token, capacity=args.capacity, allow_cross_scope=args.allow_cross_scope,
-        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_interval_s=args.heartbeat_interval, synchronous=args.synchronous.upper(),
     )
     mesh = Mesh(config)
     try:
@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--capacity", type=int, help="default inbox capacity")
     up.add_argument("--heartbeat-interval", type=float, default=10.0,
                     help="seconds between stream heartbeats (and re-checks of closes made by other processes)")
+    up.add_argument("--synchronous", default="full", choices=["full", "normal"],
+                    help="full: every commit is fsynced before it is acknowledged (default); normal: survives a"
+                         " crash of the mesh process but not of the machine")
     up.add_argument("--allow-cross-scope", action="store_true", help="let agents send outside their own tree")
     up.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True,
                     help="run the two-agent demo after starting (default on)")

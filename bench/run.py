@@ -1,0 +1,118 @@
+"""Run the whole comparison: the bare grpc.aio echo (floor), AutoGen's gRPC
+runtime and this mesh, at concurrency 1 and 64, interleaved, three rounds;
+report medians and ratios against AutoGen, and write them into
+docs/benchmarks.md between the result markers.
+
+    bash scripts/bench.sh            # sets up .venv and .venv-autogen, then runs this
+    python bench/run.py --rounds 1   # quicker, noisier
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import python_env, read_result  # noqa: E402
+
+AUTOGEN_PYTHON = ROOT / ".venv-autogen" / "bin" / "python"
+DOC = ROOT / "docs" / "benchmarks.md"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+# (system, script, interpreter, messages at concurrency 1, at 64)
+SYSTEMS = [
+    ("grpc-echo", "echo_bench.py", Path(sys.executable), 10_000, 20_000),
+    ("autogen", "autogen_bench.py", AUTOGEN_PYTHON, 3_000, 6_000),
+    ("inboxmesh", "mesh_bench.py", Path(sys.executable), 3_000, 10_000),
+]
+METRICS = ("msgs_per_s", "p50_ms", "p99_ms", "cpu_us_per_msg")
+
+
+def run_one(script: str, interpreter: Path, messages: int, concurrency: int) -> dict:
+    done = subprocess.run(
+        [str(interpreter), str(ROOT / "bench" / script), "--messages", str(messages), "--concurrency",
+         str(concurrency)],
+        capture_output=True, text=True, env=python_env(), cwd=ROOT, timeout=900,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{script} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return read_result(done.stdout)
+
+
+def medians(results: list[dict]) -> dict:
+    return {m: round(statistics.median(r[m] for r in results), 3) for m in METRICS}
+
+
+def table(summary: dict) -> str:
+    lines = [
+        "| system | in flight | msgs/s | p50 ms | p99 ms | CPU us/msg (all processes) | throughput vs AutoGen |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for concurrency in (1, 64):
+        base = summary[("autogen", concurrency)]["msgs_per_s"]
+        for system, *_ in SYSTEMS:
+            m = summary[(system, concurrency)]
+            lines.append(
+                f"| {system} | {concurrency} | {m['msgs_per_s']:,.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
+                f"{m['cpu_us_per_msg']:,.0f} | {m['msgs_per_s'] / base:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def write_doc(text: str) -> None:
+    doc = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
+    if START not in doc or END not in doc:
+        doc += f"\n{START}\n{END}\n"
+    head, rest = doc.split(START, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every message count")
+    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = parser.parse_args()
+    if not AUTOGEN_PYTHON.exists():
+        raise SystemExit("no .venv-autogen: run `bash scripts/bench.sh`, which creates it")
+    raw: dict[tuple[str, int], list[dict]] = {}
+    started = time.monotonic()
+    for round_no in range(1, args.rounds + 1):
+        for concurrency in (1, 64):
+            for system, script, interpreter, n1, n64 in SYSTEMS:
+                n = int((n1 if concurrency == 1 else n64) * args.scale)
+                result = run_one(script, interpreter, n, concurrency)
+                raw.setdefault((system, concurrency), []).append(result)
+                print(f"round {round_no} {system:<10} c={concurrency:<3} {result['msgs_per_s']:>9,.0f} msgs/s "
+                      f"p50 {result['p50_ms']:.2f} ms p99 {result['p99_ms']:.2f} ms "
+                      f"cpu {result['cpu_us_per_msg']:,.0f} us/msg", flush=True)
+    summary = {key: medians(results) for key, results in raw.items()}
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = (
+        f"Measured {stamp} by `bash scripts/bench.sh` ({args.rounds} rounds, medians; "
+        f"{platform.python_version()}, {platform.machine()}, "
+        f"{len(__import__('os').sched_getaffinity(0))} cores; {time.monotonic() - started:.0f} s in all).\n\n"
+        + table(summary)
+    )
+    print("\n" + text)
+    out = ROOT / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json").write_text(
+        json.dumps({f"{s}/{c}": r for (s, c), r in raw.items()}, indent=2))
+    if not args.no_doc:
+        write_doc(text)
+        print(f"\nwritten to {DOC.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
