@@ -10,7 +10,7 @@ import grpc
 
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.client import AgentHandle
-from tests.conftest import eventually
+from tests.fixtures import eventually
 
 
 class Collector:

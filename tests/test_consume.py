@@ -11,7 +11,7 @@ from agent_host.inbox_stream import InboxStream
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.client import MeshClient
 from services.server import Mesh
-from tests.conftest import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from services import errors
 from services.client import MeshClient, envelope
 from services.clock import now_us
 from services.server import Mesh
-from tests.conftest import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 from tests.streams import Collector
 
 

@@ -8,7 +8,7 @@ import pytest
 from inboxmesh.events.v1 import events_pb2 as ev
 from services import errors
 from services.telemetry import trace_id_of
-from tests.conftest import eventually
+from tests.fixtures import eventually
 from tests.streams import Collector
 
 

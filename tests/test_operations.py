@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.client import MeshClient
 from services.server import Mesh
-from tests.conftest import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 from tests.processes import MeshProcess
 from tests.streams import Collector
 

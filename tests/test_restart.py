@@ -8,7 +8,7 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from services.client import MeshClient, envelope
 from services.server import Mesh
-from tests.conftest import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 from tests.processes import MeshProcess
 from tests.streams import Collector
 

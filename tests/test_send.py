@@ -9,7 +9,7 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services import errors
 from services.client import MeshClient, envelope
 from services.server import Mesh
-from tests.conftest import ADMIN_TOKEN, make_config
+from tests.fixtures import ADMIN_TOKEN, make_config
 
 ACCEPTED, DUPLICATE = pb.RECEIPT_STATUS_ACCEPTED, pb.RECEIPT_STATUS_DUPLICATE
 

@@ -1,5 +1,6 @@
-"""Fixtures: a real mesh (gRPC on a free loopback port, SQLite in tmp_path),
-clients, and an in-memory span exporter installed once for the session."""
+"""Shared fixtures, loaded by the root conftest.py: a real mesh (gRPC on a free
+loopback port, SQLite in tmp_path), clients, and an in-memory span exporter
+installed once for the session."""
 
 from __future__ import annotations
 

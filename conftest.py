@@ -1,0 +1,2 @@
+# Fixtures shared by tests/ and harness/ (a real mesh on a free port, clients, spans).
+pytest_plugins = ["tests.fixtures"]
