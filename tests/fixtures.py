@@ -80,3 +80,13 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.01, m
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {message}")
         await asyncio.sleep(interval)
+
+
+@pytest.fixture(autouse=True)
+def no_unhandled_servicer_errors(caplog):
+    """Fail any test during which gRPC reported an exception our servicers
+    let escape (it would otherwise only show in the log)."""
+    yield
+    escaped = [r.getMessage() for r in caplog.records
+               if r.name.startswith("grpc") and r.levelname in ("ERROR", "CRITICAL")]
+    assert not escaped, f"servicer exceptions escaped to gRPC: {escaped}"

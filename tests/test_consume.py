@@ -105,3 +105,24 @@ async def test_inbox_stream_consumes_each_message_once_across_a_mesh_restart(tmp
             await task
     finally:
         await mesh.stop()
+
+
+async def test_a_subscriber_going_away_is_a_clean_end(family, caplog):
+    lead, _, b = family
+    stream = InboxStream([b])
+    items = stream.__aiter__()
+    await items.__anext__()  # attached
+    await lead.send(b.agent_id, "hello")
+    item = await items.__anext__()
+    assert [m.content.text for m in item.messages] == ["hello"]
+    stream.stop()
+    await items.aclose()
+    from inboxmesh.events.v1 import events_pb2 as ev
+
+    await eventually(lambda: _events(lead, b.agent_id, ev.EVENT_KIND_UNSUBSCRIBED))
+    problems = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert not problems, [r.getMessage() for r in problems]
+
+
+async def _events(agent, agent_id, kind):
+    return await agent.events(agent_id=agent_id, kinds=[kind])

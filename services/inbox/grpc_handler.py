@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 
@@ -16,6 +17,7 @@ from services.inbox.delivery import Subscription
 from services.inbox.service import InboxService
 from services.store.base import AckOutcome, MessageRecord, SendOutcome
 
+log = logging.getLogger(__name__)
 _ACKS_IN_FLIGHT = 8
 """Acks of one Consume stream being processed at once (they group-commit)."""
 
@@ -142,11 +144,15 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 async for response in subscription.responses():
                     await write(response)
                 reader.cancel()
-        except* errors.MeshError as failed:
-            await self._service.unsubscribed(subscription, "bad request on the stream")
-            await context.abort(*to_grpc(failed.exceptions[0]))
-        except* BaseException as gone:
-            await self._service.unsubscribed(subscription, f"subscriber gone ({type(gone.exceptions[0]).__name__})")
+        except BaseExceptionGroup as failed:  # a task of the stream failed
+            first = failed.exceptions[0]
+            await self._service.unsubscribed(subscription, f"stream failed ({type(first).__name__})")
+            if not isinstance(first, errors.MeshError):
+                log.error("Consume stream failed", exc_info=first)
+                first = errors.Internal(f"the stream failed: {type(first).__name__}; see the mesh log")
+            await context.abort(*to_grpc(first))
+        except BaseException as exc:  # cancelled: the subscriber went away
+            await self._service.unsubscribed(subscription, f"subscriber gone ({type(exc).__name__})")
             raise
         await self._finish(subscription, context)
 
