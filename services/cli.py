@@ -75,9 +75,8 @@ async def _up(args) -> int:
     mesh = Mesh(config)
     try:
         await mesh.start()
-    except RuntimeError as exc:
-        print(f"inboxmesh: could not listen on {args.host}:{args.port}: {exc}. Use --port 0 for any free port.",
-              file=sys.stderr)
+    except errors.Unavailable as exc:
+        print(f"inboxmesh: {exc.message}. Use --port 0 for any free port.", file=sys.stderr)
         return 1
     state = settings.write_state(data, mesh.address, config.admin_token)
     print(f"inboxmesh listening on {mesh.address} (services: {', '.join(config.services)};"

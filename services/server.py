@@ -37,6 +37,8 @@ SERVICE_NAMES = {
 
 def server_options(config: MeshConfig) -> list[tuple[str, int]]:
     return [
+        # Refuse a port another process already serves (gRPC shares it by default).
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", config.max_request_bytes),
         ("grpc.max_send_message_length", config.max_request_bytes),
         ("grpc.keepalive_time_ms", 20_000),
@@ -104,6 +106,8 @@ class Mesh:
             await self.server.start()
         except BaseException:
             await self.store.close()
+            self._state = "stopped"
+            self._stopped.set()
             raise
         for service in self.config.services:
             await self.health.set(SERVICE_NAMES[service], health_pb2.HealthCheckResponse.SERVING)
@@ -145,7 +149,10 @@ class Mesh:
 
 def create_server(config: MeshConfig, server: grpc.aio.Server) -> tuple[grpc.aio.Server, int]:
     """Bind the server to the configured address; returns it with its port."""
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise errors.Unavailable(f"could not listen on {config.host}:{config.port}", reason="BIND_FAILED")
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as exc:
+        raise errors.Unavailable(
+            f"could not listen on {config.host}:{config.port} (in use by another process?): {exc}",
+            reason="BIND_FAILED") from None
     return server, port

@@ -63,6 +63,17 @@ async def test_graceful_shutdown_tells_subscribers_to_come_back(tmp_path):
             assert (await lead.status(receipt.message_id)).state == pb.MESSAGE_STATE_DELIVERED
 
 
+async def test_a_port_in_use_is_refused_not_shared(mesh, tmp_path):
+    from dataclasses import replace
+
+    from services import errors
+
+    second = Mesh(replace(make_config(tmp_path / "other"), port=mesh.port))
+    with pytest.raises(errors.Unavailable, match="could not listen"):
+        await second.start()
+    await second.stop()
+
+
 def _cli(*args, data_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", "--log-level", "warning", *args,
                            "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=60, cwd=ROOT)
