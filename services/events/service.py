@@ -67,7 +67,16 @@ class EventsService:
         self._watchers: set[_Watcher] = set()
         self._last_seen = -1  # highest event id handed over by this process's commits
         self.closing = False
+        self._poll: asyncio.TimerHandle | None = None
         store.add_commit_listener(self._on_commit)
+
+    def _poll_store(self) -> None:
+        """Every poll interval, make every watcher re-read the store once:
+        the safety net for events written by another process."""
+        for watcher in self._watchers:
+            watcher.needs_store = True
+            watcher.wake.set()
+        self._poll = asyncio.get_running_loop().call_later(self._poll_interval_s, self._poll_store)
 
     def _on_commit(self, first_id: int, rows: list[tuple]) -> None:
         gap = self._last_seen >= 0 and first_id != self._last_seen + 1
@@ -84,6 +93,9 @@ class EventsService:
 
     def shutdown(self) -> None:
         self.closing = True
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
         for watcher in self._watchers:
             watcher.wake.set()
 
@@ -115,6 +127,8 @@ class EventsService:
         """Yield batches of matching events as they are recorded, until shutdown."""
         watcher = _Watcher(await self._query(caller, flt, after, _PAGE))
         self._watchers.add(watcher)
+        if self._poll is None and not self.closing:
+            self._poll = asyncio.get_running_loop().call_later(self._poll_interval_s, self._poll_store)
         try:
             last = after
             if from_now and not after:
@@ -138,10 +152,6 @@ class EventsService:
                     last = batch[-1].event_id
                     yield batch
                     continue
-                try:
-                    async with asyncio.timeout(self._poll_interval_s):
-                        await watcher.wake.wait()
-                except TimeoutError:
-                    watcher.needs_store = True  # safety net for writers in other processes
+                await watcher.wake.wait()
         finally:
             self._watchers.discard(watcher)

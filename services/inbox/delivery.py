@@ -99,6 +99,7 @@ class Subscription:
         self.peer = peer
         self.feeds = {feed.agent_id: feed for feed in feeds}
         self.wake = asyncio.Event()
+        self.heartbeat_due = False
 
     def __repr__(self) -> str:
         return f"Subscription#{self.id}({', '.join(self.feeds)})"
@@ -133,12 +134,11 @@ class Subscription:
                 for response in self._deliveries(batch):
                     yield response
                 continue
-            if any(f.ended or (f.needs_store and f.room > 0) for f in self.feeds.values()):
+            if not self.feeds or any(f.ended or (f.needs_store and f.room > 0) for f in self.feeds.values()):
                 continue
-            try:
-                async with asyncio.timeout(hub.heartbeat_interval_s):
-                    await self.wake.wait()
-            except TimeoutError:
+            await self.wake.wait()
+            if self.heartbeat_due:
+                self.heartbeat_due = False
                 yield pb.SubscribeResponse(heartbeat=pb.Heartbeat(at_us=now_us()))
                 for feed in self.feeds.values():
                     feed.needs_store = True  # safety net: re-read (also notices closes by other processes)
@@ -197,8 +197,20 @@ class DeliveryHub:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.closing = False
         self._owners: dict[str, tuple[Subscription, Feed]] = {}
+        self._heartbeat: asyncio.TimerHandle | None = None
+
+    def _beat(self) -> None:
+        """Every heartbeat interval: tell each open subscription to send a
+        heartbeat and re-read its feeds (one timer for all of them, rather
+        than a timeout on every wait)."""
+        for subscription in {s for s, _ in self._owners.values()}:
+            subscription.heartbeat_due = True
+            subscription.wake.set()
+        self._heartbeat = asyncio.get_running_loop().call_later(self.heartbeat_interval_s, self._beat)
 
     def open(self, agent_ids: list[str], max_in_flight: int, peer: str) -> Subscription:
+        if self._heartbeat is None and not self.closing:
+            self._heartbeat = asyncio.get_running_loop().call_later(self.heartbeat_interval_s, self._beat)
         max_in_flight = min(max_in_flight or self.limits.max_in_flight, 10 * self.limits.max_in_flight)
         subscription = Subscription(self, [Feed(a, max_in_flight) for a in agent_ids], peer)
         for agent_id in agent_ids:
@@ -243,6 +255,9 @@ class DeliveryHub:
 
     def shutdown(self) -> None:
         self.closing = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
         for subscription, _ in list(self._owners.values()):
             subscription.wake.set()
 
