@@ -40,6 +40,7 @@ from autogen_ext.runtimes.grpc import GrpcWorkerAgentRuntime, GrpcWorkerAgentRun
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_seconds, emit, now_ns, payload, python_env, summarize  # noqa: E402
+from bench.procs import Child, read_command  # noqa: E402
 
 WARMUP = 200
 RECEIVER = "receiver"
@@ -57,11 +58,6 @@ class Ack:
 
 
 # --- children ---
-async def read_command() -> str:
-    """The next line the parent wrote to our stdin ('' when it is closed)."""
-    return (await asyncio.to_thread(sys.stdin.readline)).strip()
-
-
 async def serve_commands(extra=dict) -> None:
     """mark: start the CPU reading; report: print it (and extra()); stop/EOF: return."""
     cpu0 = cpu_seconds()
@@ -143,68 +139,6 @@ async def run_sender(address: str, messages: int, concurrency: int) -> None:
 
 
 # --- parent ---
-class Child:
-    """A child process of this script; its stdout lines arrive on a queue, its stderr in a file."""
-
-    def __init__(self, name: str, args: list[str]) -> None:
-        self.name = name
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-            text=True, bufsize=1, env=python_env(),
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def send(self, command: str) -> None:
-        try:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            self.fail(f"exited (rc={self.proc.wait()}) before '{command}'")
-
-    def expect(self, word: str, timeout: float = 120, others: list[Child] = ()) -> str:
-        """Wait for a stdout line starting with `word`; return the rest of it.
-        Fails at the deadline or as soon as one of `others` has exited."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                for other in others:
-                    if other is not self and other.proc.poll() is not None:
-                        other.fail(f"exited (rc={other.proc.returncode}) while waiting for {self.name}")
-                if time.monotonic() >= deadline:
-                    self.fail(f"printed no '{word}' within {timeout:.0f}s")
-                continue
-            if line is None:
-                self.fail(f"exited (rc={self.proc.wait()}) before printing '{word}'")
-            if line.split(" ", 1)[0] == word:
-                return line[len(word):].strip()
-
-    def fail(self, why: str) -> None:
-        self.stderr.seek(0)
-        raise SystemExit(f"autogen_bench: {self.name} {why}; its stderr:\n{self.stderr.read()[-4000:]}")
-
-    def close(self) -> None:
-        """Close stdin (the child then exits); kill it by PID if it is still there after 5 s."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def run_parent(messages: int, concurrency: int) -> dict:
     with socket.socket() as probe:  # a free port for the host (it cannot tell which one it bound)
         probe.bind(("127.0.0.1", 0))
@@ -212,7 +146,8 @@ def run_parent(messages: int, concurrency: int) -> dict:
     children: list[Child] = []
 
     def start(role: str, *extra: str) -> Child:
-        children.append(Child(role, ["--role", role, "--address", address, *extra]))
+        children.append(Child(role, [sys.executable, os.path.abspath(__file__), "--role", role,
+                                     "--address", address, *extra], python_env()))
         children[-1].expect("ready", others=children)
         return children[-1]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emit, now_ns, payload, python_env, summarize  # noqa: E402
-from bench.procs import Child, python  # noqa: E402
+from bench.procs import Child, read_command  # noqa: E402
 
 WARMUP = 300
 
@@ -87,7 +87,7 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
 
         await phase("w", WARMUP, {})
         print("warmed", flush=True)
-        sys.stdin.readline()
+        await read_command()
         sent_ns: dict[str, int] = {}
         await phase("m", n, sent_ns)
         await call.done_writing()
@@ -106,7 +106,7 @@ async def run_receiver(address: str, agent_id: str, credential: str) -> None:
         consumed_ns: dict[str, int] = {}
 
         async def report():
-            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            await read_command()
             print("consumed " + json.dumps({k: v for k, v in consumed_ns.items() if k.startswith("m")}), flush=True)
             stream.stop()
 
@@ -136,33 +136,33 @@ async def setup_agents(address: str) -> tuple:
 
 def run(n: int, c: int, synchronous: str = "full") -> dict:
     env = python_env()
+    me = [sys.executable, str(Path(__file__).resolve())]
     with tempfile.TemporaryDirectory(prefix="meshbench") as data:
-        mesh = Child([python(), "-m", "services.cli", "--log-level", "warning", "up", "--port", "0", "--no-demo",
-                      "--data-dir", data, "--synchronous", synchronous], env, name="mesh")
-        children = [mesh]
+        children = [Child("mesh", [sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--port", "0",
+                                   "--no-demo", "--data-dir", data, "--synchronous", synchronous], env)]
+        mesh = children[0]
         try:
             address = mesh.expect("inboxmesh listening on ").split()[0]
             sender, receiver = asyncio.run(setup_agents(address))
-            me = str(Path(__file__).resolve())
-            recv = Child([python(), me, "--role", "receiver", "--address", address, "--agent", receiver.agent_id,
-                          "--credential", receiver.credential], env, name="receiver")
+            recv = Child("receiver", [*me, "--role", "receiver", "--address", address, "--agent",
+                                      receiver.agent_id, "--credential", receiver.credential], env)
             children.append(recv)
-            recv.expect("ready")
-            send = Child([python(), me, "--role", "sender", "--address", address, "--agent", sender.agent_id,
-                          "--credential", sender.credential, "--recipient", receiver.agent_id, "--messages", str(n),
-                          "--concurrency", str(c)], env, name="sender")
+            recv.expect("ready", others=children)
+            send = Child("sender", [*me, "--role", "sender", "--address", address, "--agent", sender.agent_id,
+                                    "--credential", sender.credential, "--recipient", receiver.agent_id,
+                                    "--messages", str(n), "--concurrency", str(c)], env)
             children.append(send)
-            send.expect("warmed")
+            send.expect("warmed", others=children)
             before = {"mesh": mesh.cpu(), "sender": send.cpu(), "receiver": recv.cpu()}
-            send.tell("go")
-            sent_ns = json.loads(send.expect("sent ", timeout=600))
+            send.send("go")
+            sent_ns = json.loads(send.expect("sent ", timeout=600, others=children))
             after = {"mesh": mesh.cpu(), "sender": send.cpu(), "receiver": recv.cpu()}
-            recv.tell("report")
-            consumed_ns = json.loads(recv.expect("consumed "))
+            recv.send("report")
+            consumed_ns = json.loads(recv.expect("consumed ", others=children))
             return summarize("inboxmesh", c, sent_ns, consumed_ns, {k: after[k] - before[k] for k in before})
         finally:
             for child in reversed(children):
-                child.stop()
+                child.close()
 
 
 def main() -> None:

@@ -1,12 +1,17 @@
-"""Child processes for benchmarks: started with a pipe, read line by line,
-CPU read from /proc, always stopped by PID."""
+"""Child processes for benchmarks: commands in on stdin, answers out on
+stdout (one line each), stderr kept in a file for when something fails,
+CPU read from /proc, always stopped by PID. Standard library only, so the
+AutoGen bench can use it from its own virtual environment."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import signal
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -19,44 +24,75 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+async def read_command() -> str:
+    """In a child: the next line the parent wrote ('' once stdin is closed)."""
+    return (await asyncio.to_thread(sys.stdin.readline)).strip()
+
+
 class Child:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, name: str = ""):
-        self.name = name or os.path.basename(args[1] if len(args) > 1 else args[0])
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
+    """A child process; its stdout lines arrive on a queue, its stderr in a file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, bufsize=1, env=env)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def expect(self, prefix: str, timeout: float = 60.0) -> str:
-        """Read lines until one starts with prefix; returns the rest of it."""
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def send(self, command: str) -> None:
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self.fail(f"exited (rc={self.proc.wait()}) before '{command}'")
+
+    def expect(self, prefix: str, timeout: float = 120, others: list[Child] = ()) -> str:
+        """Wait for a stdout line starting with `prefix`; return the rest of it.
+        Fails at the deadline or as soon as one of `others` has exited."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                err = self.proc.stderr.read()
-                raise SystemExit(f"{self.name} exited (code {self.proc.wait()}) before '{prefix}':\n{err[-4000:]}")
+        while True:
+            try:
+                line = self.lines.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                for other in others:
+                    if other is not self and other.proc.poll() is not None:
+                        other.fail(f"exited (rc={other.proc.returncode}) while waiting for {self.name}")
+                if time.monotonic() >= deadline:
+                    self.fail(f"printed no '{prefix}' within {timeout:.0f}s")
+                continue
+            if line is None:
+                self.fail(f"exited (rc={self.proc.wait()}) before printing '{prefix}'")
             if line.startswith(prefix):
                 return line[len(prefix):].strip()
-        raise SystemExit(f"{self.name}: no '{prefix}' within {timeout}s")
-
-    def tell(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
 
     def cpu(self) -> float:
         return proc_cpu_seconds(self.proc.pid)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
+    def fail(self, why: str) -> None:
+        self.stderr.seek(0)
+        raise SystemExit(f"{self.name} {why}; its stderr:\n{self.stderr.read()[-4000:]}")
+
+    def close(self) -> None:
+        """Close stdin (a bench child then exits); SIGTERM it by PID after 2 s
+        (a mesh server ignores stdin), SIGKILL after 5 s more."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        for wait, stop in ((2, self.proc.terminate), (5, self.proc.kill)):
             try:
-                self.proc.wait(10)
+                self.proc.wait(timeout=wait)
+                return
             except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
-def python() -> str:
-    return sys.executable
+                stop()
+        self.proc.wait()
