@@ -5,6 +5,7 @@ import asyncio
 import grpc
 import pytest
 
+from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services import errors
@@ -228,3 +229,37 @@ async def test_acks_only_for_ones_own_inbox(family):
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED and "own inbox" in caught.value.details()
     assert [r.status for r in await a.ack([1])] == [pb.ACK_STATUS_NOT_FOUND]  # a's own inbox has no seq 1
     assert (await a.status((await b.inbox_status(1)).envelope.message_id)).state == pb.MESSAGE_STATE_QUEUED
+
+
+async def test_senders_are_told_when_their_messages_are_dead_lettered(client):
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    tiny = await lead.spawn("tiny", inbox_capacity=1)
+    sent = await a.send(b.agent_id, "will die", conversation_id="conv-1")
+    from_tiny = [await tiny.send(b.agent_id, f"t{i}") for i in range(2)]
+    await lead.send(tiny.agent_id, "fills tiny's inbox")
+    await lead.close(b.agent_id, reason="finished early")
+    status = await a.inbox_status(1)  # the notice is the first message in a's inbox
+    notice = status.envelope
+    assert notice.kind == env_pb.MESSAGE_KIND_CONTROL and notice.origin.kind == env_pb.ORIGIN_KIND_MESH
+    assert notice.sender == b.agent_id and notice.in_reply_to == sent.message_id
+    assert notice.conversation_id == "conv-1"
+    assert notice.headers["inboxmesh-notice"] == "dead-lettered"
+    assert notice.headers["inboxmesh-reason"] == "recipient closed"
+    assert sent.message_id in notice.content.text
+    sub = Collector(a, auto_ack=True)
+    try:
+        got = await sub.wait_for(1)
+        assert got[0].message_id == notice.message_id
+    finally:
+        await sub.stop()
+    undelivered = await lead.events(agent_id=tiny.agent_id, kinds=[ev.EVENT_KIND_NOTICE_UNDELIVERED])
+    assert len(undelivered) == 2 and all("inbox full" in e.detail for e in undelivered)
+    assert {e.detail.split()[2] for e in undelivered} == {r.message_id for r in from_tiny}
+
+
+async def test_the_mesh_owns_its_reserved_message_ids(family):
+    _, a, b = family
+    with pytest.raises(errors.InvalidArgument) as caught:
+        await a.send(b.agent_id, "x", message_id="inboxmesh:notice:fake")
+    assert caught.value.reason == "RESERVED_ID"

@@ -3,9 +3,11 @@ event record (list and live watch)."""
 
 import asyncio
 
+import grpc
 import pytest
 
 from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services import errors
 from services.telemetry import trace_id_of
 from tests.fixtures import eventually
@@ -80,3 +82,39 @@ async def test_events_of_other_scopes_are_private(client):
     assert all(e.agent_id == stranger.agent_id or e.sender == stranger.agent_id for e in await stranger.events())
     admin_view = await client.admin_events(agent_id=lead.agent_id)
     assert admin_view and admin_view[0].kind == ev.EVENT_KIND_AGENT_REGISTERED
+
+
+async def test_runtime_events_are_recorded_for_ones_own_agent_only(client):
+    lead = await client.register("lead")
+    child = await lead.spawn("child")
+    request = ev.RecordEventsRequest(events=[
+        ev.Event(kind=ev.EVENT_KIND_TURN_STARTED, turn=1),
+        ev.Event(kind=ev.EVENT_KIND_TURN_ENDED, turn=1, detail="2 tool calls"),
+    ])
+    response = await client.events.RecordEvents(request, metadata=child.metadata, timeout=5)
+    assert len(response.event_ids) == 2 and response.event_ids[1] == response.event_ids[0] + 1
+    recorded = await lead.events(agent_id=child.agent_id, kinds=[ev.EVENT_KIND_TURN_STARTED, ev.EVENT_KIND_TURN_ENDED])
+    assert [(e.event_id, e.kind, e.turn, e.agent_id) for e in recorded] == [
+        (response.event_ids[0], ev.EVENT_KIND_TURN_STARTED, 1, child.agent_id),
+        (response.event_ids[1], ev.EVENT_KIND_TURN_ENDED, 1, child.agent_id)]
+    for bad, code in [
+        (ev.Event(kind=ev.EVENT_KIND_MESSAGE_CONSUMED), grpc.StatusCode.INVALID_ARGUMENT),
+        (ev.Event(kind=ev.EVENT_KIND_AGENT_WOKEN, agent_id=lead.agent_id), grpc.StatusCode.PERMISSION_DENIED),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.events.RecordEvents(ev.RecordEventsRequest(events=[bad]), metadata=child.metadata, timeout=5)
+        assert caught.value.code() == code
+
+
+async def test_consumption_records_the_turn_and_replies_record_what_they_answer(client):
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    question = await a.send(b.agent_id, "question?", conversation_id="c-7")
+    await b.client.inbox.Ack(pb.AckRequest(sequences=[question.sequence], turn=3), metadata=b.metadata, timeout=5)
+    got = (await b.inbox_status(question.sequence)).envelope
+    answer = await b.reply(got, "answer!")
+    consumed = await lead.events(message_id=question.message_id, sender=a.agent_id,
+                                 kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED])
+    assert [e.turn for e in consumed] == [3]
+    stored = await lead.events(message_id=answer.message_id, sender=b.agent_id, kinds=[ev.EVENT_KIND_MESSAGE_STORED])
+    assert [(e.in_reply_to, e.conversation_id) for e in stored] == [(question.message_id, "c-7")]

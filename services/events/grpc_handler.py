@@ -20,6 +20,11 @@ class EventServicer(events_pb2_grpc.EventServiceServicer):
         events = await self._service.list(caller, request.filter, request.after_event_id, request.limit)
         return pb.ListEventsResponse(events=events)
 
+    @unary
+    async def RecordEvents(self, request: pb.RecordEventsRequest, context) -> pb.RecordEventsResponse:
+        caller = await caller_of(context, self._directory)
+        return pb.RecordEventsResponse(event_ids=await self._service.record(caller, list(request.events)))
+
     @streaming
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
         caller = await caller_of(context, self._directory)

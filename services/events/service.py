@@ -19,10 +19,12 @@ from dataclasses import replace
 from inboxmesh.events.v1 import events_pb2 as ev
 from services import errors
 from services.directory import Caller, Directory
-from services.store.base import EventQuery, Store
+from services.clock import now_us
+from services.store.base import EventQuery, Store, event_of
 from services.validation import page_size
 
 _PAGE = 1000
+RUNTIME_KINDS = frozenset(k for k in ev.EventKind.values() if k >= ev.EVENT_KIND_AGENT_SPAWNED)
 _BUFFER_LIMIT = 10_000
 
 
@@ -37,7 +39,7 @@ class _Watcher:
 
     def matches(self, row: tuple) -> bool:
         q = self.query
-        # row: (at_us, kind, agent_id, message_id, sender, recipient, seq, detail, trace_id)
+        # row: base.EVENT_ROW_FIELDS
         if q.message_id and row[3] != q.message_id:
             return False
         if q.sender and row[4] != q.sender:
@@ -53,9 +55,7 @@ class _Watcher:
             self.buffer.clear()
             self.needs_store = True
         else:
-            self.buffer.append(ev.Event(
-                event_id=event_id, at_us=row[0], kind=row[1], agent_id=row[2], message_id=row[3], sender=row[4],
-                recipient=row[5], sequence=row[6], detail=row[7], trace_id=row[8]))
+            self.buffer.append(event_of(event_id, row))
         self.wake.set()
 
 
@@ -116,6 +116,32 @@ class EventsService:
             message_id=flt.message_id, sender=sender, agent_id=agent_id, kinds=tuple(flt.kinds),
             after_event_id=after, limit=limit,
         )
+
+    async def record(self, caller: Caller, events: list[ev.Event]) -> list[int]:
+        """Runtime events an agent's host reports about that agent."""
+        agent = caller.require_agent("recording events")
+        if not events:
+            raise errors.InvalidArgument("no events to record", reason="EMPTY_REQUEST")
+        if len(events) > _PAGE:
+            raise errors.InvalidArgument(f"{len(events)} events in one request; at most {_PAGE}",
+                                         reason="BATCH_TOO_LARGE")
+        now = now_us()
+        for index, event in enumerate(events):
+            if event.kind not in RUNTIME_KINDS:
+                raise errors.InvalidArgument(
+                    f"event {index}: kind {ev.EventKind.Name(event.kind) if event.kind in ev.EventKind.values() else event.kind}"
+                    " is not a runtime event; the mesh records message and agent events itself",
+                    reason="NOT_A_RUNTIME_EVENT", metadata={"index": str(index)})
+            if event.agent_id and event.agent_id != agent.agent_id:
+                raise errors.PermissionDenied(
+                    f"event {index} is about {event.agent_id}, but the credential is {agent.agent_id}'s: an agent"
+                    " records events about itself only", reason="AGENT_MISMATCH", metadata={"index": str(index)})
+            if len(event.detail) > 4096:
+                raise errors.InvalidArgument(f"event {index}: detail over 4096 characters", reason="FIELD_TOO_LONG")
+            event.agent_id = agent.agent_id
+            event.event_id = 0
+            event.at_us = event.at_us or now
+        return await self._store.record_events(events, lazy=False)
 
     async def list(self, caller: Caller, flt: ev.EventFilter, after: int, limit: int) -> list[ev.Event]:
         query = await self._query(caller, flt, after, page_size(limit))

@@ -151,6 +151,8 @@ class Subscription:
         if not found.recipient_open:
             feed.end(pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent {feed.agent_id} is closed")
             return []
+        if found.notices:
+            self.hub.on_appended(found.notices)
         for record in found.dead_lettered:
             feed.cursor = max(feed.cursor, record.envelope.sequence)
             log.info(
@@ -247,6 +249,7 @@ class DeliveryHub:
             owner[0].wake.set()
 
     def on_closed(self, outcome: CloseOutcome) -> None:
+        self.on_appended(outcome.notices)
         for record in outcome.closed:
             owner = self._owners.get(record.agent_id)
             if owner is not None:

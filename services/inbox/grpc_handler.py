@@ -123,7 +123,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                     raise errors.PermissionDenied(
                         f"ack names agent {request.agent_id!r}, which this stream did not subscribe",
                         reason="AGENT_MISMATCH")
-                outcomes = await self._service.ack(caller, request.agent_id, list(request.sequences))
+                outcomes = await self._service.ack(caller, request.agent_id, list(request.sequences), request.turn)
                 await write(pb.SubscribeResponse(acked=pb.AckResponse(
                     results=[ack_result_pb(o) for o in outcomes], agent_id=request.agent_id,
                     request_id=request.request_id)))
@@ -159,7 +159,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
     @unary
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
         caller = await caller_of(context, self._directory)
-        outcomes = await self._service.ack(caller, request.agent_id, list(request.sequences))
+        outcomes = await self._service.ack(caller, request.agent_id, list(request.sequences), request.turn)
         return pb.AckResponse(results=[ack_result_pb(o) for o in outcomes], agent_id=caller.agent.agent_id)
 
     @unary

@@ -15,7 +15,17 @@ from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Caller, Directory
 from services.inbox.delivery import DeliveryHub, Subscription
-from services.store.base import ACCEPTED, NOT_PERMITTED, UNKNOWN_TARGET, AckOutcome, AppendItem, MessageRecord, SendOutcome, Store
+from services.store.base import (
+    ACCEPTED,
+    NOT_PERMITTED,
+    RESERVED_ID_PREFIX,
+    UNKNOWN_TARGET,
+    AckOutcome,
+    AppendItem,
+    MessageRecord,
+    SendOutcome,
+    Store,
+)
 from services.telemetry import context_of, inject, message_attributes, tracer
 from services.validation import check_text, page_size
 
@@ -56,6 +66,10 @@ class InboxService:
                     reason="SENDER_MISMATCH",
                     metadata={"index": str(index), "claimed_sender": env.sender, "sender": sender_id},
                 )
+            if env.message_id.startswith(RESERVED_ID_PREFIX):
+                raise errors.InvalidArgument(f"{where}: message ids starting with {RESERVED_ID_PREFIX!r} are the"
+                                             " mesh's own", reason="RESERVED_ID",
+                                             metadata={"index": str(index), "field": "message_id"})
             if env.kind == envelope_pb2.MESSAGE_KIND_REPLY and not env.in_reply_to:
                 raise errors.InvalidArgument(f"{where}: a REPLY needs in_reply_to", reason="MISSING_FIELD",
                                              metadata={"index": str(index), "field": "in_reply_to"})
@@ -150,7 +164,7 @@ class InboxService:
         if released:
             await self._store.record_events(self.hub.subscription_events(ev.EVENT_KIND_UNSUBSCRIBED, released, why))
 
-    async def ack(self, caller: Caller, agent_id: str, sequences: list[int]) -> list[AckOutcome]:
+    async def ack(self, caller: Caller, agent_id: str, sequences: list[int], turn: int = 0) -> list[AckOutcome]:
         agent = caller.require_agent("acking")
         if agent_id and agent_id != agent.agent_id:
             raise errors.PermissionDenied(
@@ -162,7 +176,7 @@ class InboxService:
         if len(sequences) > 10 * self._limits.max_batch_messages:
             raise errors.InvalidArgument(f"{len(sequences)} sequences in one ack; at most "
                                          f"{10 * self._limits.max_batch_messages}", reason="BATCH_TOO_LARGE")
-        outcomes = await self._store.ack(agent.agent_id, sequences, now_us())
+        outcomes = await self._store.ack(agent.agent_id, sequences, now_us(), turn)
         for outcome in outcomes:
             if outcome.status == pb.ACK_STATUS_CONSUMED:
                 if outcome.traceparent:

@@ -46,6 +46,8 @@ NOT_PERMITTED = inbox_pb2.RECEIPT_STATUS_NOT_PERMITTED
 INBOX_FULL = inbox_pb2.RECEIPT_STATUS_INBOX_FULL
 
 REASON_CLOSED = "recipient closed"
+RESERVED_ID_PREFIX = "inboxmesh:"
+"""Message ids the mesh itself uses (notices); senders may not use them."""
 REASON_ATTEMPTS = "too many delivery attempts"
 REASON_EXPIRED = "expired"
 
@@ -118,6 +120,8 @@ class CloseOutcome:
     closed: list[AgentRecord]
     """Agents this call closed (the target first, then descendants)."""
     dead_lettered: list[MessageRecord]
+    notices: list[envelope_pb2.Envelope] = field(default_factory=list)
+    """Dead-letter notices stored in the senders' inboxes (to deliver)."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +142,35 @@ class DeliveryBatch:
     dead_lettered: list[MessageRecord]
     """Messages found expired or over the attempt limit instead of delivered."""
     recipient_open: bool
+    notices: list[envelope_pb2.Envelope] = field(default_factory=list)
+    """Dead-letter notices stored in the senders' inboxes (to deliver)."""
 
 
 EventRecord = events_pb2.Event
+
+EVENT_ROW_FIELDS = ("at_us", "kind", "agent_id", "message_id", "sender", "recipient", "seq", "detail", "trace_id",
+                    "turn", "in_reply_to", "conversation_id")
+"""The layout of event rows handed to commit listeners (and of the SQLite
+events table)."""
+
+
+def event_row(
+    at_us: int, kind: int, agent_id: str, *, message_id: str = "", sender: str = "", recipient: str = "",
+    seq: int = 0, detail: str = "", trace_id: str = "", turn: int = 0, in_reply_to: str = "",
+    conversation_id: str = "",
+) -> tuple:
+    """One event row, in EVENT_ROW_FIELDS order."""
+    return (at_us, kind, agent_id, message_id, sender, recipient, seq, detail, trace_id, turn, in_reply_to,
+            conversation_id)
+
+
+def event_of(event_id: int, row: tuple) -> EventRecord:
+    """The Event message of an event row."""
+    return events_pb2.Event(
+        event_id=event_id, at_us=row[0], kind=row[1], agent_id=row[2], message_id=row[3], sender=row[4],
+        recipient=row[5], sequence=row[6], detail=row[7], trace_id=row[8], turn=row[9], in_reply_to=row[10],
+        conversation_id=row[11],
+    )
 
 
 class Store(abc.ABC):
@@ -175,7 +205,7 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close_agent(self, agent_id: str, reason: str, at_us: int) -> CloseOutcome:
         """Close the agent and all its open descendants, dead-letter their
-        unconsumed messages, atomically."""
+        unconsumed messages and notify the senders, atomically."""
 
     # -- inbox --------------------------------------------------------------
     @abc.abstractmethod
@@ -189,7 +219,7 @@ class Store(abc.ABC):
     ) -> DeliveryBatch:
         """Unconsumed messages after `after_sequence`, in order, marked
         delivered with their attempt counted. Expired messages and messages
-        over the attempt limit are dead-lettered instead."""
+        over the attempt limit are dead-lettered instead (senders notified)."""
 
     @abc.abstractmethod
     async def mark_delivered(
@@ -201,7 +231,7 @@ class Store(abc.ABC):
         future resolves when it is durable."""
 
     @abc.abstractmethod
-    async def ack(self, recipient: str, sequences: list[int], at_us: int) -> list[AckOutcome]: ...
+    async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int = 0) -> list[AckOutcome]: ...
 
     @abc.abstractmethod
     async def get_message_by_sender(self, sender: str, message_id: str) -> MessageRecord | None: ...
@@ -223,15 +253,15 @@ class Store(abc.ABC):
     async def last_event_id(self) -> int: ...
 
     @abc.abstractmethod
-    async def record_events(self, events: list[EventRecord]) -> None:
-        """Append events that are not a side effect of another store call
-        (subscriptions starting and ending). Returns once queued; they are
-        written with the next commit (at the latest shortly after)."""
+    async def record_events(self, events: list[EventRecord], *, lazy: bool = True) -> list[int]:
+        """Append events that are not a side effect of another store call.
+        lazy: return once queued (written with the next commit, at the latest
+        shortly after; returns []). Otherwise return their ids once durable,
+        ordered after every earlier write."""
 
     @abc.abstractmethod
     def add_commit_listener(self, callback: Callable[[int, list[tuple]], None]) -> None:
         """Call `callback(first_event_id, rows)` on the event loop after every
-        commit that recorded events. Rows are (at_us, kind, agent_id,
-        message_id, sender, recipient, sequence, detail, trace_id) with
+        commit that recorded events. Rows are in EVENT_ROW_FIELDS order, with
         contiguous ids from first_event_id. Events written by another process
         are not reported; watchers find them by reading the store."""

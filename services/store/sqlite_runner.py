@@ -36,6 +36,11 @@ Op = Callable[[sqlite3.Connection, list[tuple]], Any]
 the list it is given; they are inserted only if the operation succeeds."""
 
 
+class EventIds(list):
+    """Return an instance from an operation to get back, once committed, the
+    ids of the events that operation recorded."""
+
+
 def connect(path: Path, *, synchronous: str, busy_timeout_ms: int) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), isolation_level=None)
     conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
@@ -143,6 +148,8 @@ class Writer:
                 results.append((False, exc))
             else:
                 conn.execute("RELEASE op")
+                if isinstance(value, EventIds):
+                    value.extend(range(len(events), len(events) + len(op_events)))  # offsets until committed
                 results.append((True, value))
                 events += op_events
         first_event_id = 0
@@ -163,6 +170,9 @@ class Writer:
             return [(False, failure)] * len(ops), 0, []
         self.commits += 1
         self.ops += len(ops)
+        for ok, value in results:
+            if ok and isinstance(value, EventIds):
+                value[:] = [first_event_id + offset for offset in value]
         return results, first_event_id, events
 
     def _complete(self, batch, results, first_event_id: int, events: list[tuple]) -> None:

@@ -1,6 +1,6 @@
 """Schema of the SQLite store. Bump SCHEMA_VERSION with any change."""
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -66,7 +66,10 @@ CREATE TABLE IF NOT EXISTS events (
     recipient TEXT NOT NULL,
     seq INTEGER NOT NULL,
     detail TEXT NOT NULL,
-    trace_id TEXT NOT NULL
+    trace_id TEXT NOT NULL,
+    turn INTEGER NOT NULL DEFAULT 0,
+    in_reply_to TEXT NOT NULL DEFAULT '',
+    conversation_id TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS events_by_agent ON events(agent_id, event_id);
 CREATE INDEX IF NOT EXISTS events_by_sender ON events(sender, event_id);

@@ -24,27 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n inboxmesh/events/v1/events.proto\x12\x13inboxmesh.events.v1\"\xd3\x01\n\x05\x45vent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\r\n\x05\x61t_us\x18\x02 \x01(\x03\x12,\n\x04kind\x18\x03 \x01(\x0e\x32\x1e.inboxmesh.events.v1.EventKind\x12\x10\n\x08\x61gent_id\x18\x04 \x01(\t\x12\x12\n\nmessage_id\x18\x05 \x01(\t\x12\x0e\n\x06sender\x18\x06 \x01(\t\x12\x11\n\trecipient\x18\x07 \x01(\t\x12\x10\n\x08sequence\x18\x08 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\t\x12\x10\n\x08trace_id\x18\n \x01(\t\"r\n\x0b\x45ventFilter\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12-\n\x05kinds\x18\x04 \x03(\x0e\x32\x1e.inboxmesh.events.v1.EventKind\"l\n\x11ListEventsRequest\x12\x30\n\x06\x66ilter\x18\x01 \x01(\x0b\x32 .inboxmesh.events.v1.EventFilter\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"@\n\x12ListEventsResponse\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.inboxmesh.events.v1.Event\"p\n\x12WatchEventsRequest\x12\x30\n\x06\x66ilter\x18\x01 \x01(\x0b\x32 .inboxmesh.events.v1.EventFilter\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x04\x12\x10\n\x08\x66rom_now\x18\x03 \x01(\x08\"A\n\x13WatchEventsResponse\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.inboxmesh.events.v1.Event*\xc2\x02\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45VENT_KIND_AGENT_REGISTERED\x10\x01\x12\x1b\n\x17\x45VENT_KIND_AGENT_CLOSED\x10\x02\x12\x1b\n\x17\x45VENT_KIND_MESSAGE_SENT\x10\x03\x12\x1d\n\x19\x45VENT_KIND_MESSAGE_STORED\x10\x04\x12 \n\x1c\x45VENT_KIND_MESSAGE_DELIVERED\x10\x05\x12\x1f\n\x1b\x45VENT_KIND_MESSAGE_CONSUMED\x10\x06\x12$\n EVENT_KIND_MESSAGE_DEAD_LETTERED\x10\x07\x12\x19\n\x15\x45VENT_KIND_SUBSCRIBED\x10\x08\x12\x1b\n\x17\x45VENT_KIND_UNSUBSCRIBED\x10\t2\xd1\x01\n\x0c\x45ventService\x12]\n\nListEvents\x12&.inboxmesh.events.v1.ListEventsRequest\x1a\'.inboxmesh.events.v1.ListEventsResponse\x12\x62\n\x0bWatchEvents\x12\'.inboxmesh.events.v1.WatchEventsRequest\x1a(.inboxmesh.events.v1.WatchEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n inboxmesh/events/v1/events.proto\x12\x13inboxmesh.events.v1\"\x8f\x02\n\x05\x45vent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\r\n\x05\x61t_us\x18\x02 \x01(\x03\x12,\n\x04kind\x18\x03 \x01(\x0e\x32\x1e.inboxmesh.events.v1.EventKind\x12\x10\n\x08\x61gent_id\x18\x04 \x01(\t\x12\x12\n\nmessage_id\x18\x05 \x01(\t\x12\x0e\n\x06sender\x18\x06 \x01(\t\x12\x11\n\trecipient\x18\x07 \x01(\t\x12\x10\n\x08sequence\x18\x08 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\t\x12\x10\n\x08trace_id\x18\n \x01(\t\x12\x0c\n\x04turn\x18\x0b \x01(\x04\x12\x13\n\x0bin_reply_to\x18\x0c \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\r \x01(\t\"r\n\x0b\x45ventFilter\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12-\n\x05kinds\x18\x04 \x03(\x0e\x32\x1e.inboxmesh.events.v1.EventKind\"l\n\x11ListEventsRequest\x12\x30\n\x06\x66ilter\x18\x01 \x01(\x0b\x32 .inboxmesh.events.v1.EventFilter\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"@\n\x12ListEventsResponse\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.inboxmesh.events.v1.Event\"p\n\x12WatchEventsRequest\x12\x30\n\x06\x66ilter\x18\x01 \x01(\x0b\x32 .inboxmesh.events.v1.EventFilter\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x04\x12\x10\n\x08\x66rom_now\x18\x03 \x01(\x08\"A\n\x13WatchEventsResponse\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.inboxmesh.events.v1.Event\"A\n\x13RecordEventsRequest\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.inboxmesh.events.v1.Event\")\n\x14RecordEventsResponse\x12\x11\n\tevent_ids\x18\x01 \x03(\x04*\xaf\x04\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45VENT_KIND_AGENT_REGISTERED\x10\x01\x12\x1b\n\x17\x45VENT_KIND_AGENT_CLOSED\x10\x02\x12\x1b\n\x17\x45VENT_KIND_MESSAGE_SENT\x10\x03\x12\x1d\n\x19\x45VENT_KIND_MESSAGE_STORED\x10\x04\x12 \n\x1c\x45VENT_KIND_MESSAGE_DELIVERED\x10\x05\x12\x1f\n\x1b\x45VENT_KIND_MESSAGE_CONSUMED\x10\x06\x12$\n EVENT_KIND_MESSAGE_DEAD_LETTERED\x10\x07\x12\x19\n\x15\x45VENT_KIND_SUBSCRIBED\x10\x08\x12\x1b\n\x17\x45VENT_KIND_UNSUBSCRIBED\x10\t\x12!\n\x1d\x45VENT_KIND_NOTICE_UNDELIVERED\x10\n\x12\x1c\n\x18\x45VENT_KIND_AGENT_SPAWNED\x10\x14\x12\x1a\n\x16\x45VENT_KIND_AGENT_WOKEN\x10\x15\x12\x1b\n\x17\x45VENT_KIND_TURN_STARTED\x10\x16\x12\x19\n\x15\x45VENT_KIND_TURN_ENDED\x10\x17\x12\x1d\n\x19\x45VENT_KIND_TASK_COMPLETED\x10\x18\x12\x1c\n\x18\x45VENT_KIND_RUN_CANCELLED\x10\x19\x12\x19\n\x15\x45VENT_KIND_AGENT_IDLE\x10\x1a\x32\xb6\x02\n\x0c\x45ventService\x12]\n\nListEvents\x12&.inboxmesh.events.v1.ListEventsRequest\x1a\'.inboxmesh.events.v1.ListEventsResponse\x12\x63\n\x0cRecordEvents\x12(.inboxmesh.events.v1.RecordEventsRequest\x1a).inboxmesh.events.v1.RecordEventsResponse\x12\x62\n\x0bWatchEvents\x12\'.inboxmesh.events.v1.WatchEventsRequest\x1a(.inboxmesh.events.v1.WatchEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inboxmesh.events.v1.events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EVENTKIND']._serialized_start=745
-  _globals['_EVENTKIND']._serialized_end=1067
+  _globals['_EVENTKIND']._serialized_start=915
+  _globals['_EVENTKIND']._serialized_end=1474
   _globals['_EVENT']._serialized_start=58
-  _globals['_EVENT']._serialized_end=269
-  _globals['_EVENTFILTER']._serialized_start=271
-  _globals['_EVENTFILTER']._serialized_end=385
-  _globals['_LISTEVENTSREQUEST']._serialized_start=387
-  _globals['_LISTEVENTSREQUEST']._serialized_end=495
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=497
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=561
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=563
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=675
-  _globals['_WATCHEVENTSRESPONSE']._serialized_start=677
-  _globals['_WATCHEVENTSRESPONSE']._serialized_end=742
-  _globals['_EVENTSERVICE']._serialized_start=1070
-  _globals['_EVENTSERVICE']._serialized_end=1279
+  _globals['_EVENT']._serialized_end=329
+  _globals['_EVENTFILTER']._serialized_start=331
+  _globals['_EVENTFILTER']._serialized_end=445
+  _globals['_LISTEVENTSREQUEST']._serialized_start=447
+  _globals['_LISTEVENTSREQUEST']._serialized_end=555
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=557
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=621
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=623
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=735
+  _globals['_WATCHEVENTSRESPONSE']._serialized_start=737
+  _globals['_WATCHEVENTSRESPONSE']._serialized_end=802
+  _globals['_RECORDEVENTSREQUEST']._serialized_start=804
+  _globals['_RECORDEVENTSREQUEST']._serialized_end=869
+  _globals['_RECORDEVENTSRESPONSE']._serialized_start=871
+  _globals['_RECORDEVENTSRESPONSE']._serialized_end=912
+  _globals['_EVENTSERVICE']._serialized_start=1477
+  _globals['_EVENTSERVICE']._serialized_end=1787
 # @@protoc_insertion_point(module_scope)

@@ -18,6 +18,14 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_MESSAGE_DEAD_LETTERED: _ClassVar[EventKind]
     EVENT_KIND_SUBSCRIBED: _ClassVar[EventKind]
     EVENT_KIND_UNSUBSCRIBED: _ClassVar[EventKind]
+    EVENT_KIND_NOTICE_UNDELIVERED: _ClassVar[EventKind]
+    EVENT_KIND_AGENT_SPAWNED: _ClassVar[EventKind]
+    EVENT_KIND_AGENT_WOKEN: _ClassVar[EventKind]
+    EVENT_KIND_TURN_STARTED: _ClassVar[EventKind]
+    EVENT_KIND_TURN_ENDED: _ClassVar[EventKind]
+    EVENT_KIND_TASK_COMPLETED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_CANCELLED: _ClassVar[EventKind]
+    EVENT_KIND_AGENT_IDLE: _ClassVar[EventKind]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_AGENT_REGISTERED: EventKind
 EVENT_KIND_AGENT_CLOSED: EventKind
@@ -28,9 +36,17 @@ EVENT_KIND_MESSAGE_CONSUMED: EventKind
 EVENT_KIND_MESSAGE_DEAD_LETTERED: EventKind
 EVENT_KIND_SUBSCRIBED: EventKind
 EVENT_KIND_UNSUBSCRIBED: EventKind
+EVENT_KIND_NOTICE_UNDELIVERED: EventKind
+EVENT_KIND_AGENT_SPAWNED: EventKind
+EVENT_KIND_AGENT_WOKEN: EventKind
+EVENT_KIND_TURN_STARTED: EventKind
+EVENT_KIND_TURN_ENDED: EventKind
+EVENT_KIND_TASK_COMPLETED: EventKind
+EVENT_KIND_RUN_CANCELLED: EventKind
+EVENT_KIND_AGENT_IDLE: EventKind
 
 class Event(_message.Message):
-    __slots__ = ("event_id", "at_us", "kind", "agent_id", "message_id", "sender", "recipient", "sequence", "detail", "trace_id")
+    __slots__ = ("event_id", "at_us", "kind", "agent_id", "message_id", "sender", "recipient", "sequence", "detail", "trace_id", "turn", "in_reply_to", "conversation_id")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     AT_US_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +57,9 @@ class Event(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    IN_REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     event_id: int
     at_us: int
     kind: EventKind
@@ -51,7 +70,10 @@ class Event(_message.Message):
     sequence: int
     detail: str
     trace_id: str
-    def __init__(self, event_id: _Optional[int] = ..., at_us: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., agent_id: _Optional[str] = ..., message_id: _Optional[str] = ..., sender: _Optional[str] = ..., recipient: _Optional[str] = ..., sequence: _Optional[int] = ..., detail: _Optional[str] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    turn: int
+    in_reply_to: str
+    conversation_id: str
+    def __init__(self, event_id: _Optional[int] = ..., at_us: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., agent_id: _Optional[str] = ..., message_id: _Optional[str] = ..., sender: _Optional[str] = ..., recipient: _Optional[str] = ..., sequence: _Optional[int] = ..., detail: _Optional[str] = ..., trace_id: _Optional[str] = ..., turn: _Optional[int] = ..., in_reply_to: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
 
 class EventFilter(_message.Message):
     __slots__ = ("message_id", "sender", "agent_id", "kinds")
@@ -96,3 +118,15 @@ class WatchEventsResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[Event]
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class RecordEventsRequest(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class RecordEventsResponse(_message.Message):
+    __slots__ = ("event_ids",)
+    EVENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    event_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, event_ids: _Optional[_Iterable[int]] = ...) -> None: ...

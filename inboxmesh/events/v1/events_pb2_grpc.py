@@ -39,6 +39,11 @@ class EventServiceStub(object):
                 request_serializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.ListEventsRequest.SerializeToString,
                 response_deserializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.ListEventsResponse.FromString,
                 _registered_method=True)
+        self.RecordEvents = channel.unary_unary(
+                '/inboxmesh.events.v1.EventService/RecordEvents',
+                request_serializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.RecordEventsRequest.SerializeToString,
+                response_deserializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.RecordEventsResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/inboxmesh.events.v1.EventService/WatchEvents',
                 request_serializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.WatchEventsRequest.SerializeToString,
@@ -51,6 +56,13 @@ class EventServiceServicer(object):
 
     def ListEvents(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordEvents(self, request, context):
+        """Add runtime events about the calling agent to the record.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -69,6 +81,11 @@ def add_EventServiceServicer_to_server(servicer, server):
                     servicer.ListEvents,
                     request_deserializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.ListEventsRequest.FromString,
                     response_serializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.ListEventsResponse.SerializeToString,
+            ),
+            'RecordEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordEvents,
+                    request_deserializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.RecordEventsRequest.FromString,
+                    response_serializer=inboxmesh_dot_events_dot_v1_dot_events__pb2.RecordEventsResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -103,6 +120,33 @@ class EventService(object):
             '/inboxmesh.events.v1.EventService/ListEvents',
             inboxmesh_dot_events_dot_v1_dot_events__pb2.ListEventsRequest.SerializeToString,
             inboxmesh_dot_events_dot_v1_dot_events__pb2.ListEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inboxmesh.events.v1.EventService/RecordEvents',
+            inboxmesh_dot_events_dot_v1_dot_events__pb2.RecordEventsRequest.SerializeToString,
+            inboxmesh_dot_events_dot_v1_dot_events__pb2.RecordEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -140,14 +140,16 @@ class ConsumeRequest(_message.Message):
     def __init__(self, subscribe: _Optional[_Union[SubscribeRequest, _Mapping]] = ..., ack: _Optional[_Union[AckRequest, _Mapping]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("agent_id", "sequences", "request_id")
+    __slots__ = ("agent_id", "sequences", "request_id", "turn")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     sequences: _containers.RepeatedScalarFieldContainer[int]
     request_id: int
-    def __init__(self, agent_id: _Optional[str] = ..., sequences: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    turn: int
+    def __init__(self, agent_id: _Optional[str] = ..., sequences: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., turn: _Optional[int] = ...) -> None: ...
 
 class AckResult(_message.Message):
     __slots__ = ("sequence", "message_id", "status")

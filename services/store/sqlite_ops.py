@@ -1,0 +1,351 @@
+"""The write operations of the SQLite store. Each runs inside the writer's
+transaction (services.store.sqlite_runner) and appends the event rows it
+causes to the list it is given; nothing here commits."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import replace
+
+from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2
+from services import errors
+from services.store import base
+from services.store.base import (
+    ACCEPTED,
+    AGENT_CLOSED,
+    AGENT_OPEN,
+    CONSUMED,
+    DEAD_LETTERED,
+    DELIVERED,
+    DUPLICATE,
+    INBOX_FULL,
+    NOT_PERMITTED,
+    QUEUED,
+    TARGET_CLOSED,
+    AckOutcome,
+    AgentRecord,
+    AppendItem,
+    CloseOutcome,
+    DeliveryBatch,
+    MessageRecord,
+    SendOutcome,
+    event_row,
+)
+from services.telemetry import trace_id_of
+
+AGENT_COLUMNS = (
+    "agent_id, name, mode, parent_id, scope_id, depth, state, metadata, inbox_capacity,"
+    " created_at_us, credential_hash, closed_at_us, close_reason"
+)
+MESSAGE_COLUMNS = (
+    "envelope, state, attempts, stored_at_us, delivered_at_us, consumed_at_us, dead_at_us, dead_reason"
+)
+EVENT_COLUMNS = ", ".join(base.EVENT_ROW_FIELDS)
+INSERT_EVENT = f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+RECEIPT_NAME = {
+    value: inbox_pb2.ReceiptStatus.Name(value).removeprefix("RECEIPT_STATUS_").lower()
+    for value in inbox_pb2.ReceiptStatus.values()
+}
+_MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
+
+
+def agent_of(row: tuple) -> AgentRecord:
+    return AgentRecord(
+        agent_id=row[0], name=row[1], mode=row[2], parent_id=row[3], scope_id=row[4], depth=row[5], state=row[6],
+        metadata=json.loads(row[7]), inbox_capacity=row[8], created_at_us=row[9], credential_hash=row[10],
+        closed_at_us=row[11], close_reason=row[12],
+    )
+
+
+def message_of(row: tuple) -> MessageRecord:
+    envelope = envelope_pb2.Envelope.FromString(row[0])
+    envelope.delivery_attempt = row[2]
+    return MessageRecord(
+        envelope=envelope, state=row[1], attempts=row[2], stored_at_us=row[3], delivered_at_us=row[4],
+        consumed_at_us=row[5], dead_at_us=row[6], dead_reason=row[7],
+    )
+
+
+class Inbox:
+    """The counters of one recipient, loaded once per operation."""
+
+    __slots__ = ("agent_id", "state", "capacity", "unconsumed", "next_seq", "dirty")
+
+    def __init__(self, agent_id: str, row: tuple):
+        self.agent_id = agent_id
+        self.state, self.capacity, self.unconsumed, self.next_seq = row
+        self.dirty = False
+
+    @staticmethod
+    def load(conn: sqlite3.Connection, agent_id: str) -> Inbox | None:
+        row = conn.execute(
+            "SELECT state, inbox_capacity, unconsumed, next_seq FROM agents WHERE agent_id = ?", (agent_id,)
+        ).fetchone()
+        return Inbox(agent_id, row) if row else None
+
+    def save(self, conn: sqlite3.Connection) -> None:
+        if self.dirty:
+            conn.execute("UPDATE agents SET next_seq = ?, unconsumed = ? WHERE agent_id = ?",
+                         (self.next_seq, self.unconsumed, self.agent_id))
+            self.dirty = False
+
+
+def _store(conn: sqlite3.Connection, inbox: Inbox, env: envelope_pb2.Envelope, at_us: int) -> int:
+    """Put an envelope into an inbox that has room; returns its sequence."""
+    seq = inbox.next_seq
+    inbox.next_seq += 1
+    inbox.unconsumed += 1
+    inbox.dirty = True
+    env.sequence = seq
+    env.stored_at_us = at_us
+    env.delivery_attempt = 0
+    conn.execute(
+        "INSERT INTO messages (recipient, seq, sender, message_id, state, envelope, traceparent, stored_at_us,"
+        " expires_at_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (inbox.agent_id, seq, env.sender, env.message_id, QUEUED, env.SerializeToString(), env.trace.traceparent,
+         at_us, env.expires_at_us),
+    )
+    return seq
+
+
+# -- registry -----------------------------------------------------------------
+def create_agent(conn: sqlite3.Connection, events: list[tuple], record: AgentRecord) -> AgentRecord:
+    if record.parent_id:
+        parent = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (record.parent_id,)).fetchone()
+        if parent is None:
+            raise errors.NotFound(f"parent agent {record.parent_id} does not exist", reason="AGENT_NOT_FOUND")
+        if parent[0] != AGENT_OPEN:
+            raise errors.FailedPrecondition(
+                f"parent agent {record.parent_id} is closed; it cannot have new children", reason="AGENT_CLOSED")
+    conn.execute(
+        f"INSERT INTO agents ({AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (record.agent_id, record.name, record.mode, record.parent_id, record.scope_id, record.depth, record.state,
+         json.dumps(record.metadata, sort_keys=True), record.inbox_capacity, record.created_at_us,
+         record.credential_hash, record.closed_at_us, record.close_reason),
+    )
+    events.append(event_row(record.created_at_us, ev.EVENT_KIND_AGENT_REGISTERED, record.agent_id,
+                            sender=record.parent_id,
+                            detail=f"name={record.name} mode={record.mode} scope={record.scope_id}"))
+    return record
+
+
+def close_agent(conn: sqlite3.Connection, events: list[tuple], agent_id: str, reason: str, at_us: int) -> CloseOutcome:
+    rows = conn.execute(
+        f"""WITH RECURSIVE tree(id, level) AS (
+                SELECT agent_id, 0 FROM agents WHERE agent_id = ?
+                UNION ALL
+                SELECT a.agent_id, tree.level + 1 FROM agents a JOIN tree ON a.parent_id = tree.id
+            )
+            SELECT {AGENT_COLUMNS} FROM agents JOIN tree ON agents.agent_id = tree.id
+            WHERE agents.state = {AGENT_OPEN} ORDER BY tree.level, agents.row""",
+        (agent_id,),
+    ).fetchall()
+    closed: list[AgentRecord] = []
+    queued: list[tuple[str, list[MessageRecord]]] = []
+    for row in rows:
+        agent = agent_of(row)
+        detail = reason if agent.agent_id == agent_id else f"ancestor {agent_id} closed: {reason}"
+        conn.execute(
+            "UPDATE agents SET state = ?, closed_at_us = ?, close_reason = ? WHERE agent_id = ?",
+            (AGENT_CLOSED, at_us, detail, agent.agent_id),
+        )
+        events.append(event_row(at_us, ev.EVENT_KIND_AGENT_CLOSED, agent.agent_id, detail=detail))
+        closed.append(replace(agent, state=AGENT_CLOSED, closed_at_us=at_us, close_reason=detail))
+        records = [message_of(r) for r in conn.execute(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE recipient = ? AND state IN (1, 2) ORDER BY seq",
+            (agent.agent_id,)).fetchall()]
+        queued.append((agent.agent_id, records))
+    dead, notices = [], []
+    for recipient, records in queued:
+        found = dead_letter(conn, events, recipient, records, base.REASON_CLOSED, at_us)
+        dead += found[0]
+        notices += found[1]
+    return CloseOutcome(closed=closed, dead_lettered=dead, notices=notices)
+
+
+# -- inbox --------------------------------------------------------------------
+def append(conn: sqlite3.Connection, events: list[tuple], sender_id: str, items: list[AppendItem],
+           at_us: int) -> list[SendOutcome]:
+    sender_row = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (sender_id,)).fetchone()
+    sender_open = sender_row is not None and sender_row[0] == AGENT_OPEN
+    inboxes: dict[str, Inbox | None] = {}
+    outcomes: list[SendOutcome] = []
+    for item in items:
+        env = item.envelope
+        mid, rid = env.message_id, env.recipient
+        original = conn.execute(
+            "SELECT recipient, seq, stored_at_us FROM messages WHERE sender = ? AND message_id = ?",
+            (sender_id, mid),
+        ).fetchone()
+        if original is not None:
+            outcome = SendOutcome(mid, original[0], DUPLICATE, original[1], original[2],
+                                  "already accepted from this sender; nothing stored again")
+        elif item.rejection is not None:
+            outcome = SendOutcome(mid, rid, item.rejection[0], detail=item.rejection[1])
+        elif not sender_open:
+            outcome = SendOutcome(mid, rid, NOT_PERMITTED, detail=f"sender {sender_id} is closed")
+        else:
+            if rid not in inboxes:
+                inboxes[rid] = Inbox.load(conn, rid)
+            inbox = inboxes[rid]
+            if inbox is None:
+                outcome = SendOutcome(mid, rid, base.UNKNOWN_TARGET, detail=f"no agent {rid}")
+            elif inbox.state != AGENT_OPEN:
+                outcome = SendOutcome(mid, rid, TARGET_CLOSED, detail=f"agent {rid} is closed")
+            elif inbox.unconsumed >= inbox.capacity:
+                outcome = SendOutcome(
+                    mid, rid, INBOX_FULL,
+                    detail=f"agent {rid} holds {inbox.unconsumed} unconsumed messages (capacity {inbox.capacity});"
+                           " nothing was evicted, retry after it consumes")
+            else:
+                env.sender = sender_id
+                seq = _store(conn, inbox, env, at_us)
+                outcome = SendOutcome(mid, rid, ACCEPTED, seq, at_us, envelope=env)
+        trace_id = trace_id_of(env.trace.traceparent)
+        common = dict(message_id=mid, sender=sender_id, recipient=outcome.recipient, seq=outcome.sequence,
+                      trace_id=trace_id, in_reply_to=env.in_reply_to, conversation_id=env.conversation_id)
+        events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_SENT, outcome.recipient,
+                                detail=RECEIPT_NAME[outcome.status], **common))
+        if outcome.status == ACCEPTED:
+            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_STORED, rid, **common))
+        outcomes.append(outcome)
+    for inbox in inboxes.values():
+        if inbox is not None:
+            inbox.save(conn)
+    return outcomes
+
+
+def dead_letter(conn: sqlite3.Connection, events: list[tuple], recipient: str, records: list[MessageRecord],
+                reason: str, at_us: int) -> tuple[list[MessageRecord], list[envelope_pb2.Envelope]]:
+    """Dead-letter unconsumed messages of one inbox; tell each sender that is
+    still open with a CONTROL notice in its inbox. Returns (dead, notices)."""
+    dead, notices = [], []
+    senders: dict[str, Inbox | None] = {}
+    for record in records:
+        env = record.envelope
+        conn.execute(
+            "UPDATE messages SET state = ?, dead_at_us = ?, dead_reason = ? WHERE recipient = ? AND seq = ?",
+            (DEAD_LETTERED, at_us, reason, recipient, env.sequence))
+        conn.execute("INSERT INTO dead_letters (recipient, seq, sender) VALUES (?, ?, ?)",
+                     (recipient, env.sequence, env.sender))
+        events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_DEAD_LETTERED, recipient, message_id=env.message_id,
+                                sender=env.sender, recipient=recipient, seq=env.sequence, detail=reason,
+                                trace_id=trace_id_of(env.trace.traceparent)))
+        dead.append(replace(record, state=DEAD_LETTERED, dead_at_us=at_us, dead_reason=reason))
+        if env.origin.kind == envelope_pb2.ORIGIN_KIND_MESH or env.sender == recipient:
+            continue  # no notices about notices, nor to oneself
+        if env.sender not in senders:
+            senders[env.sender] = Inbox.load(conn, env.sender)
+        notice = _notice(conn, events, senders[env.sender], env, recipient, reason, at_us)
+        if notice is not None:
+            notices.append(notice)
+    conn.execute("UPDATE agents SET unconsumed = unconsumed - ? WHERE agent_id = ?", (len(dead), recipient))
+    for inbox in senders.values():
+        if inbox is not None:
+            inbox.save(conn)
+    return dead, notices
+
+
+def _notice(conn, events, inbox: Inbox | None, dead: envelope_pb2.Envelope, recipient: str, reason: str,
+            at_us: int) -> envelope_pb2.Envelope | None:
+    if inbox is None or inbox.state != AGENT_OPEN:
+        return None
+    message_id = f"{base.RESERVED_ID_PREFIX}notice:{recipient}:{dead.sequence}"
+    if inbox.unconsumed >= inbox.capacity:
+        events.append(event_row(at_us, ev.EVENT_KIND_NOTICE_UNDELIVERED, inbox.agent_id, message_id=message_id,
+                                sender=recipient, recipient=inbox.agent_id,
+                                detail=f"inbox full; {dead.message_id} was dead-lettered: {reason}"))
+        return None
+    notice = envelope_pb2.Envelope(
+        message_id=message_id, sender=recipient, recipient=inbox.agent_id, kind=envelope_pb2.MESSAGE_KIND_CONTROL,
+        content=envelope_pb2.Content(text=f"Your message {dead.message_id} to {recipient} was not consumed: {reason}."),
+        in_reply_to=dead.message_id, conversation_id=dead.conversation_id, trace=dead.trace, origin=_MESH_ORIGIN,
+        headers={"inboxmesh-notice": "dead-lettered", "inboxmesh-reason": reason}, created_at_us=at_us,
+    )
+    seq = _store(conn, inbox, notice, at_us)
+    events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_STORED, inbox.agent_id, message_id=message_id,
+                            sender=recipient, recipient=inbox.agent_id, seq=seq, detail="dead-letter notice",
+                            trace_id=trace_id_of(dead.trace.traceparent), in_reply_to=dead.message_id))
+    return notice
+
+
+def next_deliveries(conn: sqlite3.Connection, events: list[tuple], recipient: str, after_sequence: int, limit: int,
+                    max_attempts: int, now_us: int) -> DeliveryBatch:
+    state = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (recipient,)).fetchone()
+    if state is None or state[0] != AGENT_OPEN:
+        return DeliveryBatch([], [], recipient_open=False)
+    rows = conn.execute(
+        f"SELECT expires_at_us, {MESSAGE_COLUMNS} FROM messages"
+        " WHERE recipient = ? AND seq > ? AND state IN (1, 2) ORDER BY seq LIMIT ?",
+        (recipient, after_sequence, limit),
+    ).fetchall()
+    deliver, expired, exhausted = [], [], []
+    for row in rows:
+        expires_at, record = row[0], message_of(row[1:])
+        if expires_at and expires_at <= now_us:
+            expired.append(record)
+        elif record.attempts >= max_attempts:
+            exhausted.append(record)
+        else:
+            deliver.append(record)
+    dead, notices = dead_letter(conn, events, recipient, expired, base.REASON_EXPIRED, now_us)
+    more = dead_letter(conn, events, recipient, exhausted, base.REASON_ATTEMPTS, now_us)
+    dead, notices = dead + more[0], notices + more[1]
+    envelopes = []
+    for record in deliver:
+        env = record.envelope
+        attempt = record.attempts + 1
+        conn.execute(
+            "UPDATE messages SET state = ?, attempts = ?,"
+            " delivered_at_us = CASE delivered_at_us WHEN 0 THEN ? ELSE delivered_at_us END"
+            " WHERE recipient = ? AND seq = ?",
+            (DELIVERED, attempt, now_us, recipient, env.sequence))
+        events.append(event_row(now_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=env.message_id,
+                                sender=env.sender, recipient=recipient, seq=env.sequence, detail=f"attempt={attempt}",
+                                trace_id=trace_id_of(env.trace.traceparent)))
+        env.delivery_attempt = attempt
+        envelopes.append(env)
+    return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices)
+
+
+def mark_delivered(conn: sqlite3.Connection, events: list[tuple], recipient: str, keys: list[tuple],
+                   at_us: int) -> None:
+    """keys: (sequence, message_id, sender, trace_id) of messages streamed from memory."""
+    for seq, mid, sender, trace_id in keys:
+        cur = conn.execute(
+            "UPDATE messages SET state = ?, attempts = 1, delivered_at_us = ? WHERE recipient = ? AND seq = ?"
+            " AND state = ?", (DELIVERED, at_us, recipient, seq, QUEUED))
+        if cur.rowcount:
+            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=mid, sender=sender,
+                                    recipient=recipient, seq=seq, detail="attempt=1", trace_id=trace_id))
+
+
+def ack(conn: sqlite3.Connection, events: list[tuple], recipient: str, sequences: list[int], at_us: int,
+        turn: int) -> list[AckOutcome]:
+    outcomes = []
+    consumed = 0
+    for seq in sequences:
+        row = conn.execute(
+            "SELECT state, message_id, sender, traceparent FROM messages WHERE recipient = ? AND seq = ?",
+            (recipient, seq)).fetchone()
+        if row is None:
+            outcomes.append(AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND))
+            continue
+        state, mid, sender, traceparent = row
+        if state == CONSUMED:
+            outcomes.append(AckOutcome(seq, mid, inbox_pb2.ACK_STATUS_ALREADY_CONSUMED))
+        elif state == DEAD_LETTERED:
+            outcomes.append(AckOutcome(seq, mid, inbox_pb2.ACK_STATUS_DEAD_LETTERED))
+        else:
+            conn.execute("UPDATE messages SET state = ?, consumed_at_us = ? WHERE recipient = ? AND seq = ?",
+                         (CONSUMED, at_us, recipient, seq))
+            consumed += 1
+            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_CONSUMED, recipient, message_id=mid, sender=sender,
+                                    recipient=recipient, seq=seq, trace_id=trace_id_of(traceparent), turn=turn))
+            outcomes.append(AckOutcome(seq, mid, inbox_pb2.ACK_STATUS_CONSUMED, traceparent))
+    if consumed:
+        conn.execute("UPDATE agents SET unconsumed = unconsumed - ? WHERE agent_id = ?", (consumed, recipient))
+    return outcomes
