@@ -166,7 +166,7 @@ class InboxStream:
                 future.set_exception(failure)
         self._acks.clear()
 
-    async def ack(self, agent_id: str, sequences: list[int]) -> list[inbox_pb2.AckResult]:
+    async def ack(self, agent_id: str, sequences: list[int], turn: int = 0) -> list[inbox_pb2.AckResult]:
         """Ack on the stream; raises Unavailable when the stream is lost first
         (the messages then come again and can be acked again)."""
         if self._call is None:
@@ -176,19 +176,21 @@ class InboxStream:
         self._acks[request_id] = future
         try:
             await self._write(inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest(
-                agent_id=agent_id, sequences=sequences, request_id=request_id)))
+                agent_id=agent_id, sequences=sequences, request_id=request_id, turn=turn)))
         except grpc.aio.AioRpcError as exc:
             self._acks.pop(request_id, None)
             raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}") from None
         return await asyncio.wait_for(future, self.ack_timeout)
 
-    async def consume(self, agent_id: str, messages: list[envelope_pb2.Envelope]) -> list[envelope_pb2.Envelope]:
-        """Ack the agent's messages on the stream; return those this ack
-        consumed (in order). Already-consumed or dead-lettered ones are left out."""
+    async def consume(self, agent_id: str, messages: list[envelope_pb2.Envelope],
+                      turn: int = 0) -> list[envelope_pb2.Envelope]:
+        """Ack the agent's messages on the stream (for `turn`, recorded on the
+        consumed events); return those this ack consumed, in order.
+        Already-consumed or dead-lettered ones are left out."""
         mine = [m for m in messages if m.recipient == agent_id]
         if not mine:
             return []
-        results = await self.ack(agent_id, [m.sequence for m in mine])
+        results = await self.ack(agent_id, [m.sequence for m in mine], turn)
         won = {r.sequence for r in results if r.status == inbox_pb2.ACK_STATUS_CONSUMED}
         return [m for m in mine if m.sequence in won]
 

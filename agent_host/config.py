@@ -1,0 +1,46 @@
+"""Configuration of an agent host. Frozen dataclasses; environment reading
+lives in agent_host.settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KEEP_UNTIL_CLOSED = "until_closed"
+CLOSE_ON_COMPLETE = "close_on_complete"
+IDLE_TIMEOUT = "idle_timeout"
+KEEP_ALIVE_POLICIES = (KEEP_UNTIL_CLOSED, CLOSE_ON_COMPLETE, IDLE_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits of one top-level task (the whole tree of agents working on it)."""
+
+    max_model_requests: int = 200
+    """Model requests in all, failed ones that were retried included."""
+    max_wall_time_s: float = 600.0
+    """From the task's start until its result."""
+    max_output_tokens: int = 512
+    """Per model request."""
+    max_requests_per_reply: int = 3
+    """Attempts for one model reply (retries of failed requests), within the total."""
+    max_turns_per_agent: int = 50
+    """Turns one agent may take (guards against an agent looping)."""
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    mesh_address: str
+    """host:port of the mesh (Registry, Inbox and Events)."""
+    data_dir: Path = Path(".inboxmesh/host")
+    """Where the host keeps its agents and their conversations (host.db)."""
+    keep_alive: str = KEEP_UNTIL_CLOSED
+    """What a child does after finishing its task: until_closed (keeps
+    receiving until it or an ancestor is closed), close_on_complete, or
+    idle_timeout (closes after `idle_timeout_s` without messages)."""
+    idle_timeout_s: float = 60.0
+    max_in_flight: int = 64
+    """Delivered-but-unconsumed messages per agent (the pending bound)."""
+    budget: Budget = field(default_factory=Budget)
+    call_timeout_s: float = 10.0
+    """Deadline of each call to the mesh."""

@@ -1,0 +1,75 @@
+"""An agent's conversation: the chat messages its model sees, and how inbox
+messages are written into it.
+
+Inbox messages consumed at a turn boundary become one user message, newest
+last, each introduced by a header line the scripted model (and a reader)
+can rely on:
+
+    Message from <name> (<agent_id>), message_id=<id>, kind=<kind>[, in_reply_to=<id>]:
+    <text>
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from inboxmesh.common.v1 import envelope_pb2
+
+HEADER = re.compile(
+    r"^Message from (?P<name>.*?) \((?P<sender>[^)]*)\), message_id=(?P<message_id>\S+?), kind=(?P<kind>\w+)"
+    r"(?:, in_reply_to=(?P<in_reply_to>\S+?))?:$"
+)
+KIND_NAMES = {v: envelope_pb2.MessageKind.Name(v).removeprefix("MESSAGE_KIND_").lower()
+              for v in envelope_pb2.MessageKind.values()}
+
+
+def system_prompt(name: str, agent_id: str, role: str) -> str:
+    return (
+        f"You are {name} (agent id {agent_id}), one agent in a team of agents. {role}\n"
+        "Act only through your tools. Messages from other agents arrive as user turns starting with"
+        " 'Message from'. Use send_message to write to an agent (by id or name), reply to answer a message,"
+        " and finish with your result when your task is done."
+    )
+
+
+def format_message(envelope: envelope_pb2.Envelope, sender_name: str) -> str:
+    head = (f"Message from {sender_name} ({envelope.sender}), message_id={envelope.message_id}, "
+            f"kind={KIND_NAMES.get(envelope.kind, 'text')}")
+    if envelope.in_reply_to:
+        head += f", in_reply_to={envelope.in_reply_to}"
+    return f"{head}:\n{envelope.content.text}"
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    injected: set[str] = field(default_factory=set)
+    """Keys (sender/message_id) of inbox messages already in the conversation."""
+
+    def add_user(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+
+    def inject(self, items: list[tuple[envelope_pb2.Envelope, str]]) -> list[envelope_pb2.Envelope]:
+        """Add inbox messages (with their senders' names) as one user turn;
+        returns those added (a message already in the conversation is not
+        added again)."""
+        fresh = [(e, n) for e, n in items if key_of(e) not in self.injected]
+        if fresh:
+            self.add_user("\n\n".join(format_message(e, n) for e, n in fresh))
+            self.injected.update(key_of(e) for e, _ in fresh)
+        return [e for e, _ in fresh]
+
+    def fork(self) -> Conversation:
+        """A copy for a forked child: everything but the parent's unanswered
+        last assistant turn (the one spawning the fork)."""
+        messages = copy.deepcopy(self.messages)
+        if messages and messages[-1]["role"] == "assistant":
+            messages.pop()
+        return Conversation(messages=messages)
+
+
+def key_of(envelope: envelope_pb2.Envelope) -> str:
+    return f"{envelope.sender}/{envelope.message_id}"

@@ -1,0 +1,83 @@
+"""An OpenAI-compatible chat-completions model with native tool calling
+(works with OpenAI, llama.cpp's llama-server, vLLM, Ollama's /v1 and the
+like). Settings come from agent_host.settings (OPENAI_BASE_URL,
+OPENAI_API_KEY, INBOXMESH_MODEL)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import openai
+
+from agent_host.models.base import ModelError, ModelReply, ToolCall, Usage
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIChatModel:
+    def __init__(self, *, base_url: str, api_key: str, model: str, timeout_s: float = 60.0,
+                 temperature: float = 0.0, tool_choice: str = "auto"):
+        self.name = f"openai:{model}@{base_url}"
+        self.model = model
+        self.temperature = temperature
+        self.tool_choice = tool_choice
+        # Retries are ours (within the run's request budget), not the SDK's.
+        self._client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s,
+                                          max_retries=0)
+
+    async def complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, max_output_tokens: int,
+        max_requests: int,
+    ) -> ModelReply:
+        failures: list[str] = []
+        for attempt in range(1, max(1, max_requests) + 1):
+            try:
+                response = await self._client.chat.completions.create(
+                    model=self.model, messages=messages, tools=tools or openai.NOT_GIVEN,
+                    tool_choice=self.tool_choice if tools else openai.NOT_GIVEN,
+                    max_tokens=max_output_tokens, temperature=self.temperature,
+                )
+            except (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError,
+                    openai.RateLimitError) as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
+                log.warning("model request %d of %d failed: %s", attempt, max_requests, exc)
+                continue
+            except openai.APIStatusError as exc:  # 4xx: retrying will not help
+                raise ModelError(f"model endpoint refused the request ({exc.status_code}): {exc.message}",
+                                 attempts=attempt) from exc
+            reply = _reply_of(response, attempt)
+            if reply is not None:
+                return reply
+            failures.append("the reply had neither text nor tool calls")
+        raise ModelError(f"no usable reply in {max_requests} requests: {'; '.join(failures[-3:])}",
+                         attempts=max_requests, retryable=True)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+def _reply_of(response: Any, attempt: int) -> ModelReply | None:
+    if not response.choices:
+        return None
+    message = response.choices[0].message
+    calls = []
+    for index, call in enumerate(message.tool_calls or []):
+        raw = call.function.arguments or "{}"
+        try:
+            arguments = json.loads(raw)
+            if not isinstance(arguments, dict):
+                arguments = {"_unparsed": raw}
+        except json.JSONDecodeError:
+            arguments = {"_unparsed": raw}
+        calls.append(ToolCall(id=call.id or f"call_{attempt}_{index}", name=call.function.name, arguments=arguments))
+    text = message.content or ""
+    if not text and not calls:
+        return None
+    usage = response.usage
+    return ModelReply(
+        text=text, tool_calls=calls, attempts=attempt,
+        usage=Usage(prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0,
+                    completion_tokens=getattr(usage, "completion_tokens", 0) or 0),
+    )

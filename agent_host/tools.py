@@ -1,0 +1,209 @@
+"""The tools an agent's model can call, with their JSON schemas, and how the
+host carries them out against the mesh. Every result is a JSON object the
+model sees as the tool's answer; failures are {"error": ...} naming what was
+wrong, never an exception into the loop.
+
+| tool | does |
+| --- | --- |
+| spawn_agent(name, task, mode) | create a child (sync: returns its result; async/fork: returns at once) |
+| send_message(to, text) | send to an agent by id or by name in this scope; returns the real receipt |
+| reply(message_id, text) | answer a message this agent received (keeps the correlation) |
+| list_agents() | this agent, its parent, children and siblings |
+| close_agent(agent) | close a child (and its descendants) |
+| finish(result) | complete the task: the result goes to the parent's inbox |
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from inboxmesh.inbox.v1 import inbox_pb2
+from inboxmesh.registry.v1 import registry_pb2 as reg
+from services import errors
+
+if TYPE_CHECKING:
+    from agent_host.models.base import ToolCall
+    from agent_host.runner import AgentRunner
+
+log = logging.getLogger(__name__)
+
+_STRING = {"type": "string"}
+SPECS: dict[str, dict[str, Any]] = {
+    "spawn_agent": {
+        "description": "Create a subagent with its own inbox and give it a task. mode sync waits for its result;"
+                       " async returns at once (its result arrives later as a message); fork is async and starts"
+                       " from a copy of your conversation.",
+        "parameters": {"type": "object", "properties": {
+            "name": {"type": "string", "description": "A display name for the subagent."},
+            "task": {"type": "string", "description": "What the subagent must do."},
+            "mode": {"type": "string", "enum": ["sync", "async", "fork"], "description": "Default async."},
+        }, "required": ["name", "task"]},
+    },
+    "send_message": {
+        "description": "Send a message to another agent's inbox. `to` is an agent id or a name in your team.",
+        "parameters": {"type": "object", "properties": {
+            "to": {"type": "string", "description": "Agent id (agt_...) or name."},
+            "text": {"type": "string", "description": "The message."},
+        }, "required": ["to", "text"]},
+    },
+    "reply": {
+        "description": "Answer a message you received; the answer goes to its sender.",
+        "parameters": {"type": "object", "properties": {
+            "message_id": {"type": "string", "description": "The message_id of the message you answer."},
+            "text": {"type": "string", "description": "Your answer."},
+        }, "required": ["message_id", "text"]},
+    },
+    "list_agents": {
+        "description": "List yourself, your parent, your children and your siblings with their ids and states.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+    "close_agent": {
+        "description": "Close one of your subagents (and its own subagents). It stops receiving messages.",
+        "parameters": {"type": "object", "properties": {
+            "agent": {"type": "string", "description": "Agent id or name of the subagent."},
+        }, "required": ["agent"]},
+    },
+    "finish": {
+        "description": "Finish your task. The result is sent to whoever gave you the task.",
+        "parameters": {"type": "object", "properties": {
+            "result": {"type": "string", "description": "Your result."},
+        }, "required": ["result"]},
+    },
+}
+ALL_TOOLS = tuple(SPECS)
+
+
+def schemas(names: tuple[str, ...]) -> list[dict[str, Any]]:
+    unknown = [n for n in names if n not in SPECS]
+    if unknown:
+        raise ValueError(f"unknown tools {unknown}; known: {sorted(SPECS)}")
+    return [{"type": "function", "function": {"name": n, **SPECS[n]}} for n in names]
+
+
+def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
+    if "_unparsed" in arguments:
+        return f"the arguments were not a JSON object: {str(arguments['_unparsed'])[:200]}"
+    params = SPECS[name]["parameters"]
+    for field in params.get("required", ()):
+        if field not in arguments:
+            return f"missing argument {field!r}"
+    for field, value in arguments.items():
+        spec = params["properties"].get(field)
+        if spec is None:
+            return f"unknown argument {field!r}; {name} takes {sorted(params['properties'])}"
+        if spec["type"] == "string" and not isinstance(value, str):
+            return f"argument {field!r} must be a string"
+        if "enum" in spec and value not in spec["enum"]:
+            return f"argument {field!r} must be one of {spec['enum']}"
+    return None
+
+
+async def run_tool(runner: AgentRunner, call: ToolCall) -> dict[str, Any]:
+    if call.name not in runner.record.tools:
+        return {"error": f"you have no tool {call.name!r}; yours: {list(runner.record.tools)}"}
+    problem = _check_arguments(call.name, call.arguments)
+    if problem:
+        return {"error": f"{call.name}: {problem}"}
+    try:
+        return await _HANDLERS[call.name](runner, **call.arguments)
+    except errors.MeshError as exc:
+        return {"error": f"{exc.reason}: {exc.message}"}
+
+
+async def resolve(runner: AgentRunner, target: str) -> reg.Agent | dict[str, Any]:
+    """An agent by id or name (in this agent's scope), or an error result."""
+    target = target.strip()
+    if target.startswith("agt_"):
+        try:
+            return await runner.handle.get(target)
+        except errors.NotFound:
+            return {"error": f"no agent with id {target}"}
+    try:
+        return await runner.handle.resolve(target)
+    except errors.FailedPrecondition as exc:
+        if exc.reason == "AMBIGUOUS_NAME":
+            return {"error": f"several agents are named {target!r}; use an id: {exc.metadata.get('candidates')}"}
+        raise
+    except errors.NotFound:
+        return {"error": f"no open agent named {target!r} in your team; list_agents shows who there is"}
+
+
+def receipt_result(receipt: inbox_pb2.Receipt, to: reg.Agent | None = None) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "status": inbox_pb2.ReceiptStatus.Name(receipt.status).removeprefix("RECEIPT_STATUS_").lower(),
+        "message_id": receipt.message_id,
+        "to": receipt.recipient,
+    }
+    if to is not None and to.name:
+        result["to_name"] = to.name
+    if receipt.sequence:
+        result["sequence"] = receipt.sequence
+    if receipt.detail:
+        result["detail"] = receipt.detail
+    return result
+
+
+async def spawn_agent(runner: AgentRunner, name: str, task: str, mode: str = "async") -> dict[str, Any]:
+    return await runner.host.spawn(runner, name=name, task=task, mode=mode)
+
+
+async def send_message(runner: AgentRunner, to: str, text: str) -> dict[str, Any]:
+    target = await resolve(runner, to)
+    if isinstance(target, dict):
+        return target
+    receipt = await runner.send(target.agent_id, text)
+    return receipt_result(receipt, target)
+
+
+async def reply(runner: AgentRunner, message_id: str, text: str) -> dict[str, Any]:
+    original = runner.received.get(message_id.strip())
+    if original is None:
+        return {"error": f"you received no message with message_id {message_id!r}"}
+    receipt = await runner.reply(original, text)
+    return receipt_result(receipt)
+
+
+async def list_agents(runner: AgentRunner) -> dict[str, Any]:
+    def brief(agent: reg.Agent) -> dict[str, str]:
+        return {"agent_id": agent.agent_id, "name": agent.name,
+                "state": reg.AgentState.Name(agent.state).removeprefix("AGENT_STATE_").lower()}
+
+    me = runner.handle
+    result: dict[str, Any] = {"self": {"agent_id": me.agent_id, "name": runner.record.name}}
+    result["children"] = [brief(a) for a in await me.list_agents(parent_id=me.agent_id, include_closed=True)]
+    if runner.record.parent_id:
+        result["parent"] = brief(await me.get(runner.record.parent_id))
+        siblings = await me.list_agents(parent_id=runner.record.parent_id, include_closed=True)
+        result["siblings"] = [brief(a) for a in siblings if a.agent_id != me.agent_id]
+    return result
+
+
+async def close_agent(runner: AgentRunner, agent: str) -> dict[str, Any]:
+    target = await resolve(runner, agent)
+    if isinstance(target, dict):
+        return target
+    if target.agent_id == runner.handle.agent_id:
+        return {"error": "close_agent closes your subagents; call finish to end your own task"}
+    closed = await runner.host.close(target.agent_id, reason=f"closed by {runner.record.name}", by=runner)
+    return {"closed": closed}
+
+
+async def finish(runner: AgentRunner, result: str) -> dict[str, Any]:
+    return await runner.finish(result)
+
+
+_HANDLERS = {
+    "spawn_agent": spawn_agent,
+    "send_message": send_message,
+    "reply": reply,
+    "list_agents": list_agents,
+    "close_agent": close_agent,
+    "finish": finish,
+}
+assert set(_HANDLERS) == set(SPECS)
+
+
+def result_message(call: ToolCall, result: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)}
