@@ -41,6 +41,8 @@ class HostConfig:
     idle_timeout_s: float = 60.0
     max_in_flight: int = 64
     """Delivered-but-unconsumed messages per agent (the pending bound)."""
+    child_inbox_capacity: int = 0
+    """Inbox capacity of spawned agents (0 = the mesh default)."""
     budget: Budget = field(default_factory=Budget)
     call_timeout_s: float = 10.0
     """Deadline of each call to the mesh."""

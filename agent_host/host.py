@@ -247,7 +247,7 @@ class Host:
 
     # -- spawning and closing -------------------------------------------------
     async def spawn(self, parent: AgentRunner, *, name: str, task: str, mode: str = "async") -> dict[str, Any]:
-        child = await parent.handle.spawn(name, MODES[mode])
+        child = await parent.handle.spawn(name, MODES[mode], inbox_capacity=self.config.child_inbox_capacity)
         task_message_id = f"task-{uuid.uuid4().hex}"
         record = AgentRecord(agent_id=child.agent_id, name=name, credential=child.credential, mode=mode,
                              parent_id=parent.agent_id, task_message_id=task_message_id,

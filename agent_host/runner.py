@@ -144,6 +144,9 @@ class AgentRunner:
         except errors.MeshError as exc:
             log.error("%s: inbox stream failed: %s", self, exc)
             self.host.observe(self, "stream-failed", str(exc))
+        except Exception as exc:  # a bug here must be seen, not end delivery silently
+            log.exception("%s: inbox reader failed", self)
+            self.host.observe(self, "stream-failed", repr(exc))
 
     def _route(self, message: env_pb.Envelope) -> None:
         if message.kind == env_pb.MESSAGE_KIND_COMPLETION and message.in_reply_to in self.awaiting:
@@ -210,6 +213,9 @@ class AgentRunner:
                     raise  # the loop itself is being stopped
                 await self.event(ev.EVENT_KIND_RUN_CANCELLED, turn=self.record.turn)
             except (BudgetExceeded, ModelError) as exc:
+                self.host.run_failed(self, exc)
+            except Exception as exc:  # a bug must fail the task loudly, not kill the loop silently
+                log.exception("%s: run failed unexpectedly", self)
                 self.host.run_failed(self, exc)
             finally:
                 self.run_task = None

@@ -3,6 +3,7 @@ scripted profiles chosen by agent name."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,20 +16,44 @@ from agent_host.models.scripted import Policy, ScriptedModel, say
 from agent_host.tools import ALL_TOOLS
 
 
-def scripted_profiles(policies: dict[str, Policy], tools: tuple[str, ...] = ALL_TOOLS,
+class GatedModel(ScriptedModel):
+    """A scripted model that, on the model requests named in `gates`, waits
+    until the test opens the gate: how a scenario holds a run in progress
+    (a slow model call) at a moment it chooses."""
+
+    def __init__(self, policy: Policy, gates: dict[int, asyncio.Event], name: str = "gated"):
+        super().__init__(policy, name)
+        self.gates = gates
+        self.waiting = asyncio.Event()
+
+    async def complete(self, messages, tools, *, max_output_tokens, max_requests):
+        gate = self.gates.get(self.requests + 1)
+        if gate is not None:
+            self.waiting.set()
+            await gate.wait()
+            self.waiting.clear()
+        return await super().complete(messages, tools, max_output_tokens=max_output_tokens,
+                                      max_requests=max_requests)
+
+
+def scripted_profiles(policies: dict[str, Policy | ScriptedModel], tools: tuple[str, ...] = ALL_TOOLS,
                       default: Policy | None = None) -> Callable[[AgentRecord], AgentProfile]:
+    """Profiles by agent name: a policy (one ScriptedModel per agent) or a
+    ready model instance."""
     models: dict[str, ScriptedModel] = {}
 
     def profile(record: AgentRecord) -> AgentProfile:
-        policy = policies.get(record.name, default or (lambda view: say("no policy")))
-        model = models.setdefault(record.agent_id, ScriptedModel(policy, name=f"scripted:{record.name}"))
+        chosen = policies.get(record.name, default or (lambda view: say("no policy")))
+        if isinstance(chosen, ScriptedModel):
+            return AgentProfile(model=chosen, tools=tools)
+        model = models.setdefault(record.agent_id, ScriptedModel(chosen, name=f"scripted:{record.name}"))
         return AgentProfile(model=model, tools=tools)
 
     return profile
 
 
 @contextlib.asynccontextmanager
-async def scripted_host(address: str, data_dir: Path, policies: dict[str, Policy], **config):
+async def scripted_host(address: str, data_dir: Path, policies: dict[str, Policy | ScriptedModel], **config):
     budget = config.pop("budget", Budget(max_wall_time_s=60))
     host = Host(replace(HostConfig(mesh_address=address, data_dir=data_dir, budget=budget), **config),
                 scripted_profiles(policies))
@@ -40,3 +65,7 @@ async def scripted_host(address: str, data_dir: Path, policies: dict[str, Policy
         yield host
     finally:
         await host.stop()
+
+
+def by_name(host: Host, name: str):
+    return next(r for r in host.runners.values() if r.record.name == name)

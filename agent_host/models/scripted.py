@@ -109,8 +109,8 @@ class Decision:
     text: str = ""
 
 
-def call(name: str, **arguments: Any) -> Decision:
-    return Decision(calls=[(name, arguments)])
+def call(tool: str, /, **arguments: Any) -> Decision:
+    return Decision(calls=[(tool, arguments)])
 
 
 def say(text: str) -> Decision:

@@ -1,0 +1,130 @@
+"""Addressing from an agent's tools: names resolve inside the agent's own
+tree, duplicate names are refused with the candidates, unknown and closed
+targets and full inboxes come back as the real receipts."""
+
+import asyncio
+import json
+
+from agent_host.models.scripted import Decision, call, say
+from harness.evidence import K, Record
+from harness.hosts import GatedModel, by_name, scripted_host
+from tests.fixtures import eventually
+
+
+def tool_results(runner, name):
+    """(arguments, result) of every call of one tool, from the conversation."""
+    calls = {}
+    found = []
+    for message in runner.conversation.messages:
+        for c in message.get("tool_calls") or []:
+            calls[c["id"]] = c["function"]
+        if message["role"] == "tool" and calls[message["tool_call_id"]]["name"] == name:
+            found.append((json.loads(calls[message["tool_call_id"]]["arguments"]), json.loads(message["content"])))
+    return found
+
+
+def boss(view):
+    step = len(view.results)
+    if step == 0:
+        return call("spawn_agent", name="worker", task="Answer messages.")
+    if step == 1:
+        return call("send_message", to="worker", text="for my own worker")
+    return say("done")
+
+
+async def test_the_same_name_in_two_scopes_resolves_inside_each(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"boss": boss, "worker": lambda v: say("ok")}) as host:
+        first = await host.start_task("boss", "one")
+        second = await host.start_task("boss", "two")
+        await eventually(lambda: len(tool_results(first, "send_message")) == 1
+                         and len(tool_results(second, "send_message")) == 1)
+        for boss_runner in (first, second):
+            (_, spawned), = tool_results(boss_runner, "spawn_agent")
+            (_, sent), = tool_results(boss_runner, "send_message")
+            assert sent["status"] == "accepted" and sent["to"] == spawned["agent_id"], "its own worker, by name"
+        assert tool_results(first, "spawn_agent")[0][1]["agent_id"] != tool_results(second, "spawn_agent")[0][1]["agent_id"]
+
+
+def twins(view):
+    step = len(view.results)
+    if step == 0:
+        return Decision(calls=[("spawn_agent", {"name": "twin", "task": "wait"}),
+                               ("spawn_agent", {"name": "twin", "task": "wait"})])
+    if step == 2:
+        return call("send_message", to="twin", text="which one?")
+    if step == 3:
+        return call("send_message", to=view.results[0].result["agent_id"], text="you, by id")
+    return say("done")
+
+
+async def test_duplicate_names_in_one_scope_are_refused_with_the_candidates(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"lead": twins, "twin": lambda v: say("ok")}) as host:
+        lead = await host.start_task("lead", "two twins")
+        await eventually(lambda: len(tool_results(lead, "send_message")) == 2)
+        ids = [r["agent_id"] for _, r in tool_results(lead, "spawn_agent")]
+        (_, by_name_result), (_, by_id_result) = tool_results(lead, "send_message")
+        assert "several agents are named 'twin'" in by_name_result["error"]
+        assert all(i in by_name_result["error"] for i in ids)
+        assert by_id_result["status"] == "accepted" and by_id_result["to"] == ids[0]
+
+
+def prober(view):
+    step = len(view.results)
+    plan = [
+        ("send_message", {"to": "agt_nobody0000000000", "text": "anyone?"}),
+        ("send_message", {"to": "ghost", "text": "anyone?"}),
+        ("spawn_agent", {"name": "victim", "task": "wait"}),
+        ("close_agent", {"agent": "victim"}),
+    ]
+    if step < len(plan):
+        return call(*plan[step][:1], **plan[step][1])
+    if step == len(plan):
+        victim = view.results[2].result["agent_id"]
+        return call("send_message", to=victim, text="are you closed?")
+    return say("done")
+
+
+async def test_unknown_and_closed_targets_are_reported_to_the_model(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"prober": prober, "victim": lambda v: say("ok")}) as host:
+        lead = await host.start_task("prober", "probe")
+        await eventually(lambda: len(tool_results(lead, "send_message")) == 3)
+        unknown, ghost, closed = (r for _, r in tool_results(lead, "send_message"))
+        assert unknown == {"error": "no agent with id agt_nobody0000000000"}
+        assert "no open agent named 'ghost'" in ghost["error"]
+        assert closed["status"] == "target_closed" and "closed" in closed["detail"]
+        (_, close_result), = tool_results(lead, "close_agent")
+        victim_id = tool_results(lead, "spawn_agent")[0][1]["agent_id"]
+        assert close_result == {"closed": [victim_id]}
+        assert victim_id not in host.runners, "the host stopped the closed agent"
+    record = await Record.read(client)
+    sent = record.one(K.EVENT_KIND_MESSAGE_SENT, message_id=closed["message_id"])
+    assert sent.detail == "target_closed", "the tool showed the mesh's own receipt"
+
+
+def filler(view):
+    step = len(view.results)
+    if step == 0:
+        return call("spawn_agent", name="sink", task="be busy")
+    if step < 4:
+        return call("send_message", to="sink", text=f"load {step}")
+    return say("done")
+
+
+async def test_a_full_inbox_is_reported_and_nothing_is_evicted(mesh, client, tmp_path):
+    gate = asyncio.Event()
+    sink = GatedModel(lambda v: say("busy"), {1: gate})
+    async with scripted_host(mesh.address, tmp_path, {"lead": filler, "sink": sink},
+                             child_inbox_capacity=2) as host:
+        lead = await host.start_task("lead", "fill the sink")
+        await eventually(lambda: len(tool_results(lead, "send_message")) == 3)
+        statuses = [r["status"] for _, r in tool_results(lead, "send_message")]
+        # the task message was consumed when sink's turn 1 began; then two fit, the third does not
+        assert statuses == ["accepted", "accepted", "inbox_full"], statuses
+        full = tool_results(lead, "send_message")[2][1]
+        assert "capacity 2" in full["detail"] and "nothing was evicted" in full["detail"]
+        gate.set()
+        sink_runner = by_name(host, "sink")
+        await eventually(lambda: len([m for m in sink_runner.conversation.messages
+                                      if m["role"] == "user" and "load" in m["content"]]) == 1)
+        loads = [m["content"] for m in sink_runner.conversation.messages if "load" in m["content"]][0]
+        assert "load 1" in loads and "load 2" in loads and "load 3" not in loads
