@@ -7,6 +7,7 @@
     inboxmesh status --as CRED MESSAGE_ID
     inboxmesh events [--agent ID] [--message ID] [--follow]
     inboxmesh close --as CRED [AGENT_ID]
+    inboxmesh run "TASK" [--model openai|scripted:echo] [--policies MODULE:DICT]
 
 Commands find a local mesh through .inboxmesh/mesh.json (written by `up`),
 or --mesh / INBOXMESH_ADDRESS.
@@ -199,6 +200,17 @@ async def _events(args) -> int:
                 await asyncio.sleep(0.5)
 
 
+async def _run(args) -> int:
+    from agent_host import cli_run
+
+    data = settings.data_dir(args.data_dir)
+    try:
+        return await cli_run.run(args, settings.address(args.mesh, data), data)
+    except ValueError as exc:
+        print(f"inboxmesh run: {exc}", file=sys.stderr)
+        return 2
+
+
 async def _close(args) -> int:
     async with _client(args) as client:
         me = _as(client, args.credential)
@@ -278,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--message")
     events.add_argument("--follow", action="store_true")
     events.set_defaults(run=_events)
+
+    run = sub.add_parser("run", help="run a top-level agent with a task on an agent host (live view, summary)")
+    client_args(run)
+    from agent_host.cli_run import add_arguments
+
+    add_arguments(run)
+    run.set_defaults(run=_run)
 
     close = sub.add_parser("close", help="close an agent and its descendants")
     client_args(close)

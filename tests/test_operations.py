@@ -174,3 +174,22 @@ def pb_stub(channel):
     from inboxmesh.inbox.v1 import inbox_pb2_grpc
 
     return inbox_pb2_grpc.InboxServiceStub(channel)
+
+
+def test_cli_run_shows_the_exchange_live_and_summarises_it(tmp_path):
+    with MeshProcess(tmp_path):
+        result = _cli("run", "--policies", "harness.policies:SIBLING_POLICIES", "--name", "parent",
+                      "Coordinate A and B. The secret code for A is SEC-777777.", data_dir=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "B            agent_woken" in out and "consumed" in out
+    assert "A -> B [text] 'Hello B, the code is SEC-777777.': consumed" in out
+    assert "-> parent [completion" in out
+    assert "result: A: B confirmed SEC-777777" in out
+
+
+def test_cli_run_without_a_model_endpoint_says_what_to_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    with MeshProcess(tmp_path):
+        result = _cli("run", "do something", data_dir=tmp_path)
+    assert result.returncode == 2 and "OPENAI_BASE_URL" in result.stderr

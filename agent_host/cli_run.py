@@ -1,0 +1,149 @@
+"""`inboxmesh run`: run a top-level agent with a task on a host against the
+mesh, show agents, messages and turns live, and end with a summary of the
+exchange taken from the mesh's event record."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from dataclasses import replace
+
+from pathlib import Path
+
+from agent_host.config import KEEP_ALIVE_POLICIES, Budget, HostConfig
+from agent_host.host import AgentProfile, Host, HostEvent, TaskOutcome
+from agent_host.hoststore import AgentRecord
+from agent_host.models.scripted import POLICIES, ScriptedModel
+from agent_host.settings import model_settings, openai_model
+from agent_host.tools import ALL_TOOLS
+from inboxmesh.common.v1 import envelope_pb2 as env_pb
+from inboxmesh.events.v1 import events_pb2 as ev
+from services.client import AgentHandle
+
+_SHOWN = {"registered", "agent_spawned", "agent_woken", "turn_started", "turn_ended", "consumed", "sent", "tool",
+          "task_completed", "agent_idle", "closed", "run_cancelled", "failed", "model", "resumed", "recovered"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("task", help="the top-level agent's task")
+    parser.add_argument("--name", default="main", help="the top-level agent's name")
+    parser.add_argument("--model", default="openai",
+                        help="openai (an OpenAI-compatible endpoint, see --base-url), or scripted:<policy>"
+                             f" ({', '.join(POLICIES)}) for every agent")
+    parser.add_argument("--policies", metavar="MODULE:DICT",
+                        help="scripted policies by agent name, e.g. harness.policies:SIBLING_POLICIES")
+    parser.add_argument("--base-url", help="OpenAI-compatible endpoint (default: OPENAI_BASE_URL)")
+    parser.add_argument("--model-name", help="model name (default: INBOXMESH_MODEL or OPENAI_MODEL)")
+    parser.add_argument("--api-key", help="API key (default: OPENAI_API_KEY)")
+    parser.add_argument("--tools", default=",".join(ALL_TOOLS), help="comma-separated tools the agents get")
+    parser.add_argument("--max-requests", type=int, default=Budget.max_model_requests, help="model requests in all")
+    parser.add_argument("--max-seconds", type=float, default=Budget.max_wall_time_s, help="wall-time budget")
+    parser.add_argument("--max-output-tokens", type=int, default=Budget.max_output_tokens, help="per request")
+    parser.add_argument("--keep-alive", default="until_closed", choices=KEEP_ALIVE_POLICIES,
+                        help="what children do after their task")
+    parser.add_argument("--host-dir", help="where the host keeps its agents (default <data-dir>/host)")
+    parser.add_argument("--quiet", action="store_true", help="no live lines, only the summary")
+
+
+def _profiles(args) -> tuple:
+    tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
+    if args.policies:
+        module, _, name = args.policies.partition(":")
+        policies = getattr(importlib.import_module(module), name)
+        models: dict[str, ScriptedModel] = {}
+
+        def by_name(record: AgentRecord) -> AgentProfile:
+            policy = policies.get(record.name) or POLICIES["finish"]
+            return AgentProfile(models.setdefault(record.agent_id, ScriptedModel(policy, f"scripted:{record.name}")),
+                                tools)
+
+        return by_name, "scripted policies " + args.policies
+    if args.model.startswith("scripted:"):
+        policy = POLICIES[args.model.split(":", 1)[1]]
+        return (lambda record: AgentProfile(ScriptedModel(policy, args.model), tools)), args.model
+    settings = model_settings(args.base_url, args.api_key, args.model_name)
+    model = openai_model(settings)
+    return (lambda record: AgentProfile(model, tools)), f"{settings.model} at {settings.base_url}"
+
+
+def _printer(started: float):
+    def show(event: HostEvent) -> None:
+        if event.kind in _SHOWN:
+            print(f"+{event.at - started:7.3f}s  {event.agent_name:<12} {event.kind:<15} {event.detail}", flush=True)
+    return show
+
+
+async def run(args, mesh_address: str, data_dir: Path) -> int:
+    profiles, described = _profiles(args)
+    budget = Budget(max_model_requests=args.max_requests, max_wall_time_s=args.max_seconds,
+                    max_output_tokens=args.max_output_tokens)
+    config = replace(HostConfig(mesh_address=mesh_address, data_dir=Path(args.host_dir or data_dir / "host"),
+                                budget=budget), keep_alive=args.keep_alive)
+    started = time.time()
+    print(f"inboxmesh run: {args.name!r} on {mesh_address}, model: {described}", flush=True)
+    async with Host(config, profiles) as host:
+        if not args.quiet:
+            host.observers.append(_printer(started))
+        runner = await host.start_task(args.name, args.task)
+        outcome = await host.outcome(runner.agent_id)
+        top = runner.handle
+        lines = await exchange_summary(top, started)
+        await host.close(runner.agent_id, reason="run finished")
+    print("\n".join(lines))
+    _print_outcome(outcome)
+    return 0 if outcome.ok else 4
+
+
+def _print_outcome(outcome: TaskOutcome) -> None:
+    b = outcome.budget
+    print(f"\nbudget: {b.get('model_requests', 0)} of {b.get('max_model_requests', 0)} model requests,"
+          f" {b.get('elapsed_s', 0):.1f}s of {b.get('max_wall_time_s', 0):.0f}s,"
+          f" at most {b.get('most_output_tokens_in_a_request', 0)} of {b.get('max_output_tokens_per_request', 0)}"
+          " output tokens in a request")
+    if outcome.ok:
+        print(f"result: {outcome.result}")
+    else:
+        print(f"FAILED: {outcome.error}", file=sys.stderr)
+
+
+async def exchange_summary(top: AgentHandle, started: float) -> list[str]:
+    """Who sent what to whom and when it was consumed, from the event record."""
+    agents = await top.list_agents(include_closed=True)
+    names = {a.agent_id: a.name for a in agents}
+    events: dict[int, ev.Event] = {}
+    for agent in agents:
+        for event in await top.events(agent_id=agent.agent_id, limit=1000):
+            events[event.event_id] = event
+    ordered = sorted(events.values(), key=lambda e: e.event_id)
+    consumed = {(e.sender, e.message_id): e for e in ordered if e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED}
+    lines = ["", "agents:"]
+    for a in agents:
+        parent = f", child of {names.get(a.parent_id, a.parent_id)}" if a.parent_id else ""
+        lines.append(f"  {a.name} ({a.agent_id}) {_mode(a.mode)}{parent}")
+    lines.append("messages (stored -> consumed):")
+    for stored in (e for e in ordered if e.kind == ev.EVENT_KIND_MESSAGE_STORED):
+        status = await top.status(stored.message_id, sender=stored.sender)
+        kind = env_pb.MessageKind.Name(status.envelope.kind).removeprefix("MESSAGE_KIND_").lower()
+        text = status.envelope.content.text.replace("\n", " ")
+        taken = consumed.get((stored.sender, stored.message_id))
+        when = (f"consumed +{_offset(taken.at_us, started)} (turn {taken.turn})" if taken
+                else "not consumed")
+        reply = f" in reply to {stored.in_reply_to[:12]}" if stored.in_reply_to else ""
+        lines.append(f"  +{_offset(stored.at_us, started)} {names.get(stored.sender, stored.sender)} -> "
+                     f"{names.get(stored.recipient, stored.recipient)} [{kind}{reply}] {text[:80]!r}: {when}")
+    return lines
+
+
+def _mode(mode: int) -> str:
+    from inboxmesh.registry.v1 import registry_pb2 as reg
+
+    return "[" + reg.AgentMode.Name(mode).removeprefix("AGENT_MODE_").lower() + "]"
+
+
+def _offset(at_us: int, started: float) -> str:
+    return f"{at_us / 1e6 - started:.3f}s"
+
+
+
