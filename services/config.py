@@ -52,6 +52,21 @@ class InboxLimits:
 
 
 @dataclass(frozen=True)
+class IoaConfig:
+    """The mesh's IOA relay (docs/ioa.md)."""
+
+    node_id: str
+    """This mesh's node in the IOA network (no '/' or ':')."""
+    network: str
+    """host:port of the IOA network server."""
+    receipt_timeout_s: float = 10.0
+    """How long an outbound send waits for the receiving relay's receipt."""
+    inbound_queue: int = 10_000
+    """Inbound messages waiting to be stored; the relay stops reading the
+    network while it is full."""
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     """One mesh process: which services it serves, where, on what store."""
 
@@ -62,7 +77,10 @@ class MeshConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: InboxLimits = field(default_factory=InboxLimits)
     services: tuple[str, ...] = ("registry", "inbox", "events")
-    """Which services this process serves. All three share the store."""
+    """Which services this process serves; they share the store. "relay"
+    (the IOA relay) needs `ioa` and runs beside "inbox"."""
+    ioa: IoaConfig | None = None
+    """Connect the mesh to an IOA network (enables "relay")."""
     admin_token: str | None = None
     """Bearer token that may read and close anything (operators, the CLI).
     None disables admin access."""

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inboxmesh.events.v1 import events_pb2, events_pb2_grpc
 from inboxmesh.inbox.v1 import inbox_pb2, inbox_pb2_grpc
+from inboxmesh.ioa.v1 import relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2, registry_pb2_grpc
 from services import errors
 from services.config import MeshConfig
@@ -21,6 +22,8 @@ from services.events.service import EventsService
 from services.inbox.delivery import DeliveryHub
 from services.inbox.grpc_handler import InboxServicer
 from services.inbox.service import InboxService
+from services.ioa.grpc_handler import IoaRelayServicer
+from services.ioa.relay import IoaRelay
 from services.registry.grpc_handler import RegistryServicer
 from services.registry.service import RegistryService
 from services.store import open_store
@@ -32,6 +35,7 @@ SERVICE_NAMES = {
     "registry": registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
     "inbox": inbox_pb2.DESCRIPTOR.services_by_name["InboxService"].full_name,
     "events": events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
+    "relay": relay_pb2.DESCRIPTOR.services_by_name["IoaRelayService"].full_name,
 }
 
 
@@ -71,6 +75,14 @@ class Mesh:
         self.inbox = InboxService(self.store, self.directory, config.limits, self.hub)
         self.events = EventsService(self.store, self.directory)
         self.registry.on_close(self.hub.on_closed)
+        self.relay: IoaRelay | None = None
+        if "relay" in config.services or config.ioa is not None:
+            if config.ioa is None or "inbox" not in config.services:
+                raise errors.InvalidArgument("the IOA relay needs an IOA network (ioa) and the inbox service",
+                                             reason="BAD_CONFIG")
+            self.relay = IoaRelay(config.ioa, self.store, config.limits.max_hops)
+            self.relay.inbox = self.inbox
+            self.inbox.relay = self.relay
         self._stopped = asyncio.Event()
         self._state = "new"
 
@@ -89,8 +101,11 @@ class Mesh:
             inbox_pb2_grpc.add_InboxServiceServicer_to_server(InboxServicer(self.inbox, self.directory), server)
         if "events" in wanted:
             events_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(self.events, self.directory), server)
+        if self.relay is not None:
+            relay_pb2_grpc.add_IoaRelayServiceServicer_to_server(IoaRelayServicer(self.relay, self.directory), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        names = [SERVICE_NAMES[s] for s in wanted]
+        names = [SERVICE_NAMES[s] for s in wanted if s != "relay"] + (
+            [SERVICE_NAMES["relay"]] if self.relay is not None else [])
         reflection.enable_server_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
         )
@@ -109,6 +124,8 @@ class Mesh:
             self._state = "stopped"
             self._stopped.set()
             raise
+        if self.relay is not None:
+            await self.relay.start()
         for service in self.config.services:
             await self.health.set(SERVICE_NAMES[service], health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -130,6 +147,8 @@ class Mesh:
             self.events.shutdown()
             if self.server is not None:
                 await self.server.stop(self.config.grace_period_s if grace is None else grace)
+            if self.relay is not None:
+                await self.relay.stop()
         finally:
             await self.store.close()
             self._state = "stopped"

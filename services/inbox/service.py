@@ -3,6 +3,8 @@ Knows nothing of gRPC; delivery streams live in services.inbox.delivery."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 
 from opentelemetry import trace
@@ -17,6 +19,7 @@ from services.directory import Caller, Directory
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.store.base import (
     ACCEPTED,
+    IOA_PREFIX,
     NOT_PERMITTED,
     RESERVED_ID_PREFIX,
     UNKNOWN_TARGET,
@@ -39,6 +42,8 @@ class InboxService:
         self._directory = directory
         self._limits = limits
         self.hub = hub
+        self.relay = None
+        """The IOA relay (services.ioa.relay.IoaRelay) when the mesh has one."""
 
     # -- send ---------------------------------------------------------------
     def _validate(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
@@ -87,39 +92,91 @@ class InboxService:
                 )
 
     async def send(self, caller: Caller, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
-        """Store the messages in order; one outcome each. Malformed input
-        fails the whole call before anything is stored."""
+        """Store the messages in order (IOA recipients through the relay);
+        one outcome each. Malformed input fails the whole call before
+        anything is stored."""
         sender = caller.require_agent("sending")
         self._validate(sender.agent_id, envelopes)
+        if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
+            return await self._send_local(caller, sender, envelopes)
+        outcomes: list[SendOutcome] = []
+        for via_ioa, run in itertools.groupby(envelopes, key=lambda e: e.recipient.startswith(IOA_PREFIX)):
+            run = list(run)
+            if not via_ioa:
+                outcomes += await self._send_local(caller, sender, run)
+            elif self.relay is None:
+                outcomes += [SendOutcome(e.message_id, e.recipient, UNKNOWN_TARGET,
+                                         detail="this mesh has no IOA relay (start it with --ioa-network)")
+                             for e in run]
+            else:
+                for env in run:
+                    env.sender = sender.agent_id
+                    env.created_at_us = env.created_at_us or now_us()
+                outcomes += await self.relay.forward(sender.agent_id, run)
+        return outcomes
+
+    async def _send_local(self, caller: Caller, sender, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
         now = now_us()
-        items, spans = [], []
+        items = []
         for env in envelopes:
             env.sender = sender.agent_id
             env.created_at_us = env.created_at_us or now
             env.origin.CopyFrom(_LOCAL)
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
-            span = tracer.start_span("enqueue", context=context_of(env), attributes=message_attributes(env))
-            if not env.trace.traceparent and span.get_span_context().is_valid:
-                inject(env, trace.set_span_in_context(span))
-            spans.append(span)
             items.append(AppendItem(env, await self._precheck(sender.agent_id, caller, env)))
+        return await self._store_items([items], now)
+
+    async def deliver_from_ioa(self, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
+        """Store messages the IOA relay received, in order, by the ordinary
+        path (same receipts, same events). Their senders are IOA addresses and
+        their message ids IOA message ids, so redeliveries are duplicates."""
+        groups: list[list[AppendItem]] = []
+        for env in envelopes:
+            if not env.sender.startswith(IOA_PREFIX) or env.origin.kind != envelope_pb2.ORIGIN_KIND_IOA:
+                raise errors.Internal(f"relay delivered {env.message_id} without an IOA sender and origin")
+            env.sequence = env.stored_at_us = env.delivery_attempt = 0
+            rejection = None
+            if env.hop_count > self._limits.max_hops:
+                rejection = (NOT_PERMITTED, f"hop_count {env.hop_count} is over the limit of {self._limits.max_hops}")
+            elif await self._directory.get(env.recipient) is None:
+                rejection = (UNKNOWN_TARGET, f"no agent {env.recipient}")
+            item = AppendItem(env, rejection)
+            if groups and groups[-1][0].envelope.sender == env.sender:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        return await self._store_items(groups, now_us())
+
+    async def _store_items(self, groups: list[list[AppendItem]], now: int) -> list[SendOutcome]:
+        """Append groups of messages (one sender per group) in one commit, in
+        order; trace, log and wake subscribers."""
+        spans = []
+        for group in groups:
+            for item in group:
+                env = item.envelope
+                span = tracer.start_span("enqueue", context=context_of(env), attributes=message_attributes(env))
+                if not env.trace.traceparent and span.get_span_context().is_valid:
+                    inject(env, trace.set_span_in_context(span))
+                spans.append(span)
         try:
-            outcomes = await self._store.append(sender.agent_id, items, now)
+            # every group's append is queued before the writer flushes: one commit, in order
+            results = await asyncio.gather(*(self._store.append(g[0].envelope.sender, g, now) for g in groups))
         except BaseException as exc:
             for span in spans:
                 span.record_exception(exc)
                 span.end()
             raise
+        outcomes = [o for group in results for o in group]
         accepted = []
-        for span, outcome in zip(spans, outcomes):
+        for span, outcome, item in zip(spans, outcomes, (i for g in groups for i in g)):
             span.set_attribute("inboxmesh.receipt", pb.ReceiptStatus.Name(outcome.status))
             span.set_attribute("inboxmesh.sequence", outcome.sequence)
             span.end()
             if outcome.status == ACCEPTED:
                 accepted.append(outcome.envelope)
             elif log.isEnabledFor(logging.INFO):
-                log.info("send %s from %s to %s: %s (%s)", outcome.message_id, sender.agent_id, outcome.recipient,
-                         pb.ReceiptStatus.Name(outcome.status), outcome.detail)
+                log.info("send %s from %s to %s: %s (%s)", outcome.message_id, item.envelope.sender,
+                         outcome.recipient, pb.ReceiptStatus.Name(outcome.status), outcome.detail)
         if accepted:
             if log.isEnabledFor(logging.DEBUG):
                 for env in accepted:

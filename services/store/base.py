@@ -46,6 +46,8 @@ NOT_PERMITTED = inbox_pb2.RECEIPT_STATUS_NOT_PERMITTED
 INBOX_FULL = inbox_pb2.RECEIPT_STATUS_INBOX_FULL
 
 REASON_CLOSED = "recipient closed"
+IOA_PREFIX = "ioa:"
+"""Senders and recipients that are addresses on the IOA network, not agents here."""
 RESERVED_ID_PREFIX = "inboxmesh:"
 """Message ids the mesh itself uses (notices); senders may not use them."""
 REASON_ATTEMPTS = "too many delivery attempts"

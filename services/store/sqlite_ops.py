@@ -169,8 +169,11 @@ def close_agent(conn: sqlite3.Connection, events: list[tuple], agent_id: str, re
 # -- inbox --------------------------------------------------------------------
 def append(conn: sqlite3.Connection, events: list[tuple], sender_id: str, items: list[AppendItem],
            at_us: int) -> list[SendOutcome]:
-    sender_row = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (sender_id,)).fetchone()
-    sender_open = sender_row is not None and sender_row[0] == AGENT_OPEN
+    if sender_id.startswith(base.IOA_PREFIX):
+        sender_open = True  # a peer on the IOA network, speaking through the relay
+    else:
+        sender_row = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (sender_id,)).fetchone()
+        sender_open = sender_row is not None and sender_row[0] == AGENT_OPEN
     inboxes: dict[str, Inbox | None] = {}
     outcomes: list[SendOutcome] = []
     for item in items:

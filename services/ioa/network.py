@@ -1,0 +1,274 @@
+"""The reference IOA network server: nodes, spaces, direct and space
+messages, redelivery of recent messages on reconnect, and fault injection
+for tests. Its own process (`inboxmesh ioa-server`). It behaves like the
+networks it stands for: nodes name themselves (no authentication), there is
+no offline queue (a message to a node that is not connected is refused),
+and a node that reconnects gets its most recent messages again.
+
+Bounds: each node has an outbound queue of `queue_limit` frames; a node that
+falls that far behind is disconnected (it gets its recent messages again
+when it reconnects). Each space keeps its last `space_history` messages;
+each node's redelivery window is its last `history` messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inboxmesh.ioa.v1 import network_pb2 as pb
+from inboxmesh.ioa.v1 import network_pb2_grpc
+from services.clock import now_us
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["IoaNetwork"].full_name
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    history: int = 50
+    """Messages a reconnecting node gets again."""
+    space_history: int = 10_000
+    """Messages kept per space for ReadSpace."""
+    queue_limit: int = 10_000
+    """Frames waiting for one node before it is disconnected as too slow."""
+
+
+@dataclass
+class _Node:
+    node_id: str
+    recent: collections.deque
+    connected: bool = False
+    spaces: set[str] = field(default_factory=set)
+    queue: asyncio.Queue | None = None
+    stop: asyncio.Event | None = None
+    delivered: int = 0
+    connections: int = 0
+    duplicate: int = 0
+    delay: int = 0
+    delay_ms: int = 0
+    reorder: int = 0
+
+
+class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
+    def __init__(self, config: NetworkConfig):
+        self.config = config
+        self.nodes: dict[str, _Node] = {}
+        self.spaces: dict[str, collections.deque] = {}
+        self._space_seq: dict[str, int] = collections.defaultdict(int)
+
+    # -- the node's stream --------------------------------------------------
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
+        frames = request_iterator.__aiter__()
+        try:
+            first = await anext(frames)
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("frame") != "hello" or not first.hello.node_id or "/" in first.hello.node_id \
+                or ":" in first.hello.node_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first frame must be hello with a node_id (no '/' or ':')")
+            return
+        node = self._attach(first.hello.node_id)
+        queue, stop = node.queue, node.stop
+        redeliver = list(node.recent)
+        await context.write(pb.NetworkFrame(welcome=pb.Welcome(node_id=node.node_id, redelivering=len(redeliver))))
+        for message in redeliver:
+            queue.put_nowait(pb.NetworkFrame(message=message))
+        reader = asyncio.create_task(self._read(node, frames))
+        try:
+            await self._write(node, queue, stop, context)
+        finally:
+            reader.cancel()
+            if node.queue is queue:
+                node.connected = False
+            log.info("node %s disconnected", node.node_id)
+
+    def _attach(self, node_id: str) -> _Node:
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = _Node(node_id, collections.deque(maxlen=self.config.history))
+        if node.stop is not None:
+            node.stop.set()  # a node has one connection: the newer one wins
+        node.queue = asyncio.Queue(maxsize=self.config.queue_limit)
+        node.stop = asyncio.Event()
+        node.connected = True
+        node.connections += 1
+        log.info("node %s connected (connection %d)", node_id, node.connections)
+        return node
+
+    async def _read(self, node: _Node, frames) -> None:
+        async for frame in frames:
+            which = frame.WhichOneof("frame")
+            if which == "publish":
+                result = self.publish(node, frame.publish.message)
+                result.publish_id = frame.publish.publish_id
+                self._enqueue(node, pb.NetworkFrame(result=result))
+            elif which == "join":
+                node.spaces.add(frame.join.space)
+            elif which == "leave":
+                node.spaces.discard(frame.leave.space)
+
+    async def _write(self, node: _Node, queue: asyncio.Queue, stop: asyncio.Event, context) -> None:
+        held: pb.NetworkFrame | None = None
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            while True:
+                getting = asyncio.create_task(queue.get())
+                done, _ = await asyncio.wait({getting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if stopping in done:
+                    getting.cancel()
+                    return
+                frame = getting.result()
+                if frame.WhichOneof("frame") == "message":
+                    if node.reorder and held is None:
+                        held = frame
+                        continue
+                    if node.delay:
+                        node.delay -= 1
+                        await asyncio.sleep(node.delay_ms / 1000)
+                await context.write(frame)
+                if frame.WhichOneof("frame") == "message" and node.duplicate:
+                    node.duplicate -= 1
+                    await context.write(frame)
+                if held is not None:
+                    node.reorder -= 1
+                    await context.write(held)
+                    held = None
+        finally:
+            stopping.cancel()
+
+    def _enqueue(self, node: _Node, frame: pb.NetworkFrame) -> None:
+        if node.queue is None or not node.connected:
+            return
+        try:
+            node.queue.put_nowait(frame)
+        except asyncio.QueueFull:
+            log.warning("node %s is %d frames behind: disconnecting it", node.node_id, self.config.queue_limit)
+            node.stop.set()
+
+    # -- routing ------------------------------------------------------------
+    def publish(self, sender: _Node, message: pb.IoaMessage) -> pb.PublishResult:
+        result = pb.PublishResult(ioa_message_id=message.ioa_message_id)
+        if not message.ioa_message_id:
+            result.status, result.detail = pb.PUBLISH_STATUS_INVALID, "ioa_message_id is required"
+            return result
+        getattr(message, "from").node = sender.node_id  # a node speaks only for itself
+        message.sent_at_us = now_us()
+        target = message.WhichOneof("to")
+        if target == "direct":
+            node = self.nodes.get(message.direct.node)
+            if node is None:
+                result.status, result.detail = pb.PUBLISH_STATUS_UNKNOWN_NODE, f"no node {message.direct.node!r}"
+            elif not node.connected:
+                result.status, result.detail = pb.PUBLISH_STATUS_NODE_OFFLINE, f"node {node.node_id} is not connected"
+            else:
+                self._deliver(node, message)
+                result.status = pb.PUBLISH_STATUS_OK
+        elif target == "space":
+            space = message.space
+            if space not in sender.spaces:
+                result.status, result.detail = pb.PUBLISH_STATUS_NOT_A_MEMBER, f"{sender.node_id} has not joined {space}"
+                return result
+            self._space_seq[space] += 1
+            message.space_seq = self._space_seq[space]
+            self.spaces.setdefault(space, collections.deque(maxlen=self.config.space_history)).append(message)
+            for node in self.nodes.values():
+                if space in node.spaces and node.connected:
+                    self._deliver(node, message)
+            result.status = pb.PUBLISH_STATUS_OK
+        else:
+            result.status, result.detail = pb.PUBLISH_STATUS_INVALID, "a message needs a direct address or a space"
+        return result
+
+    def _deliver(self, node: _Node, message: pb.IoaMessage) -> None:
+        node.recent.append(message)
+        node.delivered += 1
+        self._enqueue(node, pb.NetworkFrame(message=message))
+
+    # -- the rest -----------------------------------------------------------
+    async def ReadSpace(self, request: pb.ReadSpaceRequest, context) -> pb.ReadSpaceResponse:
+        limit = min(request.limit or 100, 1000)
+        history = self.spaces.get(request.space, ())
+        return pb.ReadSpaceResponse(messages=[m for m in history if m.space_seq > request.after_seq][:limit])
+
+    async def InjectFault(self, request: pb.InjectFaultRequest, context) -> pb.InjectFaultResponse:
+        node = self.nodes.get(request.node_id)
+        if node is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id!r}")
+        kind = request.kind
+        if kind == pb.FAULT_KIND_DROP_CONNECTION:
+            if node.stop is not None:
+                node.stop.set()
+        elif kind == pb.FAULT_KIND_DUPLICATE:
+            node.duplicate += request.count or 1
+        elif kind == pb.FAULT_KIND_DELAY:
+            node.delay, node.delay_ms = request.count or 1, request.delay_ms
+        elif kind == pb.FAULT_KIND_REORDER:
+            node.reorder += request.count or 1
+        else:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault kind {kind}")
+        log.info("fault %s injected for node %s", pb.FaultKind.Name(kind), node.node_id)
+        return pb.InjectFaultResponse()
+
+    async def NetworkStatus(self, request, context) -> pb.NetworkStatusResponse:
+        return pb.NetworkStatusResponse(nodes=[
+            pb.NodeStatus(node_id=n.node_id, connected=n.connected, spaces=sorted(n.spaces), delivered=n.delivered,
+                          connections=n.connections) for n in self.nodes.values()])
+
+
+class NetworkServer:
+    """The network as a server: `async with NetworkServer(config) as network:`."""
+
+    def __init__(self, config: NetworkConfig | None = None):
+        self.config = config or NetworkConfig()
+        self.network = IoaNetwork(self.config)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> int:
+        self.server, self.port = create_network_server(self.config, self.network)
+        await self.server.start()
+        log.info("ioa network listening on %s", self.address)
+        return self.port
+
+    async def stop(self, grace: float = 0.5) -> None:
+        if self.server is not None:
+            for node in self.network.nodes.values():
+                if node.stop is not None:
+                    node.stop.set()
+            await self.server.stop(grace)
+            self.server = None
+
+    async def __aenter__(self) -> NetworkServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.stop()
+
+
+def create_network_server(config: NetworkConfig, network: IoaNetwork) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    network_pb2_grpc.add_IoaNetworkServicer_to_server(network, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as exc:
+        raise RuntimeError(f"could not listen on {config.host}:{config.port}: {exc}") from None
+    return server, port
