@@ -46,3 +46,6 @@ class HostConfig:
     budget: Budget = field(default_factory=Budget)
     call_timeout_s: float = 10.0
     """Deadline of each call to the mesh."""
+    route_via_ioa: bool = False
+    """Send every message between agents through the mesh's IOA relay
+    (to the recipient's IOA address) instead of directly."""

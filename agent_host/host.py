@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+
+import grpc
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,9 +28,13 @@ from agent_host.tools import ALL_TOOLS
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
+from inboxmesh.ioa.v1 import network_pb2 as net
+from inboxmesh.ioa.v1 import relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from services import errors
 from services.client import MeshClient
+from services.grpc_status import from_rpc_error
+from services.store.base import IOA_PREFIX
 
 log = logging.getLogger(__name__)
 MODES = {"sync": reg.AGENT_MODE_SYNC, "async": reg.AGENT_MODE_ASYNC, "fork": reg.AGENT_MODE_FORK}
@@ -103,6 +109,8 @@ class Host:
         self.runners: dict[str, AgentRunner] = {}
         self.observers: list[Callable[[HostEvent], None]] = []
         self._names: dict[str, str] = {}
+        self._addresses: dict[str, str] = {}
+        self._relay_stub = relay_pb2_grpc.IoaRelayServiceStub(self.client.channel)
         self._tasks: dict[str, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
         self._stopped = False
@@ -332,7 +340,50 @@ class Host:
     def save(self, runner: AgentRunner) -> None:
         self.store.save(runner.record, runner.conversation)
 
+    async def address_for(self, runner: AgentRunner, to: str) -> str:
+        """Where a message to `to` goes: the agent itself, or with
+        route_via_ioa its IOA address (kept per agent)."""
+        if not self.config.route_via_ioa or to.startswith(IOA_PREFIX):
+            return to
+        address = self._addresses.get(to)
+        if address is None:
+            response = await self._relay_stub.MapAddress(relay_pb2.MapAddressRequest(agent_id=to),
+                                                         metadata=runner.handle.metadata,
+                                                         timeout=self.config.call_timeout_s)
+            address = self._addresses[to] = response.address
+        return address
+
+    async def space_send(self, runner: AgentRunner, space: str, text: str) -> dict[str, Any]:
+        response = await self._relay_call("SpaceSend", relay_pb2.SpaceSendRequest(space=space, text=text), runner)
+        status = net.PublishStatus.Name(response.status).removeprefix("PUBLISH_STATUS_").lower()
+        return {"status": status, "ioa_message_id": response.ioa_message_id, **(
+            {"detail": response.detail} if response.detail else {})}
+
+    async def space_read(self, runner: AgentRunner, space: str, after: int) -> dict[str, Any]:
+        response = await self._relay_call("SpaceRead", relay_pb2.SpaceReadRequest(space=space, after_seq=after),
+                                          runner)
+        messages = []
+        for m in response.messages:
+            sender = getattr(m, "from")
+            messages.append({"position": m.space_seq, "from": await self.name_of(f"{IOA_PREFIX}{sender.node}/"
+                                                                                  f"{sender.agent}"),
+                             "from_address": f"{IOA_PREFIX}{sender.node}/{sender.agent}", "text": m.text})
+        return {"space": space, "messages": messages}
+
+    async def _relay_call(self, method: str, request, runner: AgentRunner):
+        try:
+            return await getattr(self._relay_stub, method)(request, metadata=runner.handle.metadata,
+                                                           timeout=self.config.call_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise errors.FailedPrecondition("this mesh has no IOA relay", reason="NO_RELAY") from None
+            raise from_rpc_error(exc) from None
+
     async def name_of(self, agent_id: str) -> str:
+        if agent_id.startswith(IOA_PREFIX):
+            node, _, local = agent_id.removeprefix(IOA_PREFIX).partition("/")
+            known = self._names.get(local)
+            return f"{known}@{node}" if known else agent_id
         name = self._names.get(agent_id)
         if name is None:
             asker = next(iter(self.runners.values()), None)

@@ -267,6 +267,7 @@ class AgentRunner:
 
     # -- what tools do ------------------------------------------------------
     async def send(self, to: str, text: str, **fields: Any) -> inbox_pb2.Receipt:
+        to = await self.host.address_for(self, to)
         receipt = await self.handle.send(to, text, **fields)
         self.host.observe(self, "sent", f"{receipt.message_id} to {await self.host.name_of(to)}: "
                           f"{inbox_pb2.ReceiptStatus.Name(receipt.status).removeprefix('RECEIPT_STATUS_')}")
@@ -278,7 +279,8 @@ class AgentRunner:
         with tracer.start_as_current_span("reply", context=ctx, attributes={"inboxmesh.in_reply_to":
                                                                            original.message_id}):
             return await self.send(original.sender, text, kind=env_pb.MESSAGE_KIND_REPLY,
-                                   in_reply_to=original.message_id, conversation_id=original.conversation_id)
+                                   in_reply_to=original.message_id, conversation_id=original.conversation_id,
+                                   hop_count=original.hop_count)
 
     async def finish(self, result: str) -> dict[str, Any]:
         if self.record.completed:

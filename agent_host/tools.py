@@ -11,6 +11,8 @@ wrong, never an exception into the loop.
 | list_agents() | this agent, its parent, children and siblings |
 | close_agent(agent) | close a child (and its descendants) |
 | finish(result) | complete the task: the result goes to the parent's inbox |
+| space_send(space, text) | post in a shared IOA space (when the mesh has an IOA relay) |
+| space_read(space, after) | read a shared IOA space, explicitly |
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from services import errors
+from services.store.base import IOA_PREFIX
 
 if TYPE_CHECKING:
     from agent_host.models.base import ToolCall
@@ -42,9 +45,10 @@ SPECS: dict[str, dict[str, Any]] = {
         }, "required": ["name", "task"]},
     },
     "send_message": {
-        "description": "Send a message to another agent's inbox. `to` is an agent id or a name in your team.",
+        "description": "Send a message to another agent's inbox. `to` is an agent id, a name in your team, or an"
+                       " IOA address (ioa:<node>/<agent>) of an agent elsewhere.",
         "parameters": {"type": "object", "properties": {
-            "to": {"type": "string", "description": "Agent id (agt_...) or name."},
+            "to": {"type": "string", "description": "Agent id (agt_...), name, or IOA address (ioa:...)."},
             "text": {"type": "string", "description": "The message."},
         }, "required": ["to", "text"]},
     },
@@ -72,7 +76,22 @@ SPECS: dict[str, dict[str, Any]] = {
         }, "required": ["result"]},
     },
 }
-ALL_TOOLS = tuple(SPECS)
+SPECS["space_send"] = {
+    "description": "Post a message in a shared IOA space (everyone in the space can read it).",
+    "parameters": {"type": "object", "properties": {
+        "space": {"type": "string", "description": "The space's name."},
+        "text": {"type": "string", "description": "What to post."},
+    }, "required": ["space", "text"]},
+}
+SPECS["space_read"] = {
+    "description": "Read a shared IOA space's messages (after a position, to see only new ones).",
+    "parameters": {"type": "object", "properties": {
+        "space": {"type": "string", "description": "The space's name."},
+        "after": {"type": "integer", "description": "Only messages after this position (default 0)."},
+    }, "required": ["space"]},
+}
+ALL_TOOLS = ("spawn_agent", "send_message", "reply", "list_agents", "close_agent", "finish")
+SPACE_TOOLS = ("space_send", "space_read")
 
 
 def schemas(names: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -95,6 +114,8 @@ def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
             return f"unknown argument {field!r}; {name} takes {sorted(params['properties'])}"
         if spec["type"] == "string" and not isinstance(value, str):
             return f"argument {field!r} must be a string"
+        if spec["type"] == "integer" and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"argument {field!r} must be an integer"
         if "enum" in spec and value not in spec["enum"]:
             return f"argument {field!r} must be one of {spec['enum']}"
     return None
@@ -113,8 +134,11 @@ async def run_tool(runner: AgentRunner, call: ToolCall) -> dict[str, Any]:
 
 
 async def resolve(runner: AgentRunner, target: str) -> reg.Agent | dict[str, Any]:
-    """An agent by id or name (in this agent's scope), or an error result."""
+    """An agent by id, IOA address or name (in this agent's scope), or an
+    error result."""
     target = target.strip()
+    if target.startswith(IOA_PREFIX):
+        return reg.Agent(agent_id=target)  # a peer on the IOA network: the relay answers for it
     if target.startswith("agt_"):
         try:
             return await runner.handle.get(target)
@@ -194,6 +218,14 @@ async def finish(runner: AgentRunner, result: str) -> dict[str, Any]:
     return await runner.finish(result)
 
 
+async def space_send(runner: AgentRunner, space: str, text: str) -> dict[str, Any]:
+    return await runner.host.space_send(runner, space, text)
+
+
+async def space_read(runner: AgentRunner, space: str, after: int = 0) -> dict[str, Any]:
+    return await runner.host.space_read(runner, space, after)
+
+
 _HANDLERS = {
     "spawn_agent": spawn_agent,
     "send_message": send_message,
@@ -201,6 +233,8 @@ _HANDLERS = {
     "list_agents": list_agents,
     "close_agent": close_agent,
     "finish": finish,
+    "space_send": space_send,
+    "space_read": space_read,
 }
 assert set(_HANDLERS) == set(SPECS)
 

@@ -109,9 +109,11 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         async for frame in frames:
             which = frame.WhichOneof("frame")
             if which == "publish":
-                result = self.publish(node, frame.publish.message)
+                result, targets = self.route(node, frame.publish.message)
                 result.publish_id = frame.publish.publish_id
-                self._enqueue(node, pb.NetworkFrame(result=result))
+                self._enqueue(node, pb.NetworkFrame(result=result))  # the publisher hears first, then fan-out
+                for target in targets:
+                    self._deliver(target, frame.publish.message)
             elif which == "join":
                 node.spaces.add(frame.join.space)
             elif which == "leave":
@@ -156,11 +158,14 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
             node.stop.set()
 
     # -- routing ------------------------------------------------------------
-    def publish(self, sender: _Node, message: pb.IoaMessage) -> pb.PublishResult:
+    def route(self, sender: _Node, message: pb.IoaMessage) -> tuple[pb.PublishResult, list[_Node]]:
+        """Accept (or refuse) a message; returns the result for the publisher
+        and the nodes to deliver it to."""
         result = pb.PublishResult(ioa_message_id=message.ioa_message_id)
+        targets: list[_Node] = []
         if not message.ioa_message_id:
             result.status, result.detail = pb.PUBLISH_STATUS_INVALID, "ioa_message_id is required"
-            return result
+            return result, targets
         getattr(message, "from").node = sender.node_id  # a node speaks only for itself
         message.sent_at_us = now_us()
         target = message.WhichOneof("to")
@@ -171,23 +176,21 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
             elif not node.connected:
                 result.status, result.detail = pb.PUBLISH_STATUS_NODE_OFFLINE, f"node {node.node_id} is not connected"
             else:
-                self._deliver(node, message)
+                targets.append(node)
                 result.status = pb.PUBLISH_STATUS_OK
         elif target == "space":
             space = message.space
             if space not in sender.spaces:
                 result.status, result.detail = pb.PUBLISH_STATUS_NOT_A_MEMBER, f"{sender.node_id} has not joined {space}"
-                return result
+                return result, targets
             self._space_seq[space] += 1
             message.space_seq = self._space_seq[space]
             self.spaces.setdefault(space, collections.deque(maxlen=self.config.space_history)).append(message)
-            for node in self.nodes.values():
-                if space in node.spaces and node.connected:
-                    self._deliver(node, message)
+            targets = [n for n in self.nodes.values() if space in n.spaces and n.connected]
             result.status = pb.PUBLISH_STATUS_OK
         else:
             result.status, result.detail = pb.PUBLISH_STATUS_INVALID, "a message needs a direct address or a space"
-        return result
+        return result, targets
 
     def _deliver(self, node: _Node, message: pb.IoaMessage) -> None:
         node.recent.append(message)

@@ -166,7 +166,6 @@ class IoaRelay:
         the receiving meshes' receipts."""
         outcomes: list[SendOutcome | None] = [None] * len(envelopes)
         waiting: list[tuple[int, str, asyncio.Future, trace.Span]] = []
-        published: set[int] = set()
         try:
             for index, env in enumerate(envelopes):
                 refused = self._refuse(env)
@@ -180,6 +179,11 @@ class IoaRelay:
                 message = self._outbound(env, sender_id, ioa_id, node, agent, span)
                 future = asyncio.get_running_loop().create_future()
                 self._receipts[ioa_id] = future
+                await self._store.record_events([ev.Event(
+                    kind=ev.EVENT_KIND_IOA_PUBLISHED, at_us=now_us(), agent_id=env.recipient,
+                    message_id=env.message_id, sender=sender_id, recipient=env.recipient, detail=ioa_id,
+                    trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
+                    conversation_id=env.conversation_id)])  # handed to the network (the SENT event has the outcome)
                 result = await self._publish(message)
                 if result.status == net.PUBLISH_STATUS_UNKNOWN_NODE:
                     self._receipts.pop(ioa_id, None)
@@ -194,7 +198,6 @@ class IoaRelay:
                                              f" {result.detail}; nothing was delivered, retry with the same"
                                              " message_id", reason="IOA_" + net.PublishStatus.Name(result.status))
                 self.counts["forwarded"] += 1
-                published.add(index)
                 waiting.append((index, ioa_id, future, span))
             for index, ioa_id, future, span in waiting:
                 try:
@@ -210,7 +213,7 @@ class IoaRelay:
         finally:
             for _, ioa_id, future, _ in waiting:
                 self._receipts.pop(ioa_id, None)
-        await self._record_outbound(sender_id, envelopes, outcomes, published)
+        await self._record_outbound(sender_id, envelopes, outcomes)
         return outcomes
 
     def _refuse(self, env: env_pb.Envelope) -> SendOutcome | None:
@@ -252,19 +255,16 @@ class IoaRelay:
         return SendOutcome(env.message_id, env.recipient, status, int(h.get(H + "sequence", "0") or 0),
                            int(h.get(H + "stored-at-us", "0") or 0), h.get(H + "detail", ""))
 
-    async def _record_outbound(self, sender_id: str, envelopes, outcomes, published: set[int]) -> None:
+    async def _record_outbound(self, sender_id: str, envelopes, outcomes) -> None:
         at = now_us()
         events = []
-        for index, (env, outcome) in enumerate(zip(envelopes, outcomes)):
-            common = dict(agent_id=env.recipient, message_id=env.message_id, sender=sender_id,
-                          recipient=env.recipient, trace_id=trace_id_of(env.trace.traceparent),
-                          in_reply_to=env.in_reply_to, conversation_id=env.conversation_id, at_us=at)
-            if index in published:
-                events.append(ev.Event(kind=ev.EVENT_KIND_IOA_PUBLISHED,
-                                       detail=f"{self.node_id}:{sender_id}:{env.message_id}", **common))
+        for env, outcome in zip(envelopes, outcomes):
             status = inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower()
-            events.append(ev.Event(kind=ev.EVENT_KIND_MESSAGE_SENT, sequence=outcome.sequence,
-                                   detail=f"{status} (via IOA)", **common))
+            events.append(ev.Event(
+                kind=ev.EVENT_KIND_MESSAGE_SENT, at_us=at, agent_id=env.recipient, message_id=env.message_id,
+                sender=sender_id, recipient=env.recipient, sequence=outcome.sequence, detail=f"{status} (via IOA)",
+                trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
+                conversation_id=env.conversation_id))
         await self._store.record_events(events, lazy=False)
 
     # -- inbound ------------------------------------------------------------
