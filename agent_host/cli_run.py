@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-alive", default="until_closed", choices=KEEP_ALIVE_POLICIES,
                         help="what children do after their task")
     parser.add_argument("--host-dir", help="where the host keeps its agents (default <data-dir>/host)")
+    parser.add_argument("--via-ioa", action="store_true",
+                        help="send every message between agents through the mesh's IOA relay")
     parser.add_argument("--quiet", action="store_true", help="no live lines, only the summary")
 
 
@@ -80,7 +82,7 @@ async def run(args, mesh_address: str, data_dir: Path) -> int:
     budget = Budget(max_model_requests=args.max_requests, max_wall_time_s=args.max_seconds,
                     max_output_tokens=args.max_output_tokens)
     config = replace(HostConfig(mesh_address=mesh_address, data_dir=Path(args.host_dir or data_dir / "host"),
-                                budget=budget), keep_alive=args.keep_alive)
+                                budget=budget), keep_alive=args.keep_alive, route_via_ioa=args.via_ioa)
     started = time.time()
     print(f"inboxmesh run: {args.name!r} on {mesh_address}, model: {described}", flush=True)
     async with Host(config, profiles) as host:
@@ -127,6 +129,10 @@ async def exchange_summary(top: AgentHandle, started: float) -> list[str]:
         status = await top.status(stored.message_id, sender=stored.sender)
         kind = env_pb.MessageKind.Name(status.envelope.kind).removeprefix("MESSAGE_KIND_").lower()
         text = status.envelope.content.text.replace("\n", " ")
+        if stored.sender.startswith("ioa:") and stored.sender not in names:
+            node, _, local = stored.sender.removeprefix("ioa:").partition("/")
+            if local in names:
+                names[stored.sender] = f"{names[local]}@{node}"
         taken = consumed.get((stored.sender, stored.message_id))
         when = (f"consumed +{_offset(taken.at_us, started)} (turn {taken.turn})" if taken
                 else "not consumed")

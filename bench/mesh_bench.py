@@ -6,7 +6,7 @@ receiver process.
 - sender: SendStream; whenever window slots are free it sends that many
   messages in one request (one message per request at concurrency 1). It
   learns that a message was consumed from the mesh's own event stream
-  (WatchEvents, MESSAGE_CONSUMED events of its messages) and only then
+  (WatchEvents, the receiver's MESSAGE_CONSUMED events) and only then
   frees the slot.
 - receiver: one Consume stream (deliveries in, acks out on the same
   stream, through agent_host.inbox_stream.InboxStream, which hands over
@@ -47,7 +47,10 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
 
         async def watch():
             nonlocal consumed
-            async for _ in me.watch_events(sender=agent_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED], from_now=True):
+            # the receiver's consumptions (its inbox only ever holds this sender's messages)
+            receiver_id = recipient.rpartition("/")[2]
+            async for _ in me.watch_events(agent_id=receiver_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED],
+                                           from_now=True):
                 consumed += 1
                 window.release()
                 if consumed >= target:
@@ -120,7 +123,8 @@ async def run_receiver(address: str, agent_id: str, credential: str) -> None:
             if len(won) != len(item.messages):
                 raise SystemExit(f"only {len(won)} of {len(item.messages)} messages consumed")
             for m in won:
-                consumed_ns[m.message_id] = at
+                # through IOA the id is "<node>:<sender>:<id>"; the sender knows it by <id>
+                consumed_ns[m.message_id.rpartition(":")[2]] = at
         await reporter
 
 
@@ -134,22 +138,30 @@ async def setup_agents(address: str) -> tuple:
         return sender, receiver
 
 
-def run(n: int, c: int, synchronous: str = "full") -> dict:
+def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False) -> dict:
     env = python_env()
     me = [sys.executable, str(Path(__file__).resolve())]
+    cli = [sys.executable, "-m", "services.cli", "--log-level", "warning"]
     with tempfile.TemporaryDirectory(prefix="meshbench") as data:
-        children = [Child("mesh", [sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--port", "0",
-                                   "--no-demo", "--data-dir", data, "--synchronous", synchronous], env)]
-        mesh = children[0]
+        children = []
+        extra = []
+        if via_ioa:
+            network = Child("ioa-server", [*cli, "ioa-server", "--port", "0"], env)
+            children.append(network)
+            extra = ["--ioa-network", network.expect("ioa network listening on "), "--node-id", "bench"]
+        mesh = Child("mesh", [*cli, "up", "--port", "0", "--no-demo", "--data-dir", data, "--synchronous",
+                              synchronous, *extra], env)
+        children.append(mesh)
         try:
             address = mesh.expect("inboxmesh listening on ").split()[0]
             sender, receiver = asyncio.run(setup_agents(address))
+            target = f"ioa:bench/{receiver.agent_id}" if via_ioa else receiver.agent_id
             recv = Child("receiver", [*me, "--role", "receiver", "--address", address, "--agent",
                                       receiver.agent_id, "--credential", receiver.credential], env)
             children.append(recv)
             recv.expect("ready", others=children)
             send = Child("sender", [*me, "--role", "sender", "--address", address, "--agent", sender.agent_id,
-                                    "--credential", sender.credential, "--recipient", receiver.agent_id,
+                                    "--credential", sender.credential, "--recipient", target,
                                     "--messages", str(n), "--concurrency", str(c)], env)
             children.append(send)
             send.expect("warmed", others=children)
@@ -159,7 +171,8 @@ def run(n: int, c: int, synchronous: str = "full") -> dict:
             after = {"mesh": mesh.cpu(), "sender": send.cpu(), "receiver": recv.cpu()}
             recv.send("report")
             consumed_ns = json.loads(recv.expect("consumed ", others=children))
-            return summarize("inboxmesh", c, sent_ns, consumed_ns, {k: after[k] - before[k] for k in before})
+            return summarize("inboxmesh-ioa" if via_ioa else "inboxmesh", c, sent_ns, consumed_ns,
+                             {k: after[k] - before[k] for k in before})
         finally:
             for child in reversed(children):
                 child.close()
@@ -171,6 +184,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--synchronous", default="full", choices=["full", "normal"],
                         help="the mesh's durability setting (the comparison uses full)")
+    parser.add_argument("--via-ioa", action="store_true",
+                        help="send through the mesh's IOA relay and a reference IOA network (sender and receiver"
+                             " on the same node, so every message crosses the network)")
     parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--agent", help=argparse.SUPPRESS)
@@ -183,7 +199,7 @@ def main() -> None:
     elif args.role == "receiver":
         asyncio.run(run_receiver(args.address, args.agent, args.credential))
     else:
-        emit(run(args.messages, args.concurrency, args.synchronous))
+        emit(run(args.messages, args.concurrency, args.synchronous, args.via_ioa))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Run the whole comparison: the bare grpc.aio echo (floor), AutoGen's gRPC
-runtime and this mesh, at concurrency 1 and 64, interleaved, three rounds;
+runtime and this mesh (local delivery, and through its IOA relay and the
+reference IOA network), at concurrency 1 and 64, interleaved, three rounds;
 report medians and ratios against AutoGen, and write them into
 docs/benchmarks.md between the result markers.
 
@@ -28,19 +29,20 @@ AUTOGEN_PYTHON = ROOT / ".venv-autogen" / "bin" / "python"
 DOC = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
-# (system, script, interpreter, messages at concurrency 1, at 64)
+# (system, script, interpreter, messages at concurrency 1, at 64, extra arguments)
 SYSTEMS = [
-    ("grpc-echo", "echo_bench.py", Path(sys.executable), 10_000, 20_000),
-    ("autogen", "autogen_bench.py", AUTOGEN_PYTHON, 3_000, 6_000),
-    ("inboxmesh", "mesh_bench.py", Path(sys.executable), 3_000, 10_000),
+    ("grpc-echo", "echo_bench.py", Path(sys.executable), 10_000, 20_000, ()),
+    ("autogen", "autogen_bench.py", AUTOGEN_PYTHON, 3_000, 6_000, ()),
+    ("inboxmesh", "mesh_bench.py", Path(sys.executable), 3_000, 10_000, ()),
+    ("inboxmesh-ioa", "mesh_bench.py", Path(sys.executable), 1_500, 3_000, ("--via-ioa",)),
 ]
 METRICS = ("msgs_per_s", "p50_ms", "p99_ms", "cpu_us_per_msg")
 
 
-def run_one(script: str, interpreter: Path, messages: int, concurrency: int) -> dict:
+def run_one(script: str, interpreter: Path, messages: int, concurrency: int, extra: tuple[str, ...]) -> dict:
     done = subprocess.run(
         [str(interpreter), str(ROOT / "bench" / script), "--messages", str(messages), "--concurrency",
-         str(concurrency)],
+         str(concurrency), *extra],
         capture_output=True, text=True, env=python_env(), cwd=ROOT, timeout=900,
     )
     if done.returncode != 0:
@@ -54,16 +56,19 @@ def medians(results: list[dict]) -> dict:
 
 def table(summary: dict) -> str:
     lines = [
-        "| system | in flight | msgs/s | p50 ms | p99 ms | CPU us/msg (all processes) | throughput vs AutoGen |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| system | in flight | msgs/s | p50 ms | p99 ms | CPU us/msg (all processes) | throughput vs AutoGen |"
+        " vs local mesh |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for concurrency in (1, 64):
         base = summary[("autogen", concurrency)]["msgs_per_s"]
+        local = summary[("inboxmesh", concurrency)]["msgs_per_s"]
         for system, *_ in SYSTEMS:
             m = summary[(system, concurrency)]
+            versus_local = f"{m['msgs_per_s'] / local:.2f}x" if system.startswith("inboxmesh") else ""
             lines.append(
                 f"| {system} | {concurrency} | {m['msgs_per_s']:,.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
-                f"{m['cpu_us_per_msg']:,.0f} | {m['msgs_per_s'] / base:.2f}x |"
+                f"{m['cpu_us_per_msg']:,.0f} | {m['msgs_per_s'] / base:.2f}x | {versus_local} |"
             )
     return "\n".join(lines)
 
@@ -89,9 +94,9 @@ def main() -> None:
     started = time.monotonic()
     for round_no in range(1, args.rounds + 1):
         for concurrency in (1, 64):
-            for system, script, interpreter, n1, n64 in SYSTEMS:
+            for system, script, interpreter, n1, n64, extra in SYSTEMS:
                 n = int((n1 if concurrency == 1 else n64) * args.scale)
-                result = run_one(script, interpreter, n, concurrency)
+                result = run_one(script, interpreter, n, concurrency, extra)
                 raw.setdefault((system, concurrency), []).append(result)
                 print(f"round {round_no} {system:<10} c={concurrency:<3} {result['msgs_per_s']:>9,.0f} msgs/s "
                       f"p50 {result['p50_ms']:.2f} ms p99 {result['p99_ms']:.2f} ms "

@@ -8,6 +8,7 @@
     inboxmesh events [--agent ID] [--message ID] [--follow]
     inboxmesh close --as CRED [AGENT_ID]
     inboxmesh run "TASK" [--model openai|scripted:echo] [--policies MODULE:DICT]
+    inboxmesh ioa-server [--port N]   the reference IOA network (then: up --ioa-network HOST:PORT)
 
 Commands find a local mesh through .inboxmesh/mesh.json (written by `up`),
 or --mesh / INBOXMESH_ADDRESS.
@@ -21,6 +22,7 @@ import json
 import logging
 import signal
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from google.protobuf import json_format
@@ -73,6 +75,12 @@ async def _up(args) -> int:
         admin_token=args.admin_token, capacity=args.capacity, allow_cross_scope=args.allow_cross_scope,
         heartbeat_interval_s=args.heartbeat_interval, synchronous=args.synchronous.upper(),
     )
+    if args.ioa_network:
+        from services.config import IoaConfig
+
+        node_id = args.node_id or f"mesh-{args.port or 'any'}"
+        config = replace(config, ioa=IoaConfig(node_id=node_id, network=args.ioa_network),
+                         services=tuple(dict.fromkeys((*config.services, "relay"))))
     mesh = Mesh(config)
     try:
         await mesh.start()
@@ -82,6 +90,8 @@ async def _up(args) -> int:
     state = settings.write_state(data, mesh.address, config.admin_token)
     print(f"inboxmesh listening on {mesh.address} (services: {', '.join(config.services)};"
           f" store: sqlite {config.store.path})", flush=True)
+    if mesh.relay is not None:
+        print(f"inboxmesh: IOA relay node {mesh.relay.node_id!r} on network {args.ioa_network}", flush=True)
     print(f"inboxmesh: address and admin token written to {state}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -98,6 +108,25 @@ async def _up(args) -> int:
         return 0
     finally:
         await mesh.stop()
+
+
+async def _ioa_server(args) -> int:
+    from services.ioa.network import NetworkConfig, NetworkServer
+
+    server = NetworkServer(NetworkConfig(host=args.host, port=args.port, history=args.history))
+    try:
+        await server.start()
+    except RuntimeError as exc:
+        print(f"inboxmesh ioa-server: {exc}. Use --port 0 for any free port.", file=sys.stderr)
+        return 1
+    print(f"ioa network listening on {server.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    return 0
 
 
 # -- agent commands -----------------------------------------------------------
@@ -244,10 +273,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="full: every commit is fsynced before it is acknowledged (default); normal: survives a"
                          " crash of the mesh process but not of the machine")
     up.add_argument("--allow-cross-scope", action="store_true", help="let agents send outside their own tree")
+    up.add_argument("--ioa-network", metavar="HOST:PORT", help="connect this mesh to an IOA network (relay)")
+    up.add_argument("--node-id", help="this mesh's node id on the IOA network (default: mesh-<port>)")
     up.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True,
                     help="run the two-agent demo after starting (default on)")
     up.add_argument("--exit-after-demo", action="store_true", help="stop once the demo finished")
     up.set_defaults(run=_up)
+
+    ioa = sub.add_parser("ioa-server", help="run the reference IOA network server (its own process)")
+    ioa.add_argument("--host", default="127.0.0.1")
+    ioa.add_argument("--port", type=int, default=7500, help="0 = any free port")
+    ioa.add_argument("--history", type=int, default=50, help="recent messages a reconnecting node gets again")
+    ioa.set_defaults(run=_ioa_server)
 
     reg = sub.add_parser("register", help="register an agent; prints its id and credential")
     client_args(reg)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import logging
 import random
 import uuid
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 PREFIX = IOA_PREFIX
 RELAY_AGENT = "inboxmesh-relay"
 """The agent name relays use to talk to each other (receipts)."""
+RECEIPTS_MEDIA_TYPE = "application/vnd.inboxmesh.receipts+json"
+"""A relay's answer to another relay: [{for, status, sequence, stored_at_us, detail}, ...]."""
 H = "inboxmesh-"
 _RECEIPT_STATUS = {inbox_pb2.ReceiptStatus.Name(v).removeprefix("RECEIPT_STATUS_").lower(): v
                    for v in inbox_pb2.ReceiptStatus.values()}
@@ -162,57 +165,54 @@ class IoaRelay:
 
     # -- outbound -----------------------------------------------------------
     async def forward(self, sender_id: str, envelopes: list[env_pb.Envelope]) -> list[SendOutcome]:
-        """Publish local agents' messages to IOA addresses, in order; return
-        the receiving meshes' receipts."""
+        """Publish local agents' messages to IOA addresses, in order (one
+        stream, so the network keeps the order), without waiting for each
+        before the next; return the receiving meshes' receipts."""
         outcomes: list[SendOutcome | None] = [None] * len(envelopes)
-        waiting: list[tuple[int, str, asyncio.Future, trace.Span]] = []
+        pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]] = []
+        for index, env in enumerate(envelopes):
+            refused = self._refuse(env)
+            if refused is not None:
+                outcomes[index] = refused
+                continue
+            node, agent = parse_address(env.recipient)
+            ioa_id = f"{self.node_id}:{sender_id}:{env.message_id}"
+            span = tracer.start_span("ioa.publish", context=context_of(env),
+                                     attributes={"inboxmesh.ioa.message_id": ioa_id, "inboxmesh.ioa.to": node})
+            future = asyncio.get_running_loop().create_future()
+            self._receipts[ioa_id] = future
+            pending.append((index, ioa_id, self._outbound(env, sender_id, ioa_id, node, agent, span), future, span))
+        await self._store.record_events([ev.Event(
+            kind=ev.EVENT_KIND_IOA_PUBLISHED, at_us=now_us(), agent_id=envelopes[i].recipient,
+            message_id=envelopes[i].message_id, sender=sender_id, recipient=envelopes[i].recipient, detail=ioa_id,
+            trace_id=trace_id_of(envelopes[i].trace.traceparent), in_reply_to=envelopes[i].in_reply_to,
+            conversation_id=envelopes[i].conversation_id) for i, ioa_id, *_ in pending])  # handed to the network
         try:
-            for index, env in enumerate(envelopes):
-                refused = self._refuse(env)
-                if refused is not None:
-                    outcomes[index] = refused
-                    continue
-                node, agent = parse_address(env.recipient)
-                ioa_id = f"{self.node_id}:{sender_id}:{env.message_id}"
-                span = tracer.start_span("ioa.publish", context=context_of(env),
-                                         attributes={"inboxmesh.ioa.message_id": ioa_id, "inboxmesh.ioa.to": node})
-                message = self._outbound(env, sender_id, ioa_id, node, agent, span)
-                future = asyncio.get_running_loop().create_future()
-                self._receipts[ioa_id] = future
-                await self._store.record_events([ev.Event(
-                    kind=ev.EVENT_KIND_IOA_PUBLISHED, at_us=now_us(), agent_id=env.recipient,
-                    message_id=env.message_id, sender=sender_id, recipient=env.recipient, detail=ioa_id,
-                    trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
-                    conversation_id=env.conversation_id)])  # handed to the network (the SENT event has the outcome)
-                result = await self._publish(message)
+            results = await asyncio.gather(*(self._publish(message) for _, _, message, _, _ in pending))
+            for (index, ioa_id, _, future, span), result in zip(pending, results):
+                env = envelopes[index]
                 if result.status == net.PUBLISH_STATUS_UNKNOWN_NODE:
-                    self._receipts.pop(ioa_id, None)
-                    span.end()
                     outcomes[index] = SendOutcome(env.message_id, env.recipient, UNKNOWN_TARGET,
-                                                  detail=f"no IOA node {node!r}")
-                    continue
-                if result.status != net.PUBLISH_STATUS_OK:
-                    self._receipts.pop(ioa_id, None)
-                    span.end()
+                                                  detail=f"no IOA node {env.recipient.removeprefix(PREFIX).split('/')[0]!r}")
+                elif result.status != net.PUBLISH_STATUS_OK:
                     raise errors.Unavailable(f"the IOA network did not take the message for {env.recipient}:"
                                              f" {result.detail}; nothing was delivered, retry with the same"
                                              " message_id", reason="IOA_" + net.PublishStatus.Name(result.status))
-                self.counts["forwarded"] += 1
-                waiting.append((index, ioa_id, future, span))
-            for index, ioa_id, future, span in waiting:
-                try:
+                else:
+                    self.counts["forwarded"] += 1
+            for index, ioa_id, _, future, span in pending:
+                if outcomes[index] is None:
                     outcomes[index] = self._outcome_of(envelopes[index], await asyncio.wait_for(
                         future, self.config.receipt_timeout_s))
-                finally:
-                    span.end()
         except TimeoutError:
             raise errors.Unavailable(
                 f"no receipt from the IOA network within {self.config.receipt_timeout_s:.0f}s; the message may or"
                 " may not have arrived: retry with the same message_id (duplicates are recognised)",
                 reason="IOA_NO_RECEIPT") from None
         finally:
-            for _, ioa_id, future, _ in waiting:
+            for _, ioa_id, _, _, span in pending:
                 self._receipts.pop(ioa_id, None)
+                span.end()
         await self._record_outbound(sender_id, envelopes, outcomes)
         return outcomes
 
@@ -249,11 +249,10 @@ class IoaRelay:
             **{"from": net.Address(node=self.node_id, agent=sender_id)})
 
     @staticmethod
-    def _outcome_of(env: env_pb.Envelope, receipt: net.IoaMessage) -> SendOutcome:
-        h = receipt.headers
-        status = _RECEIPT_STATUS.get(h.get(H + "status", ""), inbox_pb2.RECEIPT_STATUS_UNSPECIFIED)
-        return SendOutcome(env.message_id, env.recipient, status, int(h.get(H + "sequence", "0") or 0),
-                           int(h.get(H + "stored-at-us", "0") or 0), h.get(H + "detail", ""))
+    def _outcome_of(env: env_pb.Envelope, receipt: dict) -> SendOutcome:
+        status = _RECEIPT_STATUS.get(receipt.get("status", ""), inbox_pb2.RECEIPT_STATUS_UNSPECIFIED)
+        return SendOutcome(env.message_id, env.recipient, status, int(receipt.get("sequence", 0)),
+                           int(receipt.get("stored_at_us", 0)), receipt.get("detail", ""))
 
     async def _record_outbound(self, sender_id: str, envelopes, outcomes) -> None:
         at = now_us()
@@ -269,11 +268,11 @@ class IoaRelay:
 
     # -- inbound ------------------------------------------------------------
     async def _arrived(self, message: net.IoaMessage) -> None:
-        receipt_for = message.headers.get(H + "receipt-for")
-        if receipt_for:
-            future = self._receipts.get(receipt_for)
-            if future is not None and not future.done():
-                future.set_result(message)
+        if message.media_type == RECEIPTS_MEDIA_TYPE:
+            for receipt in json.loads(message.data):
+                future = self._receipts.get(receipt["for"])
+                if future is not None and not future.done():
+                    future.set_result(receipt)
             return
         if message.WhichOneof("to") == "space":
             self.counts["space"] += 1  # spaces are read explicitly (SpaceRead), not pushed into inboxes
@@ -307,19 +306,27 @@ class IoaRelay:
             sender=e.sender, recipient=e.recipient, trace_id=trace_id_of(e.trace.traceparent),
             detail=f"from node {e.origin.ioa_node}") for e in envelopes], lazy=False)
         outcomes = await self.inbox.deliver_from_ioa(envelopes)
+        duplicates = []
+        answers: dict[str, list[dict]] = collections.defaultdict(list)
         for message, outcome, span in zip(batch, outcomes, spans):
             self.counts["received"] += 1
             span.set_attribute("inboxmesh.receipt", inbox_pb2.ReceiptStatus.Name(outcome.status))
             span.end()
+            sender = getattr(message, "from")
             if outcome.status == inbox_pb2.RECEIPT_STATUS_DUPLICATE:
                 self.counts["duplicates"] += 1
-                await self._store.record_events([ev.Event(
+                duplicates.append(ev.Event(
                     kind=ev.EVENT_KIND_IOA_DUPLICATE, at_us=now_us(), agent_id=outcome.recipient,
-                    message_id=message.ioa_message_id, sender=address_of(getattr(message, "from").node,
-                                                                         getattr(message, "from").agent),
-                    recipient=outcome.recipient, sequence=outcome.sequence, detail="recognised, not stored again")])
-            if H + "relay" in message.headers:
-                await self._answer(message, outcome)
+                    message_id=message.ioa_message_id, sender=address_of(sender.node, sender.agent),
+                    recipient=outcome.recipient, sequence=outcome.sequence, detail="recognised, not stored again"))
+            if H + "relay" in message.headers:  # an inboxmesh relay waits for the receipt
+                answers[sender.node].append({
+                    "for": message.ioa_message_id,
+                    "status": inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower(),
+                    "sequence": outcome.sequence, "stored_at_us": outcome.stored_at_us, "detail": outcome.detail})
+        if duplicates:
+            await self._store.record_events(duplicates)
+        await asyncio.gather(*(self._answer(node, receipts) for node, receipts in answers.items()))
 
     def _envelope(self, message: net.IoaMessage, span: trace.Span) -> env_pb.Envelope:
         h = message.headers
@@ -351,21 +358,17 @@ class IoaRelay:
             return rest.partition(":")[2] or ioa_id
         return ioa_id
 
-    async def _answer(self, message: net.IoaMessage, outcome: SendOutcome) -> None:
-        """Tell the sending relay what happened: the receipt its sender gets."""
-        sender = getattr(message, "from")
-        status = inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower()
-        receipt = net.IoaMessage(
-            ioa_message_id=f"receipt:{self.node_id}:{uuid.uuid4().hex}",
-            direct=net.Address(node=sender.node, agent=RELAY_AGENT),
-            headers={H + "receipt-for": message.ioa_message_id, H + "status": status,
-                     H + "sequence": str(outcome.sequence), H + "stored-at-us": str(outcome.stored_at_us),
-                     H + "detail": outcome.detail},
-            **{"from": net.Address(node=self.node_id, agent=RELAY_AGENT)})
+    async def _answer(self, node: str, receipts: list[dict]) -> None:
+        """Tell a sending relay what happened to its messages: the receipts
+        its senders get (one IOA message for a batch)."""
+        message = net.IoaMessage(
+            ioa_message_id=f"receipts:{self.node_id}:{uuid.uuid4().hex}",
+            direct=net.Address(node=node, agent=RELAY_AGENT), media_type=RECEIPTS_MEDIA_TYPE,
+            data=json.dumps(receipts).encode(), **{"from": net.Address(node=self.node_id, agent=RELAY_AGENT)})
         try:
-            await self._publish(receipt)
+            await self._publish(message)
         except (errors.MeshError, TimeoutError) as exc:
-            log.warning("relay %s could not send the receipt for %s: %s", self.node_id, message.ioa_message_id, exc)
+            log.warning("relay %s could not answer %d messages from %s: %s", self.node_id, len(receipts), node, exc)
 
     # -- spaces ---------------------------------------------------------------
     async def space_send(self, agent_id: str, space: str, text: str) -> net.PublishResult:
