@@ -193,3 +193,27 @@ def test_cli_run_without_a_model_endpoint_says_what_to_set(tmp_path, monkeypatch
     with MeshProcess(tmp_path):
         result = _cli("run", "do something", data_dir=tmp_path)
     assert result.returncode == 2 and "OPENAI_BASE_URL" in result.stderr
+
+
+def test_ioa_network_and_two_meshes_as_separate_processes(tmp_path):
+    """`inboxmesh ioa-server` in its own process, two `inboxmesh up --ioa-network` meshes: an agent of one
+    reaches an agent of the other with the CLI."""
+    network = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "warning", "ioa-server",
+                                "--port", "0"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        address = network.stdout.readline().split()[-1]
+        with MeshProcess(tmp_path / "a", "--ioa-network", address, "--node-id", "north"), \
+                MeshProcess(tmp_path / "b", "--ioa-network", address, "--node-id", "south"):
+            sender = json.loads(_cli("register", "sender", data_dir=tmp_path / "a").stdout)
+            receiver = json.loads(_cli("register", "receiver", data_dir=tmp_path / "b").stdout)
+            sent = _cli("send", "--as", sender["credential"], "--to", f"ioa:south/{receiver['agent_id']}",
+                        "--message-id", "over-the-network", "hello south", data_dir=tmp_path / "a")
+            assert sent.returncode == 0, sent.stdout + sent.stderr
+            receipt = json.loads(sent.stdout)
+            assert receipt["status"] == "RECEIPT_STATUS_ACCEPTED" and receipt["sequence"] == "1"
+            events = _cli("events", "--agent", receiver["agent_id"], data_dir=tmp_path / "b").stdout
+            assert f"from=ioa:north/{sender['agent_id']}" in events and "ioa_received" in events
+    finally:
+        network.terminate()
+        network.wait(10)
+        network.stdout.close()
