@@ -159,8 +159,10 @@ class InboxService:
                     inject(env, trace.set_span_in_context(span))
                 spans.append(span)
         try:
-            # every group's append is queued before the writer flushes: one commit, in order
-            results = await asyncio.gather(*(self._store.append(g[0].envelope.sender, g, now) for g in groups))
+            if len(groups) == 1:  # the usual case: no task to schedule, straight to the writer
+                results = [await self._store.append(groups[0][0].envelope.sender, groups[0], now)]
+            else:  # every group's append is queued before the writer flushes: one commit, in order
+                results = await asyncio.gather(*(self._store.append(g[0].envelope.sender, g, now) for g in groups))
         except BaseException as exc:
             for span in spans:
                 span.record_exception(exc)
