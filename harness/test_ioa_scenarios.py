@@ -196,3 +196,25 @@ async def test_messages_the_network_delivers_twice_are_consumed_once(network, tm
     for message in stored:
         assert len(record.of(K.EVENT_KIND_MESSAGE_CONSUMED, message_id=message.message_id)) <= 1
     assert len(record.of(K.EVENT_KIND_IOA_DUPLICATE)) == mesh.relay.counts["duplicates"]
+
+
+async def test_one_trace_runs_from_send_through_the_network_to_the_reply(network, tmp_path, spans):
+    async with ioa_mesh(network, tmp_path, "alpha") as (mesh_a, client_a), \
+            ioa_mesh(network, tmp_path, "beta") as (mesh_b, client_b):
+        async with ioa_host(mesh_b, tmp_path / "host-b", {"callee": callee}) as host_b, \
+                ioa_host(mesh_a, tmp_path / "host-a", {"caller": caller}) as host_a:
+            far = await host_b.start_task("callee", "answer whoever writes")
+            outcome = await host_a.run_task("caller", f"Write to ioa:beta/{far.agent_id}", timeout=30)
+            assert outcome.ok, outcome.error
+            near = by_name(host_a, "caller")
+            (_, sent), = tool_results(near, "send_message")
+    finished = spans.get_finished_spans()
+    send = next(s for s in finished if s.name == "send" and s.attributes.get("messaging.message.id") == sent["message_id"])
+    in_trace = [s for s in finished if s.context.trace_id == send.context.trace_id]
+    names = [s.name for s in in_trace]
+    for step in ("send", "ioa.publish", "ioa.receive", "enqueue", "deliver", "consume", "reply", "ack"):
+        assert step in names, (step, sorted(set(names)))
+    reply = next(s for s in in_trace if s.name == "reply")
+    consume = next(s for s in in_trace if s.name == "consume" and s.attributes.get("inboxmesh.recipient") == far.agent_id)
+    assert reply.parent.span_id == consume.context.span_id, "the reply continues the trace on the far side"
+    assert names.count("ioa.publish") >= 2 and names.count("ioa.receive") >= 2, "there and back in one trace"

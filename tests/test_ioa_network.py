@@ -1,0 +1,127 @@
+"""The reference IOA network on its own: routing, refusals, space history,
+redelivery on reconnect and the faults it injects."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from inboxmesh.ioa.v1 import network_pb2 as net
+from inboxmesh.ioa.v1 import network_pb2_grpc
+from services.ioa.network import NetworkConfig, NetworkServer
+
+
+class NodeClient:
+    def __init__(self, channel, node_id):
+        self.call = network_pb2_grpc.IoaNetworkStub(channel).Connect()
+        self.node_id = node_id
+        self.frames: asyncio.Queue = asyncio.Queue()
+        self.publish_id = 0
+
+    async def connect(self):
+        await self.call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id)))
+        self.reader = asyncio.create_task(self._read())
+        return await self.next("welcome")
+
+    async def _read(self):
+        try:
+            async for frame in self.call:
+                await self.frames.put(frame)
+        except grpc.aio.AioRpcError:
+            pass
+
+    async def next(self, kind, timeout=5):
+        async with asyncio.timeout(timeout):
+            while True:
+                frame = await self.frames.get()
+                if frame.WhichOneof("frame") == kind:
+                    return getattr(frame, kind)
+
+    async def publish(self, ioa_id, *, to=None, space=None, text=""):
+        self.publish_id += 1
+        message = net.IoaMessage(ioa_message_id=ioa_id, text=text, **{"from": net.Address(node="spoofed", agent="me")})
+        if to:
+            message.direct.CopyFrom(net.Address(node=to[0], agent=to[1]))
+        if space:
+            message.space = space
+        await self.call.write(net.NodeFrame(publish=net.Publish(message=message, publish_id=self.publish_id)))
+        return await self.next("result")
+
+    def close(self):
+        self.call.cancel()
+
+
+@pytest.fixture
+async def network():
+    async with NetworkServer(NetworkConfig(history=5)) as server:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            yield server, channel
+
+
+async def test_routing_refusals_and_spaces(network):
+    server, channel = network
+    a, b = NodeClient(channel, "a"), NodeClient(channel, "b")
+    await a.connect()
+    await b.connect()
+    ok = await a.publish("m1", to=("b", "x"), text="hi")
+    assert ok.status == net.PUBLISH_STATUS_OK
+    got = await b.next("message")
+    assert got.text == "hi" and getattr(got, "from").node == "a", "a node cannot claim another node's name"
+    assert (await a.publish("m2", to=("nobody", "x"))).status == net.PUBLISH_STATUS_UNKNOWN_NODE
+    assert (await a.publish("m3", space="room")).status == net.PUBLISH_STATUS_NOT_A_MEMBER
+    b.close()
+    await asyncio.sleep(0.1)
+    assert (await a.publish("m4", to=("b", "x"))).status == net.PUBLISH_STATUS_NODE_OFFLINE
+    await a.call.write(net.NodeFrame(join=net.JoinSpace(space="room")))
+    assert (await a.publish("s1", space="room", text="one")).status == net.PUBLISH_STATUS_OK
+    assert (await a.publish("s2", space="room", text="two")).status == net.PUBLISH_STATUS_OK
+    stub = network_pb2_grpc.IoaNetworkStub(channel)
+    history = await stub.ReadSpace(net.ReadSpaceRequest(space="room", after_seq=1))
+    assert [(m.space_seq, m.text) for m in history.messages] == [(2, "two")]
+    a.close()
+
+
+async def test_a_reconnecting_node_gets_its_recent_messages_again(network):
+    server, channel = network
+    a, b = NodeClient(channel, "a"), NodeClient(channel, "b")
+    await a.connect()
+    await b.connect()
+    for i in range(7):
+        await a.publish(f"m{i}", to=("b", "x"), text=str(i))
+    for _ in range(7):
+        await b.next("message")
+    b.close()
+    again = NodeClient(channel, "b")
+    welcome = await again.connect()
+    assert welcome.redelivering == 5, "the last `history` messages"
+    assert [(await again.next("message")).ioa_message_id for _ in range(5)] == [f"m{i}" for i in range(2, 7)]
+    a.close()
+    again.close()
+
+
+async def test_injected_faults_do_what_they_say(network):
+    server, channel = network
+    stub = network_pb2_grpc.IoaNetworkStub(channel)
+    a, b = NodeClient(channel, "a"), NodeClient(channel, "b")
+    await a.connect()
+    await b.connect()
+    await stub.InjectFault(net.InjectFaultRequest(node_id="b", kind=net.FAULT_KIND_DUPLICATE, count=1))
+    await a.publish("dup", to=("b", "x"))
+    assert [(await b.next("message")).ioa_message_id for _ in range(2)] == ["dup", "dup"]
+    await stub.InjectFault(net.InjectFaultRequest(node_id="b", kind=net.FAULT_KIND_REORDER, count=1))
+    await a.publish("first", to=("b", "x"))
+    await a.publish("second", to=("b", "x"))
+    assert [(await b.next("message")).ioa_message_id for _ in range(2)] == ["second", "first"]
+    await stub.InjectFault(net.InjectFaultRequest(node_id="b", kind=net.FAULT_KIND_DELAY, count=1, delay_ms=300))
+    start = asyncio.get_running_loop().time()
+    await a.publish("slow", to=("b", "x"))
+    assert (await b.next("message")).ioa_message_id == "slow"
+    assert asyncio.get_running_loop().time() - start >= 0.3
+    await stub.InjectFault(net.InjectFaultRequest(node_id="b", kind=net.FAULT_KIND_DROP_CONNECTION))
+    await asyncio.wait_for(b.reader, 5)
+    status = await stub.NetworkStatus(net.NetworkStatusRequest())
+    assert {n.node_id: n.connected for n in status.nodes} == {"a": True, "b": False}
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.InjectFault(net.InjectFaultRequest(node_id="ghost", kind=net.FAULT_KIND_DUPLICATE))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    a.close()
