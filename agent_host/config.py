@@ -46,6 +46,12 @@ class HostConfig:
     budget: Budget = field(default_factory=Budget)
     call_timeout_s: float = 10.0
     """Deadline of each call to the mesh."""
+    yield_after_send: bool = False
+    """End a run after a turn that sent a message (send_message): the agent
+    then waits for the answer instead of going on (helps small models)."""
+    restate_task: bool = False
+    """End every injected user turn with the agent's task, so the newest
+    work and the task sit together (helps small models)."""
     route_via_ioa: bool = False
     """Send every message between agents through the mesh's IOA relay
     (to the recipient's IOA address) instead of directly."""

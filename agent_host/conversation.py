@@ -22,6 +22,8 @@ HEADER = re.compile(
     r"^Message from (?P<name>.*?) \((?P<sender>[^)]*)\), message_id=(?P<message_id>\S+?), kind=(?P<kind>\w+)"
     r"(?:, in_reply_to=(?P<in_reply_to>\S+?))?:$"
 )
+NOTE_PREFIX = "-- "
+"""Starts a line the runtime adds after the messages of a turn (not part of any message)."""
 KIND_NAMES = {v: envelope_pb2.MessageKind.Name(v).removeprefix("MESSAGE_KIND_").lower()
               for v in envelope_pb2.MessageKind.values()}
 
@@ -52,13 +54,16 @@ class Conversation:
     def add_user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
 
-    def inject(self, items: list[tuple[envelope_pb2.Envelope, str]]) -> list[envelope_pb2.Envelope]:
-        """Add inbox messages (with their senders' names) as one user turn;
-        returns those added (a message already in the conversation is not
-        added again)."""
+    def inject(self, items: list[tuple[envelope_pb2.Envelope, str]], note: str = "") -> list[envelope_pb2.Envelope]:
+        """Add inbox messages (with their senders' names) as one user turn,
+        optionally followed by a note (NOTE_PREFIX); returns those added (a
+        message already in the conversation is not added again)."""
         fresh = [(e, n) for e, n in items if key_of(e) not in self.injected]
         if fresh:
-            self.add_user("\n\n".join(format_message(e, n) for e, n in fresh))
+            parts = [format_message(e, n) for e, n in fresh]
+            if note:
+                parts.append(NOTE_PREFIX + note)
+            self.add_user("\n\n".join(parts))
             self.injected.update(key_of(e) for e, _ in fresh)
         return [e for e, _ in fresh]
 

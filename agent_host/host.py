@@ -254,11 +254,23 @@ class Host:
         return reply
 
     # -- spawning and closing -------------------------------------------------
+    def children_working(self, runner: AgentRunner) -> list[str]:
+        """The agent's open children whose report (the COMPLETION answering
+        their task) this agent has not consumed yet."""
+        reported = {m.in_reply_to for m in runner.received.values() if m.kind == env_pb.MESSAGE_KIND_COMPLETION}
+        return [f"{c.record.name} ({c.agent_id})" for c in self.runners.values()
+                if c.record.parent_id == runner.agent_id and c.record.task_message_id not in reported]
+
     async def spawn(self, parent: AgentRunner, *, name: str, task: str, mode: str = "async") -> dict[str, Any]:
+        for existing in self.runners.values():
+            if existing.record.parent_id == parent.agent_id and existing.record.name == name \
+                    and existing.record.task_text == task:  # the same call again: a retry, not a twin
+                return {"agent_id": existing.agent_id, "name": name, "mode": existing.record.mode,
+                        "task_message_id": existing.record.task_message_id, "status": "already started"}
         child = await parent.handle.spawn(name, MODES[mode], inbox_capacity=self.config.child_inbox_capacity)
         task_message_id = f"task-{uuid.uuid4().hex}"
         record = AgentRecord(agent_id=child.agent_id, name=name, credential=child.credential, mode=mode,
-                             parent_id=parent.agent_id, task_message_id=task_message_id,
+                             parent_id=parent.agent_id, task_message_id=task_message_id, task_text=task,
                              conversation_id=f"conv-{uuid.uuid4().hex}", keep_alive=self.config.keep_alive)
         conversation = Conversation()
         if mode == "fork":

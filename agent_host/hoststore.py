@@ -38,6 +38,7 @@ class AgentRecord:
     """The policy or model role this agent runs with (hosts map it back to a model)."""
     task_message_id: str = ""
     """The TASK message this agent works on (empty for a top-level agent)."""
+    task_text: str = ""
     conversation_id: str = ""
     keep_alive: str = "until_closed"
     turn: int = 0

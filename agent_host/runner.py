@@ -73,6 +73,7 @@ class AgentRunner:
         self.runs_active = 0
         self.max_runs_active = 0
         self._finished_now = False
+        self._yield_now = False
         self._consume_contexts: dict[str, trace.SpanContext] = {}
         self._items = None
         self._tasks: list[asyncio.Task] = []
@@ -185,7 +186,18 @@ class AgentRunner:
         won = await self._consume(batch)
         if won:
             names = {m.sender: await self.host.name_of(m.sender) for m in won}
-            self.conversation.inject([(m, names[m.sender]) for m in won])
+            self.conversation.inject([(m, names[m.sender]) for m in won], note=self._task_note(won))
+
+    def _task_note(self, won: list[env_pb.Envelope]) -> str:
+        """With restate_task, the newest user turn ends with the agent's task,
+        so the newest work and what to do about it sit together."""
+        if not self.host.config.restate_task:
+            return ""
+        task = next((m.content.text for m in won if m.kind == env_pb.MESSAGE_KIND_TASK), "")
+        if not task:
+            task = next((m.content.text for m in reversed(list(self.received.values()))
+                         if m.kind == env_pb.MESSAGE_KIND_TASK), "")
+        return f"Your task: {task}" if task and not any(m.kind == env_pb.MESSAGE_KIND_TASK for m in won) else ""
 
     # -- the one loop ---------------------------------------------------------
     async def _loop(self) -> None:
@@ -262,6 +274,10 @@ class AgentRunner:
                     return
                 if not reply.tool_calls:
                     return
+                if self._yield_now or (self.host.config.yield_after_send
+                                       and any(c.name == "send_message" for c in reply.tool_calls)):
+                    self._yield_now = False
+                    return  # wait for answers: the next message wakes the agent
         finally:
             self.runs_active -= 1
 
@@ -285,6 +301,11 @@ class AgentRunner:
     async def finish(self, result: str) -> dict[str, Any]:
         if self.record.completed:
             return {"error": "your task is already finished"}
+        working = self.host.children_working(self)
+        if working:
+            self._yield_now = True  # the only thing to do is wait for their reports
+            return {"error": f"not finished: {', '.join(working)} still working; their reports will arrive as"
+                             " messages. End your turn now and wait."}
         outcome: dict[str, Any] = {"status": "completed"}
         completion_id = ""
         if self.record.parent_id:
@@ -301,6 +322,14 @@ class AgentRunner:
         await self.event(ev.EVENT_KIND_TASK_COMPLETED, message_id=completion_id, turn=self.record.turn,
                          detail=result[:500])
         return outcome
+
+    def newest_received(self) -> env_pb.Envelope | None:
+        """The newest message this agent consumed that can be answered (not
+        its task, not a mesh notice)."""
+        for message in reversed(list(self.received.values())):
+            if message.kind not in (env_pb.MESSAGE_KIND_TASK, env_pb.MESSAGE_KIND_CONTROL):
+                return message
+        return None
 
     def expect_completion(self, task_message_id: str, child_id: str) -> asyncio.Future:
         """Register, before the task is sent, that this agent waits for the

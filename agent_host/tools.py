@@ -7,7 +7,7 @@ wrong, never an exception into the loop.
 | --- | --- |
 | spawn_agent(name, task, mode) | create a child (sync: returns its result; async/fork: returns at once) |
 | send_message(to, text) | send to an agent by id or by name in this scope; returns the real receipt |
-| reply(message_id, text) | answer a message this agent received (keeps the correlation) |
+| reply(text, message_id) | answer a message this agent received (default: the newest; keeps the correlation) |
 | list_agents() | this agent, its parent, children and siblings |
 | close_agent(agent) | close a child (and its descendants) |
 | finish(result) | complete the task: the result goes to the parent's inbox |
@@ -55,9 +55,10 @@ SPECS: dict[str, dict[str, Any]] = {
     "reply": {
         "description": "Answer a message you received; the answer goes to its sender.",
         "parameters": {"type": "object", "properties": {
-            "message_id": {"type": "string", "description": "The message_id of the message you answer."},
             "text": {"type": "string", "description": "Your answer."},
-        }, "required": ["message_id", "text"]},
+            "message_id": {"type": "string",
+                           "description": "The message_id of the message you answer (default: the newest one)."},
+        }, "required": ["text"]},
     },
     "list_agents": {
         "description": "List yourself, your parent, your children and your siblings with their ids and states.",
@@ -181,10 +182,11 @@ async def send_message(runner: AgentRunner, to: str, text: str) -> dict[str, Any
     return receipt_result(receipt, target)
 
 
-async def reply(runner: AgentRunner, message_id: str, text: str) -> dict[str, Any]:
-    original = runner.received.get(message_id.strip())
+async def reply(runner: AgentRunner, text: str, message_id: str = "") -> dict[str, Any]:
+    original = runner.received.get(message_id.strip()) if message_id else runner.newest_received()
     if original is None:
-        return {"error": f"you received no message with message_id {message_id!r}"}
+        return {"error": f"you received no message with message_id {message_id!r}" if message_id
+                else "you have received no message to answer"}
     receipt = await runner.reply(original, text)
     return receipt_result(receipt)
 

@@ -48,8 +48,8 @@ async def test_the_same_name_in_two_scopes_resolves_inside_each(mesh, client, tm
 def twins(view):
     step = len(view.results)
     if step == 0:
-        return Decision(calls=[("spawn_agent", {"name": "twin", "task": "wait"}),
-                               ("spawn_agent", {"name": "twin", "task": "wait"})])
+        return Decision(calls=[("spawn_agent", {"name": "twin", "task": "wait, one"}),
+                               ("spawn_agent", {"name": "twin", "task": "wait, two"})])
     if step == 2:
         return call("send_message", to="twin", text="which one?")
     if step == 3:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_host.conversation import HEADER
+from agent_host.conversation import HEADER, NOTE_PREFIX
 from agent_host.models.base import ModelError, ModelReply, ToolCall
 
 
@@ -87,6 +87,10 @@ def _inbox_items(content: str) -> list[InboxItem]:
     current: dict | None = None
     body: list[str] = []
     for line in content.split("\n"):
+        if line.startswith(NOTE_PREFIX) and current is not None:
+            items.append(InboxItem(text="\n".join(body).strip("\n"), **current))
+            current, body = None, []
+            continue
         match = HEADER.match(line)
         if match:
             if current is not None:
