@@ -242,12 +242,14 @@ class Host:
                 max(0.001, budget.remaining_s()))
         except ModelError as exc:
             budget.requests += exc.attempts
+            runner.model_requests += exc.attempts
             raise
         except TimeoutError:
             raise BudgetExceeded(f"stopped at {runner.record.name} ({runner.agent_id}) turn {runner.record.turn}:"
                                  f" the wall-time budget of {budget.limits.max_wall_time_s:.0f}s ran out during a"
                                  " model request") from None
         budget.requests += reply.attempts
+        runner.model_requests += reply.attempts
         budget.max_output_tokens_seen = max(budget.max_output_tokens_seen, reply.usage.completion_tokens)
         self.observe(runner, "model", f"{runner.model.name}: {len(reply.tool_calls)} tool call(s)"
                                       f"{', text' if reply.text else ''} ({reply.attempts} request(s))")

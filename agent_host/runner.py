@@ -72,6 +72,7 @@ class AgentRunner:
         self.run_task: asyncio.Task | None = None
         self.runs_active = 0
         self.max_runs_active = 0
+        self.model_requests = 0
         self._finished_now = False
         self._yield_now = False
         self._consume_contexts: dict[str, trace.SpanContext] = {}

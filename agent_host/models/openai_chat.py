@@ -37,7 +37,7 @@ class OpenAIChatModel:
                 response = await self._client.chat.completions.create(
                     model=self.model, messages=messages, tools=tools or openai.NOT_GIVEN,
                     tool_choice=self.tool_choice if tools else openai.NOT_GIVEN,
-                    max_tokens=max_output_tokens, temperature=self.temperature,
+                    max_tokens=max_output_tokens, temperature=self._temperature(attempt),
                 )
             except (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError,
                     openai.RateLimitError) as exc:
@@ -53,6 +53,11 @@ class OpenAIChatModel:
             failures.append("the reply had neither text nor tool calls")
         raise ModelError(f"no usable reply in {max_requests} requests: {'; '.join(failures[-3:])}",
                          attempts=max_requests, retryable=True)
+
+    def _temperature(self, attempt: int) -> float:
+        """A retry of the same prompt at temperature 0 would produce the same
+        failing output: later attempts vary a little."""
+        return self.temperature if attempt == 1 else max(self.temperature, 0.3 * (attempt - 1))
 
     async def close(self) -> None:
         await self._client.close()

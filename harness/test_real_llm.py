@@ -1,0 +1,29 @@
+"""The sibling scenario with a real language model making every decision,
+once with local delivery and once over an IOA network. The model server is
+built and started by the harness (harness/llm); INBOXMESH_SCENARIO_LLM points
+the same scenario at any other OpenAI-compatible endpoint. Each run writes a
+report under results/real-llm/."""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from harness.real_llm import run_once, scenario_mesh, scenario_model
+
+
+@pytest.fixture
+async def model():
+    async with scenario_model() as m:
+        yield m
+
+
+@pytest.mark.parametrize("via_ioa", [False, True], ids=["local", "ioa"])
+@pytest.mark.timeout(900)
+async def test_the_sibling_exchange_with_a_real_model(model, via_ioa, spans):
+    with tempfile.TemporaryDirectory(prefix="real-llm-") as tmp:
+        async with scenario_mesh(Path(tmp), via_ioa) as (mesh, client):
+            result = await run_once(mesh.address, model, Path(tmp) / "host", via_ioa=via_ioa, client=client,
+                                    spans=spans, label="ci")
+    print(f"real-model report: {result.report}")
+    assert result.ok, f"{result.problems} (report: {result.report})"
