@@ -52,6 +52,9 @@ class HostConfig:
     restate_task: bool = False
     """End every injected user turn with the agent's task, so the newest
     work and the task sit together (helps small models)."""
+    show_ids: bool = True
+    """Show agent ids in system prompts and message headers. Small models
+    tend to invent ids when they see some; names are enough for them."""
     route_via_ioa: bool = False
     """Send every message between agents through the mesh's IOA relay
     (to the recipient's IOA address) instead of directly."""

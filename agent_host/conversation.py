@@ -19,7 +19,7 @@ from typing import Any
 from inboxmesh.common.v1 import envelope_pb2
 
 HEADER = re.compile(
-    r"^Message from (?P<name>.*?) \((?P<sender>[^)]*)\), message_id=(?P<message_id>\S+?), kind=(?P<kind>\w+)"
+    r"^Message from (?P<name>.*?)(?: \((?P<sender>[^)]*)\))?, message_id=(?P<message_id>\S+?), kind=(?P<kind>\w+)"
     r"(?:, in_reply_to=(?P<in_reply_to>\S+?))?:$"
 )
 NOTE_PREFIX = "-- "
@@ -28,18 +28,19 @@ KIND_NAMES = {v: envelope_pb2.MessageKind.Name(v).removeprefix("MESSAGE_KIND_").
               for v in envelope_pb2.MessageKind.values()}
 
 
-def system_prompt(name: str, agent_id: str, role: str) -> str:
+def system_prompt(name: str, agent_id: str, role: str, show_ids: bool = True) -> str:
+    who = f"{name} (agent id {agent_id})" if show_ids else name
     return (
-        f"You are {name} (agent id {agent_id}), one agent in a team of agents. {role}\n"
+        f"You are {who}, one agent in a team of agents. {role}\n"
         "Act only through your tools. Messages from other agents arrive as user turns starting with"
         " 'Message from'. Use send_message to write to an agent (by id or name), reply to answer a message,"
         " and finish with your result when your task is done."
     )
 
 
-def format_message(envelope: envelope_pb2.Envelope, sender_name: str) -> str:
-    head = (f"Message from {sender_name} ({envelope.sender}), message_id={envelope.message_id}, "
-            f"kind={KIND_NAMES.get(envelope.kind, 'text')}")
+def format_message(envelope: envelope_pb2.Envelope, sender_name: str, show_ids: bool = True) -> str:
+    sender = f"{sender_name} ({envelope.sender})" if show_ids else sender_name
+    head = f"Message from {sender}, message_id={envelope.message_id}, kind={KIND_NAMES.get(envelope.kind, 'text')}"
     if envelope.in_reply_to:
         head += f", in_reply_to={envelope.in_reply_to}"
     return f"{head}:\n{envelope.content.text}"
@@ -54,13 +55,14 @@ class Conversation:
     def add_user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
 
-    def inject(self, items: list[tuple[envelope_pb2.Envelope, str]], note: str = "") -> list[envelope_pb2.Envelope]:
+    def inject(self, items: list[tuple[envelope_pb2.Envelope, str]], note: str = "",
+               show_ids: bool = True) -> list[envelope_pb2.Envelope]:
         """Add inbox messages (with their senders' names) as one user turn,
         optionally followed by a note (NOTE_PREFIX); returns those added (a
         message already in the conversation is not added again)."""
         fresh = [(e, n) for e, n in items if key_of(e) not in self.injected]
         if fresh:
-            parts = [format_message(e, n) for e, n in fresh]
+            parts = [format_message(e, n, show_ids) for e, n in fresh]
             if note:
                 parts.append(NOTE_PREFIX + note)
             self.add_user("\n\n".join(parts))

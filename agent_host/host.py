@@ -47,6 +47,9 @@ class AgentProfile:
     model: Model
     tools: tuple[str, ...] = ALL_TOOLS
     role: str = ""
+    max_spawns: int | None = None
+    """Children the agent may start in all; once reached, spawn_agent is no
+    longer offered (None: no limit)."""
 
 
 ProfileFactory = Callable[[AgentRecord], AgentProfile]
@@ -170,9 +173,10 @@ class Host:
         if not record.tools:
             record.tools = profile.tools
         if not conversation.messages:
-            conversation.messages.append({"role": "system", "content": system_prompt(record.name, record.agent_id,
-                                                                                     profile.role)})
+            conversation.messages.append({"role": "system", "content": system_prompt(
+                record.name, record.agent_id, profile.role, self.config.show_ids)})
         runner = AgentRunner(self, record, handle, profile.model, conversation, budget)
+        runner.max_spawns = profile.max_spawns
         self.runners[record.agent_id] = runner
         self._names[record.agent_id] = record.name
         return runner
@@ -231,13 +235,13 @@ class Host:
         if future is not None and not future.done():
             future.set_result(TaskOutcome(top.agent_id, ok=False, error=str(exc), budget=runner.budget.report()))
 
-    async def call_model(self, runner: AgentRunner) -> ModelReply:
+    async def call_model(self, runner: AgentRunner, tools: list[dict[str, Any]]) -> ModelReply:
         budget = runner.budget
         budget.check(runner)
         max_requests = min(budget.limits.max_requests_per_reply, budget.limits.max_model_requests - budget.requests)
         try:
             reply = await asyncio.wait_for(
-                runner.model.complete(runner.conversation.messages, runner.tool_schemas,
+                runner.model.complete(runner.conversation.messages, tools,
                                       max_output_tokens=budget.limits.max_output_tokens, max_requests=max_requests),
                 max(0.001, budget.remaining_s()))
         except ModelError as exc:
@@ -256,12 +260,18 @@ class Host:
         return reply
 
     # -- spawning and closing -------------------------------------------------
+    def children_status(self, runner: AgentRunner) -> tuple[list[str], list[str]]:
+        """Names of the agent's children here that have reported (their
+        COMPLETION answering their task was consumed by the agent) and of
+        those still working."""
+        answered = {m.in_reply_to for m in runner.received.values() if m.kind == env_pb.MESSAGE_KIND_COMPLETION}
+        children = [c for c in self.runners.values() if c.record.parent_id == runner.agent_id]
+        return ([c.record.name for c in children if c.record.task_message_id in answered],
+                [c.record.name for c in children if c.record.task_message_id not in answered])
+
     def children_working(self, runner: AgentRunner) -> list[str]:
-        """The agent's open children whose report (the COMPLETION answering
-        their task) this agent has not consumed yet."""
-        reported = {m.in_reply_to for m in runner.received.values() if m.kind == env_pb.MESSAGE_KIND_COMPLETION}
-        return [f"{c.record.name} ({c.agent_id})" for c in self.runners.values()
-                if c.record.parent_id == runner.agent_id and c.record.task_message_id not in reported]
+        """The agent's open children whose report this agent has not consumed yet."""
+        return self.children_status(runner)[1]
 
     async def spawn(self, parent: AgentRunner, *, name: str, task: str, mode: str = "async") -> dict[str, Any]:
         for existing in self.runners.values():
@@ -269,6 +279,9 @@ class Host:
                     and existing.record.task_text == task:  # the same call again: a retry, not a twin
                 return {"agent_id": existing.agent_id, "name": name, "mode": existing.record.mode,
                         "task_message_id": existing.record.task_message_id, "status": "already started"}
+        if parent.max_spawns is not None and parent.record.spawned >= parent.max_spawns:
+            return {"error": f"you may start {parent.max_spawns} subagents and have started them all"}
+        parent.record.spawned += 1
         child = await parent.handle.spawn(name, MODES[mode], inbox_capacity=self.config.child_inbox_capacity)
         task_message_id = f"task-{uuid.uuid4().hex}"
         record = AgentRecord(agent_id=child.agent_id, name=name, credential=child.credential, mode=mode,

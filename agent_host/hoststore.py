@@ -42,6 +42,8 @@ class AgentRecord:
     conversation_id: str = ""
     keep_alive: str = "until_closed"
     turn: int = 0
+    spawned: int = 0
+    """Children this agent has started."""
     running: bool = False
     """A run was in progress (a restarted host starts a new one)."""
     completed: bool = False

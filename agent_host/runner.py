@@ -17,13 +17,14 @@ Rules (docs/lifecycle.md):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
-from agent_host.conversation import Conversation
+from agent_host.conversation import NOTE_PREFIX, Conversation
 from agent_host.hoststore import AgentRecord
 from agent_host.inbox_stream import InboxStream
 from agent_host.models.base import ModelError
@@ -59,7 +60,6 @@ class AgentRunner:
         self.model = model
         self.conversation = conversation
         self.budget = budget
-        self.tool_schemas = schemas(record.tools)
         self.stream = InboxStream([handle], max_in_flight=host.config.max_in_flight)
         self.pending: list[env_pb.Envelope] = []
         self.received: dict[str, env_pb.Envelope] = {}
@@ -73,6 +73,7 @@ class AgentRunner:
         self.runs_active = 0
         self.max_runs_active = 0
         self.model_requests = 0
+        self.max_spawns: int | None = None
         self._finished_now = False
         self._yield_now = False
         self._consume_contexts: dict[str, trace.SpanContext] = {}
@@ -187,18 +188,51 @@ class AgentRunner:
         won = await self._consume(batch)
         if won:
             names = {m.sender: await self.host.name_of(m.sender) for m in won}
-            self.conversation.inject([(m, names[m.sender]) for m in won], note=self._task_note(won))
+            self.conversation.inject([(m, names[m.sender]) for m in won], note=self._task_note(won),
+                                     show_ids=self.host.config.show_ids)
 
     def _task_note(self, won: list[env_pb.Envelope]) -> str:
-        """With restate_task, the newest user turn ends with the agent's task,
-        so the newest work and what to do about it sit together."""
+        """Notes the runtime adds after the messages of a turn: which of the
+        agent's children have reported (whenever reports are among them), and
+        with restate_task the agent's task and what it has done so far."""
+        notes = []
+        if any(m.kind == env_pb.MESSAGE_KIND_COMPLETION for m in won):
+            reported, working = self.host.children_status(self)
+            if reported or working:
+                notes.append(f"Reports received from: {', '.join(reported) or 'none'}."
+                             f" Still working: {', '.join(working) or 'none'}.")
+        task_note = self._restated_task(won)
+        if task_note:
+            notes.append(task_note)
+        return f"\n{NOTE_PREFIX}".join(notes)
+
+    def _restated_task(self, won: list[env_pb.Envelope]) -> str:
         if not self.host.config.restate_task:
             return ""
         task = next((m.content.text for m in won if m.kind == env_pb.MESSAGE_KIND_TASK), "")
         if not task:
             task = next((m.content.text for m in reversed(list(self.received.values()))
                          if m.kind == env_pb.MESSAGE_KIND_TASK), "")
-        return f"Your task: {task}" if task and not any(m.kind == env_pb.MESSAGE_KIND_TASK for m in won) else ""
+        if not task or any(m.kind == env_pb.MESSAGE_KIND_TASK for m in won):
+            return ""
+        done = self._done_so_far()
+        return f"Your task: {task}" + (f"\n{NOTE_PREFIX}Done so far: {'; '.join(done)}." if done else "")
+
+    def _done_so_far(self) -> list[str]:
+        """What the agent's successful tool calls did, from its conversation."""
+        calls: dict[str, tuple[str, dict]] = {}
+        done = []
+        for message in self.conversation.messages:
+            for call in message.get("tool_calls") or []:
+                calls[call["id"]] = (call["function"]["name"], json.loads(call["function"]["arguments"] or "{}"))
+            if message["role"] == "tool" and message["tool_call_id"] in calls:
+                name, arguments = calls[message["tool_call_id"]]
+                result = json.loads(message["content"])
+                if "error" in result:
+                    continue
+                target = arguments.get("to") or arguments.get("agent_name") or result.get("to_name") or ""
+                done.append(f"{name} {target}".strip() + (f" ({result['status']})" if "status" in result else ""))
+        return done
 
     # -- the one loop ---------------------------------------------------------
     async def _loop(self) -> None:
@@ -259,13 +293,23 @@ class AgentRunner:
                 with tracer.start_as_current_span("turn", attributes={"inboxmesh.agent": self.agent_id,
                                                                       "inboxmesh.turn": turn}):
                     await self._take_pending()
-                    reply = await self.host.call_model(self)
-                    self.conversation.messages.append(reply.as_message())
+                    reply = await self.host.call_model(self, schemas(self.tools_now()))
+                    assistant = reply.as_message()
+                    self.conversation.messages.append(assistant)
+                    done = []
                     for call in reply.tool_calls:
+                        if self._yield_now:
+                            # an earlier call said "wait": the rest of this turn does not run, and is left out
+                            # of the conversation (the history shows what happened, nothing to copy wrongly)
+                            self.host.observe(self, "tool", f"{call.name} -> skipped: the turn ended with a wait")
+                            continue
                         with tracer.start_as_current_span(f"tool {call.name}"):
                             result = await run_tool(self, call)
+                        done.append(call.id)
                         self.conversation.messages.append(result_message(call, result))
                         self.host.observe(self, "tool", f"{call.name} -> {_brief(result)}")
+                    if reply.tool_calls and len(done) < len(reply.tool_calls):
+                        assistant["tool_calls"] = [c for c in assistant["tool_calls"] if c["id"] in done]
                 tools = ", ".join(c.name for c in reply.tool_calls) or "no tool calls"
                 await self.event(ev.EVENT_KIND_TURN_ENDED, turn=turn, detail=tools)
                 self.host.save(self)
@@ -299,12 +343,28 @@ class AgentRunner:
                                    in_reply_to=original.message_id, conversation_id=original.conversation_id,
                                    hop_count=original.hop_count)
 
+    def wait_for_messages(self) -> None:
+        """End the run after this turn: there is nothing to act on until a
+        message arrives (which wakes the agent)."""
+        self._yield_now = True
+
+    def tools_now(self) -> tuple[str, ...]:
+        """The tools the agent needs now: `finish` only while its task is
+        open, `spawn_agent` only while it may start more children."""
+        hidden = set()
+        if self.record.completed:
+            hidden.add("finish")
+        if self.max_spawns is not None and self.record.spawned >= self.max_spawns:
+            hidden.add("spawn_agent")
+        return tuple(t for t in self.record.tools if t not in hidden)
+
     async def finish(self, result: str) -> dict[str, Any]:
         if self.record.completed:
+            self.wait_for_messages()
             return {"error": "your task is already finished"}
         working = self.host.children_working(self)
         if working:
-            self._yield_now = True  # the only thing to do is wait for their reports
+            self.wait_for_messages()  # the only thing to do is wait for their reports
             return {"error": f"not finished: {', '.join(working)} still working; their reports will arrive as"
                              " messages. End your turn now and wait."}
         outcome: dict[str, Any] = {"status": "completed"}

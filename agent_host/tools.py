@@ -5,12 +5,13 @@ wrong, never an exception into the loop.
 
 | tool | does |
 | --- | --- |
-| spawn_agent(name, task, mode) | create a child (sync: returns its result; async/fork: returns at once) |
+| spawn_agent(agent_name, task, mode) | create a child (sync: returns its result; async/fork: returns at once) |
 | send_message(to, text) | send to an agent by id or by name in this scope; returns the real receipt |
 | reply(text, message_id) | answer a message this agent received (default: the newest; keeps the correlation) |
 | list_agents() | this agent, its parent, children and siblings |
 | close_agent(agent) | close a child (and its descendants) |
 | finish(result) | complete the task: the result goes to the parent's inbox |
+| wait() | end the turn; the next message wakes the agent (for models that always call a tool) |
 | space_send(space, text) | post in a shared IOA space (when the mesh has an IOA relay) |
 | space_read(space, after) | read a shared IOA space, explicitly |
 """
@@ -39,10 +40,10 @@ SPECS: dict[str, dict[str, Any]] = {
                        " async returns at once (its result arrives later as a message); fork is async and starts"
                        " from a copy of your conversation.",
         "parameters": {"type": "object", "properties": {
-            "name": {"type": "string", "description": "A display name for the subagent."},
+            "agent_name": {"type": "string", "description": "A display name for the subagent."},
             "task": {"type": "string", "description": "What the subagent must do."},
             "mode": {"type": "string", "enum": ["sync", "async", "fork"], "description": "Default async."},
-        }, "required": ["name", "task"]},
+        }, "required": ["agent_name", "task"]},
     },
     "send_message": {
         "description": "Send a message to another agent's inbox. `to` is an agent id, a name in your team, or an"
@@ -91,7 +92,11 @@ SPECS["space_read"] = {
         "after": {"type": "integer", "description": "Only messages after this position (default 0)."},
     }, "required": ["space"]},
 }
-ALL_TOOLS = ("spawn_agent", "send_message", "reply", "list_agents", "close_agent", "finish")
+SPECS["wait"] = {
+    "description": "End your turn and wait: you are woken when a message arrives.",
+    "parameters": {"type": "object", "properties": {}},
+}
+ALL_TOOLS = ("spawn_agent", "send_message", "reply", "list_agents", "close_agent", "finish", "wait")
 SPACE_TOOLS = ("space_send", "space_read")
 
 
@@ -123,8 +128,9 @@ def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
 
 
 async def run_tool(runner: AgentRunner, call: ToolCall) -> dict[str, Any]:
-    if call.name not in runner.record.tools:
-        return {"error": f"you have no tool {call.name!r}; yours: {list(runner.record.tools)}"}
+    if call.name not in runner.tools_now():
+        runner.wait_for_messages()
+        return {"error": f"you have no tool {call.name!r} now; yours: {list(runner.tools_now())}"}
     problem = _check_arguments(call.name, call.arguments)
     if problem:
         return {"error": f"{call.name}: {problem}"}
@@ -170,8 +176,9 @@ def receipt_result(receipt: inbox_pb2.Receipt, to: reg.Agent | None = None) -> d
     return result
 
 
-async def spawn_agent(runner: AgentRunner, name: str, task: str, mode: str = "async") -> dict[str, Any]:
-    return await runner.host.spawn(runner, name=name, task=task, mode=mode)
+async def spawn_agent(runner: AgentRunner, agent_name: str, task: str, mode: str = "async") -> dict[str, Any]:
+    # `agent_name`, not `name`: small models confuse a `name` argument with the tool call's own "name"
+    return await runner.host.spawn(runner, name=agent_name, task=task, mode=mode)
 
 
 async def send_message(runner: AgentRunner, to: str, text: str) -> dict[str, Any]:
@@ -185,8 +192,10 @@ async def send_message(runner: AgentRunner, to: str, text: str) -> dict[str, Any
 async def reply(runner: AgentRunner, text: str, message_id: str = "") -> dict[str, Any]:
     original = runner.received.get(message_id.strip()) if message_id else runner.newest_received()
     if original is None:
-        return {"error": f"you received no message with message_id {message_id!r}" if message_id
-                else "you have received no message to answer"}
+        if not message_id or not runner.newest_received():
+            runner.wait_for_messages()  # nothing to answer yet: the answer's question wakes the agent
+            return {"error": "you have received no message to answer yet; end your turn and wait"}
+        return {"error": f"you received no message with message_id {message_id!r}"}
     receipt = await runner.reply(original, text)
     return receipt_result(receipt)
 
@@ -228,6 +237,11 @@ async def space_read(runner: AgentRunner, space: str, after: int = 0) -> dict[st
     return await runner.host.space_read(runner, space, after)
 
 
+async def wait(runner: AgentRunner) -> dict[str, Any]:
+    runner.wait_for_messages()
+    return {"status": "waiting"}
+
+
 _HANDLERS = {
     "spawn_agent": spawn_agent,
     "send_message": send_message,
@@ -235,6 +249,7 @@ _HANDLERS = {
     "list_agents": list_agents,
     "close_agent": close_agent,
     "finish": finish,
+    "wait": wait,
     "space_send": space_send,
     "space_read": space_read,
 }

@@ -21,10 +21,10 @@ def sibling_parent(view: ContextView) -> Decision:
     if not view.called("spawn_agent"):
         secret = _code(view.task)
         return Decision(calls=[
-            ("spawn_agent", {"name": "B", "mode": "async",
+            ("spawn_agent", {"agent_name": "B", "mode": "async",
                              "task": "Your sibling A will send you a code. Reply to A's message quoting the code,"
                                      " wait for A to confirm, then finish with the code you received."}),
-            ("spawn_agent", {"name": "A", "mode": "async",
+            ("spawn_agent", {"agent_name": "A", "mode": "async",
                              "task": f"Your secret code is {secret}. Send it to your sibling B, wait for B's reply,"
                                      " confirm it to B, then finish reporting that B confirmed the code."}),
         ])

@@ -4,10 +4,12 @@ A parent creates A and B through the subagent tool; A holds a random secret
 that B's task does not contain; A sends it to B; B receives it from its own
 inbox (woken, no polling tool) and replies quoting it; A consumes the reply
 and reports; B reports; the parent consumes both reports and completes.
-Every decision is the model's, through native tool calls: the runtime gives
+Every decision is the model's, through native tool calls (tool_choice
+"required", with a `wait` tool for "nothing to do now"): the runtime gives
 each agent only the tools its part needs, lays the prompt out with the
-newest work in the latest user turn, shows real receipts in tool results and
-retries failed model requests within the budget.
+newest work in the latest user turn (no agent ids to copy wrongly), shows
+real receipts in tool results, ends a run after a send (the agent waits for
+the answer) and retries failed model requests within the budget.
 
 What counts is the record, never the model's words: registry identities,
 message ids and reply correlation, consume and wake events, spans.
@@ -43,28 +45,33 @@ from services.client import MeshClient
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "real-llm"
-BUDGET = Budget(max_model_requests=40, max_wall_time_s=240, max_output_tokens=200, max_requests_per_reply=3,
+BUDGET = Budget(max_model_requests=40, max_wall_time_s=420, max_output_tokens=320, max_requests_per_reply=3,
                 max_turns_per_agent=12)
-TOOLS = {"parent": ("spawn_agent", "finish"), "A": ("send_message", "finish"), "B": ("reply", "finish")}
+TOOLS = {"parent": ("spawn_agent", "finish", "wait"), "A": ("send_message", "finish", "wait"),
+         "B": ("reply", "finish", "wait")}
 ROLES = {
     "parent": "You coordinate subagents.",
     "A": "You deliver a code to B.",
     "B": "You answer A.",
 }
 K = ev.EventKind
+LOCAL_MODEL = "qwen2.5-coder-1.5b"
+"""The local model the scenario runs on (INBOXMESH_SCENARIO_LOCAL_MODEL picks another of harness.llm's)."""
 NODE = "scenario"
 """The IOA node id of the scenario's mesh."""
 
 
+B_TASK = "Wait for a message from A. Answer it with the reply tool, repeating the code in it. Then call finish with the code."
+
+
+def a_task(secret: str) -> str:
+    return f"Your secret code is {secret}. Send it to B with send_message. When B answers, call finish with B's answer."
+
+
 def parent_task(secret: str) -> str:
-    return (
-        "Create two subagents with spawn_agent, one call each:\n"
-        '1. name "B", task "Wait for a message from A. Answer it with the reply tool, repeating the code in it.'
-        ' Then call finish with the code."\n'
-        f'2. name "A", task "Your secret code is {secret}. Send it to B with send_message. When B answers,'
-        ' call finish with B\'s answer."\n'
-        "Then wait. When both have reported, call finish with their reports."
-    )
+    return (f'Step 1: call spawn_agent with agent_name B and task "{B_TASK}"\n'
+            f'Step 2: call spawn_agent with agent_name A and task "{a_task(secret)}"\n'
+            "Step 3: wait for both reports, then call finish with them.")
 
 
 @dataclass
@@ -180,7 +187,8 @@ def _local(message_id: str) -> str:
 
 def profiles(model: Model):
     def profile(record: AgentRecord) -> AgentProfile:
-        return AgentProfile(model=model, tools=TOOLS.get(record.name, ("finish",)), role=ROLES.get(record.name, ""))
+        return AgentProfile(model=model, tools=TOOLS.get(record.name, ("finish",)), role=ROLES.get(record.name, ""),
+                            max_spawns=2 if record.name == "parent" else 0)
     return profile
 
 
@@ -188,7 +196,7 @@ async def run_once(mesh_address: str, model: Model, data_dir: Path, *, via_ioa: 
                    budget: Budget = BUDGET, spans=None, label: str = "") -> ScenarioResult:
     secret = f"SEC-{secrets.randbelow(10**6):06d}"
     config = HostConfig(mesh_address=mesh_address, data_dir=data_dir, budget=budget, yield_after_send=True,
-                        restate_task=True, route_via_ioa=via_ioa)
+                        show_ids=False, route_via_ioa=via_ioa)
     log: list[HostEvent] = []
     started = time.time()
     async with Host(config, profiles(model)) as host:
@@ -249,13 +257,14 @@ async def scenario_mesh(tmp: Path, via_ioa: bool):
 async def scenario_model():
     """The model the scenario uses: INBOXMESH_SCENARIO_LLM (any OpenAI-compatible
     endpoint; INBOXMESH_SCENARIO_MODEL names the model, OPENAI_API_KEY the key),
-    else the local model server (harness.llm)."""
+    else the local model server (harness.llm) with LOCAL_MODEL."""
     from agent_host.models.openai_chat import OpenAIChatModel
 
     endpoint = os.environ.get("INBOXMESH_SCENARIO_LLM")
     if endpoint:
         model = OpenAIChatModel(base_url=endpoint, api_key=os.environ.get("OPENAI_API_KEY", ""),
-                                model=os.environ.get("INBOXMESH_SCENARIO_MODEL", "default"), timeout_s=60)
+                                model=os.environ.get("INBOXMESH_SCENARIO_MODEL", "default"), timeout_s=60,
+                                tool_choice="required")
         try:
             yield model
         finally:
@@ -264,10 +273,11 @@ async def scenario_model():
     from harness.llm.server import LlamaServer, default_cache_dir, ensure_llama_server, ensure_model
 
     cache = default_cache_dir()
-    binary, weights = ensure_llama_server(cache), ensure_model(cache)
+    name = os.environ.get("INBOXMESH_SCENARIO_LOCAL_MODEL", LOCAL_MODEL)
+    binary, weights = ensure_llama_server(cache), ensure_model(cache, name)
     async with LlamaServer(binary, weights) as server:
-        model = OpenAIChatModel(base_url=server.base_url, api_key="local", model="qwen2.5-coder-0.5b",
-                                timeout_s=60)
+        model = OpenAIChatModel(base_url=server.base_url, api_key="local", model=name, timeout_s=120,
+                                tool_choice="required")
         try:
             yield model
         finally:

@@ -26,7 +26,7 @@ def tool_results(runner, name):
 def boss(view):
     step = len(view.results)
     if step == 0:
-        return call("spawn_agent", name="worker", task="Answer messages.")
+        return call("spawn_agent", agent_name="worker", task="Answer messages.")
     if step == 1:
         return call("send_message", to="worker", text="for my own worker")
     return say("done")
@@ -48,8 +48,8 @@ async def test_the_same_name_in_two_scopes_resolves_inside_each(mesh, client, tm
 def twins(view):
     step = len(view.results)
     if step == 0:
-        return Decision(calls=[("spawn_agent", {"name": "twin", "task": "wait, one"}),
-                               ("spawn_agent", {"name": "twin", "task": "wait, two"})])
+        return Decision(calls=[("spawn_agent", {"agent_name": "twin", "task": "wait, one"}),
+                               ("spawn_agent", {"agent_name": "twin", "task": "wait, two"})])
     if step == 2:
         return call("send_message", to="twin", text="which one?")
     if step == 3:
@@ -73,7 +73,7 @@ def prober(view):
     plan = [
         ("send_message", {"to": "agt_nobody0000000000", "text": "anyone?"}),
         ("send_message", {"to": "ghost", "text": "anyone?"}),
-        ("spawn_agent", {"name": "victim", "task": "wait"}),
+        ("spawn_agent", {"agent_name": "victim", "task": "wait"}),
         ("close_agent", {"agent": "victim"}),
     ]
     if step < len(plan):
@@ -104,7 +104,7 @@ async def test_unknown_and_closed_targets_are_reported_to_the_model(mesh, client
 def filler(view):
     step = len(view.results)
     if step == 0:
-        return call("spawn_agent", name="sink", task="be busy")
+        return call("spawn_agent", agent_name="sink", task="be busy")
     if step < 4:
         return call("send_message", to="sink", text=f"load {step}")
     return say("done")

@@ -161,8 +161,8 @@ def space_parent(view):
     if not view.called("spawn_agent"):
         from agent_host.models.scripted import Decision
 
-        return Decision(calls=[("spawn_agent", {"name": "A", "task": "post"}),
-                               ("spawn_agent", {"name": "B", "task": "read"})])
+        return Decision(calls=[("spawn_agent", {"agent_name": "A", "task": "post"}),
+                               ("spawn_agent", {"agent_name": "B", "task": "read"})])
     return call("finish", result="ok") if len([m for m in view.inbox if m.kind == "completion"]) == 2 \
         else say("waiting")
 

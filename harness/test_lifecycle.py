@@ -27,7 +27,7 @@ def finisher(view):
 def spawner(mode):
     def policy(view):
         if not view.called("spawn_agent"):
-            return call("spawn_agent", name="child", task="do it", mode=mode)
+            return call("spawn_agent", agent_name="child", task="do it", mode=mode)
         return say("waiting")
     return policy
 
@@ -67,7 +67,7 @@ async def test_close_on_complete_and_idle_timeout(mesh, client, tmp_path):
 
 def sync_parent(view):
     if not view.called("spawn_agent"):
-        return call("spawn_agent", name="helper", task="compute 6*7", mode="sync")
+        return call("spawn_agent", agent_name="helper", task="compute 6*7", mode="sync")
     if not view.called("finish"):
         return call("finish", result=f"helper said: {view.called('spawn_agent')[0].result.get('result')}")
     return say("done")
@@ -92,7 +92,7 @@ def by_name_id(record, name):
 
 def forking(view):
     if not view.called("spawn_agent"):
-        return call("spawn_agent", name="fork", task="continue from here", mode="fork")
+        return call("spawn_agent", agent_name="fork", task="continue from here", mode="fork")
     return say("waiting")
 
 
@@ -128,8 +128,8 @@ async def test_close_with_messages_in_flight_dead_letters_them_and_tells_the_sen
 
     def lead_policy(view):
         if not view.called("spawn_agent"):
-            return Decision(calls=[("spawn_agent", {"name": "victim", "task": "work"}),
-                                   ("spawn_agent", {"name": "talker", "task": "talk to victim"})])
+            return Decision(calls=[("spawn_agent", {"agent_name": "victim", "task": "work"}),
+                                   ("spawn_agent", {"agent_name": "talker", "task": "talk to victim"})])
         return say("waiting")
 
     async with scripted_host(mesh.address, tmp_path, {"lead": lead_policy, "victim": victim_model,
@@ -158,12 +158,12 @@ async def test_close_with_messages_in_flight_dead_letters_them_and_tells_the_sen
 async def test_closing_a_parent_closes_its_descendants_and_stops_them(mesh, client, tmp_path):
     def tree(view):
         if not view.called("spawn_agent"):
-            return Decision(calls=[("spawn_agent", {"name": "mid", "task": "spawn a leaf"})])
+            return Decision(calls=[("spawn_agent", {"agent_name": "mid", "task": "spawn a leaf"})])
         return say("waiting")
 
     def mid(view):
         if not view.called("spawn_agent"):
-            return call("spawn_agent", name="leaf", task="wait")
+            return call("spawn_agent", agent_name="leaf", task="wait")
         return say("waiting")
 
     async with scripted_host(mesh.address, tmp_path, {"root": tree, "mid": mid, "leaf": lambda v: say("idle")}) as host:

@@ -48,9 +48,12 @@ class OpenAIChatModel:
                 raise ModelError(f"model endpoint refused the request ({exc.status_code}): {exc.message}",
                                  attempts=attempt) from exc
             reply = _reply_of(response, attempt)
-            if reply is not None:
+            if reply is None:
+                failures.append("the reply had neither text nor tool calls")
+            elif tools and self.tool_choice == "required" and not reply.tool_calls:
+                failures.append("a tool call was required and the reply had none")  # retried like a failure
+            else:
                 return reply
-            failures.append("the reply had neither text nor tool calls")
         raise ModelError(f"no usable reply in {max_requests} requests: {'; '.join(failures[-3:])}",
                          attempts=max_requests, retryable=True)
 

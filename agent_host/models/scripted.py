@@ -95,7 +95,7 @@ def _inbox_items(content: str) -> list[InboxItem]:
         if match:
             if current is not None:
                 items.append(InboxItem(text="\n".join(body).strip("\n"), **current))
-            current = {"sender": match["sender"], "sender_name": match["name"], "message_id": match["message_id"],
+            current = {"sender": match["sender"] or "", "sender_name": match["name"], "message_id": match["message_id"],
                        "kind": match["kind"], "in_reply_to": match["in_reply_to"] or ""}
             body = []
         elif current is not None:

