@@ -198,9 +198,11 @@ class AgentRunner:
         notes = []
         if any(m.kind == env_pb.MESSAGE_KIND_COMPLETION for m in won):
             reported, working = self.host.children_status(self)
-            if reported or working:
-                notes.append(f"Reports received from: {', '.join(reported) or 'none'}."
-                             f" Still working: {', '.join(working) or 'none'}.")
+            if working:
+                notes.append(f"Reports received from: {', '.join(reported) or 'none'}. Still working: "
+                             f"{', '.join(working)}.")
+            elif reported and not self.record.completed:
+                notes.append(f"All your subagents have reported ({', '.join(reported)}). You can finish now.")
         task_note = self._restated_task(won)
         if task_note:
             notes.append(task_note)

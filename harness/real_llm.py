@@ -45,7 +45,7 @@ from services.client import MeshClient
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "real-llm"
-BUDGET = Budget(max_model_requests=40, max_wall_time_s=420, max_output_tokens=320, max_requests_per_reply=3,
+BUDGET = Budget(max_model_requests=40, max_wall_time_s=180, max_output_tokens=320, max_requests_per_reply=3,
                 max_turns_per_agent=12)
 TOOLS = {"parent": ("spawn_agent", "finish", "wait"), "A": ("send_message", "finish", "wait"),
          "B": ("reply", "finish", "wait")}
@@ -65,7 +65,11 @@ B_TASK = "Wait for a message from A. Answer it with the reply tool, repeating th
 
 
 def a_task(secret: str) -> str:
-    return f"Your secret code is {secret}. Send it to B with send_message. When B answers, call finish with B's answer."
+    # The exact message to send, so that only the code travels: a model that sends its whole task makes B echo
+    # instructions back to A. And "code", not "secret code": the model declines to pass on a "secret".
+    # (single quotes: the parent copies this task into a double-quoted tool argument)
+    return (f"Send B this message with send_message: 'The code is {secret}.' When B answers, call finish with"
+            " B's answer.")
 
 
 def parent_task(secret: str) -> str:
