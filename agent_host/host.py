@@ -281,12 +281,17 @@ class Host:
                         "task_message_id": existing.record.task_message_id, "status": "already started"}
         if parent.max_spawns is not None and parent.record.spawned >= parent.max_spawns:
             return {"error": f"you may start {parent.max_spawns} subagents and have started them all"}
-        parent.record.spawned += 1
-        child = await parent.handle.spawn(name, MODES[mode], inbox_capacity=self.config.child_inbox_capacity)
         task_message_id = f"task-{uuid.uuid4().hex}"
+        conversation_id = f"conv-{uuid.uuid4().hex}"
+        run = reg.RunSpec(task=task, task_message_id=task_message_id, label=name, conversation_id=conversation_id,
+                             cleanup=reg.RUN_CLEANUP_KEEP)
+        child = await parent.handle.spawn(name, MODES[mode], inbox_capacity=self.config.child_inbox_capacity,
+                                          run=run)  # the mesh's limits may refuse it (the tool reports why)
+        parent.record.spawned += 1
         record = AgentRecord(agent_id=child.agent_id, name=name, credential=child.credential, mode=mode,
                              parent_id=parent.agent_id, task_message_id=task_message_id, task_text=task,
-                             conversation_id=f"conv-{uuid.uuid4().hex}", keep_alive=self.config.keep_alive)
+                             conversation_id=conversation_id, keep_alive=self.config.keep_alive,
+                             run_id=child.run_id)
         conversation = Conversation()
         if mode == "fork":
             conversation = parent.conversation.fork()

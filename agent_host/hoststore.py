@@ -40,6 +40,8 @@ class AgentRecord:
     """The TASK message this agent works on (empty for a top-level agent)."""
     task_text: str = ""
     conversation_id: str = ""
+    run_id: str = ""
+    """The mesh's run record of this child (inboxmesh.runs.v1); its result is announced through it."""
     keep_alive: str = "until_closed"
     turn: int = 0
     spawned: int = 0

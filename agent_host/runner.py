@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -32,8 +31,9 @@ from agent_host.tools import result_message, run_tool, schemas
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
+from inboxmesh.runs.v1 import runs_pb2
 from services import errors
-from services.client import AgentHandle, envelope
+from services.client import AgentHandle
 from services.telemetry import context_of, tracer
 
 if TYPE_CHECKING:
@@ -329,7 +329,20 @@ class AgentRunner:
             self.runs_active -= 1
 
     # -- what tools do ------------------------------------------------------
+    def _cause(self) -> env_pb.Envelope | None:
+        """The newest message this agent consumed (its task included): what
+        its sends now answer. Their trail and conversation continue its own,
+        so the mesh's loop guard sees chains of agents."""
+        for message in reversed(list(self.received.values())):
+            if message.kind != env_pb.MESSAGE_KIND_CONTROL:
+                return message
+        return None
+
     async def send(self, to: str, text: str, **fields: Any) -> inbox_pb2.Receipt:
+        cause = self._cause()
+        if cause is not None:
+            fields.setdefault("trail", list(cause.trail))
+            fields.setdefault("conversation_id", cause.conversation_id or self.record.conversation_id)
         to = await self.host.address_for(self, to)
         receipt = await self.handle.send(to, text, **fields)
         self.host.observe(self, "sent", f"{receipt.message_id} to {await self.host.name_of(to)}: "
@@ -343,6 +356,7 @@ class AgentRunner:
                                                                            original.message_id}):
             return await self.send(original.sender, text, kind=env_pb.MESSAGE_KIND_REPLY,
                                    in_reply_to=original.message_id, conversation_id=original.conversation_id,
+                                   trail=list(original.trail),
                                    hop_count=original.hop_count)
 
     def wait_for_messages(self) -> None:
@@ -372,13 +386,17 @@ class AgentRunner:
         outcome: dict[str, Any] = {"status": "completed"}
         completion_id = ""
         if self.record.parent_id:
-            receipt = await self.send(self.record.parent_id, result, kind=env_pb.MESSAGE_KIND_COMPLETION,
-                                      in_reply_to=self.record.task_message_id,
-                                      conversation_id=self.record.conversation_id,
-                                      message_id=f"completion-{uuid.uuid4().hex}")
-            completion_id = receipt.message_id
+            # the mesh ends the run and announces the result in the parent's inbox, exactly once
+            ended = await self.handle.end_run(result)
+            run = ended.run
+            completion_id = run.announce_message_id
             outcome["delivered_to"] = self.record.parent_id
-            outcome["receipt"] = inbox_pb2.ReceiptStatus.Name(receipt.status).removeprefix("RECEIPT_STATUS_").lower()
+            outcome["announce"] = runs_pb2.AnnounceState.Name(run.announce_state).removeprefix(
+                "ANNOUNCE_STATE_").lower()
+            if ended.already_ended:
+                outcome["note"] = "your run had already ended; nothing was sent again"
+            self.host.observe(self, "sent", f"result to {await self.host.name_of(self.record.parent_id)}: "
+                              f"{outcome['announce']}")
         self.record.completed = True
         self.record.result = result
         self._finished_now = True

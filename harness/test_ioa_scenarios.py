@@ -93,9 +93,11 @@ async def test_the_sibling_exchange_goes_through_the_network(network, tmp_path):
     a_sent = tool_results(a, "send_message")[0][1]["message_id"]
     assert reply.in_reply_to == a_sent, "the reply names the id A used"
     assert record.one(K.EVENT_KIND_MESSAGE_CONSUMED, message_id=reply.message_id, agent_id=a.agent_id)
-    # both reports reached the parent through the network too, and were consumed before it completed
+    # both reports are announces of the children's runs (the run registry lives in this mesh, beside the
+    # parent), and were consumed before the parent completed
     reports = record.of(K.EVENT_KIND_MESSAGE_STORED, recipient=parent.agent_id)
-    assert {e.sender for e in reports} == {address["A"], address["B"]}
+    assert {e.sender for e in reports} == {a.agent_id, b.agent_id}
+    assert all(e.message_id.startswith("inboxmesh:announce:run-") for e in reports)
     done = record.one(K.EVENT_KIND_TASK_COMPLETED, agent_id=parent.agent_id)
     assert all(record.one(K.EVENT_KIND_MESSAGE_CONSUMED, message_id=e.message_id).event_id < done.event_id
                for e in reports)

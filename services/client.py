@@ -18,6 +18,10 @@ from inboxmesh.inbox.v1 import inbox_pb2 as inbox_pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2 as reg_pb
 from inboxmesh.registry.v1 import registry_pb2_grpc
+from inboxmesh.routing.v1 import routing_pb2 as route_pb
+from inboxmesh.routing.v1 import routing_pb2_grpc
+from inboxmesh.runs.v1 import runs_pb2 as runs_pb
+from inboxmesh.runs.v1 import runs_pb2_grpc
 from services import auth
 from services.grpc_status import from_rpc_error
 from services.telemetry import inject, tracer
@@ -75,6 +79,7 @@ def envelope(
     headers: dict[str, str] | None = None,
     hop_count: int = 0,
     expires_at_us: int = 0,
+    trail: Iterable[str] = (),
 ) -> env_pb.Envelope:
     return env_pb.Envelope(
         message_id=message_id or new_message_id(),
@@ -86,6 +91,7 @@ def envelope(
         headers=headers or {},
         hop_count=hop_count,
         expires_at_us=expires_at_us,
+        trail=list(trail),
     )
 
 
@@ -107,6 +113,8 @@ class MeshClient:
         self.registry = registry_pb2_grpc.RegistryServiceStub(self.channel)
         self.inbox = inbox_pb2_grpc.InboxServiceStub(self.channel)
         self.events = events_pb2_grpc.EventServiceStub(self.channel)
+        self.runs = runs_pb2_grpc.SubagentRunServiceStub(self.channel)
+        self.routing = routing_pb2_grpc.RoutingServiceStub(self.channel)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -154,15 +162,45 @@ class MeshClient:
         response = await _call(self.events.ListEvents(request, timeout=self.timeout, metadata=self._admin_metadata()))
         return list(response.events)
 
+    async def sweep_runs(self) -> runs_pb.SweepRunsResponse:
+        """Run the subagent-run sweeper now (admin token)."""
+        return await _call(self.runs.SweepRuns(runs_pb.SweepRunsRequest(), timeout=self.timeout,
+                                               metadata=self._admin_metadata()))
+
+    async def admin_run(self, *, run_id: str = "", child_id: str = "") -> runs_pb.SubagentRun:
+        return await _call(self.runs.GetRun(runs_pb.GetRunRequest(run_id=run_id, child_id=child_id),
+                                            timeout=self.timeout, metadata=self._admin_metadata()))
+
+    # -- routing (ingress token) -------------------------------------------
+    async def ingress(self, token: str, source: route_pb.RouteInput, message_id: str, text: str,
+                      **fields) -> route_pb.IngressResponse:
+        request = route_pb.IngressRequest(source=source, message_id=message_id, text=text, **fields)
+        return await _call(self.routing.Ingress(request, timeout=self.timeout, metadata=auth.metadata_for(token)))
+
+    async def resolve_route(self, source: route_pb.RouteInput) -> route_pb.ResolvedRoute:
+        return await _call(self.routing.ResolveRoute(route_pb.ResolveRouteRequest(source=source),
+                                                     timeout=self.timeout))
+
+    async def configured_agents(self) -> route_pb.ListConfiguredAgentsResponse:
+        return await _call(self.routing.ListConfiguredAgents(route_pb.ListConfiguredAgentsRequest(),
+                                                             timeout=self.timeout))
+
+    async def claim_session(self, token: str, session_key: str) -> AgentHandle:
+        response = await _call(self.routing.ClaimSession(route_pb.ClaimSessionRequest(session_key=session_key),
+                                                         timeout=self.timeout, metadata=auth.metadata_for(token)))
+        return self.agent(response.session_agent_id, response.credential)
+
 
 class AgentHandle:
     """Calls made as one agent (with its credential)."""
 
-    def __init__(self, client: MeshClient, agent: reg_pb.Agent, credential: str):
+    def __init__(self, client: MeshClient, agent: reg_pb.Agent, credential: str, run_id: str = ""):
         self.client = client
         self.info = agent
         self.credential = credential
         self.metadata = auth.metadata_for(credential)
+        self.run_id = run_id
+        """The run this agent was spawned for (children)."""
 
     @property
     def agent_id(self) -> str:
@@ -177,17 +215,38 @@ class AgentHandle:
     # -- registry -----------------------------------------------------------
     async def spawn(
         self, name: str, mode: int = reg_pb.AGENT_MODE_ASYNC, *, metadata: dict[str, str] | None = None,
-        inbox_capacity: int = 0,
+        inbox_capacity: int = 0, run: reg_pb.RunSpec | None = None,
     ) -> AgentHandle:
-        """Register a child of this agent."""
+        """Register a child of this agent (and its run)."""
         response = await _call(
             self.client.registry.RegisterAgent(
                 reg_pb.RegisterAgentRequest(name=name, mode=mode, parent_id=self.agent_id, metadata=metadata or {},
-                                            inbox_capacity=inbox_capacity),
+                                            inbox_capacity=inbox_capacity, run=run),
                 **self._opts(),
             )
         )
-        return AgentHandle(self.client, response.agent, response.credential)
+        return AgentHandle(self.client, response.agent, response.credential, response.run_id)
+
+    async def end_run(self, result: str, *, failed: bool = False, run_id: str = "") -> runs_pb.EndRunResponse:
+        """End this agent's run (or, as an ancestor, the run `run_id`)."""
+        return await _call(self.client.runs.EndRun(
+            runs_pb.EndRunRequest(run_id=run_id, failed=failed, result=result), **self._opts()))
+
+    async def get_run(self, *, run_id: str = "", child_id: str = "") -> runs_pb.SubagentRun:
+        if not run_id and not child_id:
+            child_id = self.agent_id
+        return await _call(self.client.runs.GetRun(runs_pb.GetRunRequest(run_id=run_id, child_id=child_id),
+                                                   **self._opts()))
+
+    async def list_runs(self, *, requester_id: str = "", include_archived: bool = False) -> list[runs_pb.SubagentRun]:
+        runs, token = [], ""
+        while True:
+            response = await _call(self.client.runs.ListRuns(runs_pb.ListRunsRequest(
+                requester_id=requester_id, include_archived=include_archived, page_token=token), **self._opts()))
+            runs += response.runs
+            token = response.next_page_token
+            if not token:
+                return runs
 
     async def get(self, agent_id: str | None = None) -> reg_pb.Agent:
         response = await _call(

@@ -49,6 +49,12 @@ class InboxLimits:
     """Whether agents may send to agents outside their own tree."""
     max_id_length: int = 128
     """Longest message_id / conversation_id accepted."""
+    max_trail_visits: int = 5
+    """Loop guard: a message is refused when its recipient already appears
+    this many times in its causal trail (A -> B -> C -> A chains, not only
+    pairs)."""
+    conversation_budget: int = 500
+    """Loop guard: most agent-to-agent messages one conversation may hold."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,24 @@ class IoaConfig:
     inbound_queue: int = 10_000
     """Inbound messages waiting to be stored; the relay stops reading the
     network while it is full."""
+
+
+@dataclass(frozen=True)
+class RunsConfig:
+    """The subagent run registry (docs/runs.md). A routing config's
+    `agents.defaults.subagents` and per-agent `subagents` override the
+    limits for the configured agents."""
+
+    max_spawn_depth: int = 3
+    """Deepest child allowed (children of a top-level agent are depth 1)."""
+    max_active_children: int = 8
+    """Running children one agent may have at once."""
+    archive_after_s: float = 3600.0
+    """The sweeper archives a run this long after it ended and was announced."""
+    sweep_interval_s: float = 60.0
+    """How often the sweeper looks for work when nothing wakes it sooner."""
+    announce_retry_s: float = 1.0
+    """How soon an announce refused by a full inbox is tried again."""
 
 
 @dataclass(frozen=True)
@@ -91,3 +115,7 @@ class MeshConfig:
     their agents are still open)."""
     grace_period_s: float = 5.0
     """How long shutdown lets in-flight calls finish."""
+    runs: RunsConfig = field(default_factory=RunsConfig)
+    routing: Path | None = None
+    """Routing config file (YAML or TOML, docs/routing.md); None = no routing
+    service (ingress refused)."""

@@ -76,6 +76,11 @@ class Directory:
             self._agents.pop(next(iter(self._agents)))
         self._agents[record.agent_id] = record
 
+    def credential_changed(self, record: AgentRecord) -> None:
+        """The agent has a new credential: earlier ones stop working here."""
+        self._verified = {c: a for c, a in self._verified.items() if a != record.agent_id}
+        self.remember(record)
+
     def note_closed(self, records: list[AgentRecord]) -> None:
         for record in records:
             if record.agent_id in self._agents:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,6 +15,8 @@ from inboxmesh.events.v1 import events_pb2, events_pb2_grpc
 from inboxmesh.inbox.v1 import inbox_pb2, inbox_pb2_grpc
 from inboxmesh.ioa.v1 import relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2, registry_pb2_grpc
+from inboxmesh.routing.v1 import routing_pb2, routing_pb2_grpc
+from inboxmesh.runs.v1 import runs_pb2, runs_pb2_grpc
 from services import errors
 from services.config import MeshConfig
 from services.directory import Directory
@@ -26,6 +29,11 @@ from services.ioa.grpc_handler import IoaRelayServicer
 from services.ioa.relay import IoaRelay
 from services.registry.grpc_handler import RegistryServicer
 from services.registry.service import RegistryService
+from services.routing.config import load_routing_config
+from services.routing.grpc_handler import RoutingServicer
+from services.routing.service import RoutingService
+from services.runs.grpc_handler import RunServicer
+from services.runs.service import RunService
 from services.store import open_store
 from services.store.base import Store
 
@@ -37,6 +45,10 @@ SERVICE_NAMES = {
     "events": events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
     "relay": relay_pb2.DESCRIPTOR.services_by_name["IoaRelayService"].full_name,
 }
+RUNS_SERVICE = runs_pb2.DESCRIPTOR.services_by_name["SubagentRunService"].full_name
+"""Served with the registry (children are registered with their runs)."""
+ROUTING_SERVICE = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_name
+"""Served beside the inbox when the mesh has a routing config."""
 
 
 def server_options(config: MeshConfig) -> list[tuple[str, int]]:
@@ -62,6 +74,13 @@ class Mesh:
             raise errors.InvalidArgument(
                 f"unknown services {sorted(unknown)}; known: {sorted(SERVICE_NAMES)}", reason="BAD_CONFIG"
             )
+        self.routing_config = load_routing_config(config.routing) if config.routing is not None else None
+        if self.routing_config is not None:  # its loop guard and archive time apply to the whole mesh
+            guard = self.routing_config.loop_guard
+            config = replace(
+                config, limits=replace(config.limits, max_trail_visits=guard.max_visits,
+                                       conversation_budget=guard.conversation_budget),
+                runs=replace(config.runs, archive_after_s=self.routing_config.archive_after_minutes * 60))
         self.config = config
         self.store = store or open_store(config.store)
         self.server: grpc.aio.Server | None = None
@@ -75,6 +94,17 @@ class Mesh:
         self.inbox = InboxService(self.store, self.directory, config.limits, self.hub)
         self.events = EventsService(self.store, self.directory)
         self.registry.on_close(self.hub.on_closed)
+        self.runs = RunService(self.store, self.directory, self.hub, config.runs)
+        self.runs.routing = self.routing_config
+        self.runs.close_agent = self.registry.close_as_mesh
+        self.registry.runs = self.runs
+        self.registry.on_close(self.runs.on_closed)
+        self.routing: RoutingService | None = None
+        if self.routing_config is not None:
+            if "inbox" not in config.services:
+                raise errors.InvalidArgument("routing needs the inbox service", reason="BAD_CONFIG")
+            self.routing = RoutingService(self.routing_config, self.store, self.directory, self.inbox,
+                                          config.limits, config.admin_token)
         self.relay: IoaRelay | None = None
         if "relay" in config.services or config.ioa is not None:
             if config.ioa is None or "inbox" not in config.services:
@@ -93,10 +123,16 @@ class Mesh:
     def _build_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=server_options(self.config))
         wanted = self.config.services
+        extra = []
         if "registry" in wanted:
             registry_pb2_grpc.add_RegistryServiceServicer_to_server(
                 RegistryServicer(self.registry, self.directory), server
             )
+            runs_pb2_grpc.add_SubagentRunServiceServicer_to_server(RunServicer(self.runs, self.directory), server)
+            extra.append(RUNS_SERVICE)
+        if self.routing is not None:
+            routing_pb2_grpc.add_RoutingServiceServicer_to_server(RoutingServicer(self.routing), server)
+            extra.append(ROUTING_SERVICE)
         if "inbox" in wanted:
             inbox_pb2_grpc.add_InboxServiceServicer_to_server(InboxServicer(self.inbox, self.directory), server)
         if "events" in wanted:
@@ -105,7 +141,7 @@ class Mesh:
             relay_pb2_grpc.add_IoaRelayServiceServicer_to_server(IoaRelayServicer(self.relay, self.directory), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [SERVICE_NAMES[s] for s in wanted if s != "relay"] + (
-            [SERVICE_NAMES["relay"]] if self.relay is not None else [])
+            [SERVICE_NAMES["relay"]] if self.relay is not None else []) + extra
         reflection.enable_server_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
         )
@@ -126,6 +162,8 @@ class Mesh:
             raise
         if self.relay is not None:
             await self.relay.start()
+        if "registry" in self.config.services:
+            self.runs.start()
         for service in self.config.services:
             await self.health.set(SERVICE_NAMES[service], health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -145,6 +183,7 @@ class Mesh:
             await self.health.enter_graceful_shutdown()
             self.hub.shutdown()
             self.events.shutdown()
+            await self.runs.stop()
             if self.server is not None:
                 await self.server.stop(self.config.grace_period_s if grace is None else grace)
             if self.relay is not None:

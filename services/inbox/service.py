@@ -19,6 +19,7 @@ from services.directory import Caller, Directory
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.store.base import (
     ACCEPTED,
+    CHANNEL_PREFIX,
     IOA_PREFIX,
     NOT_PERMITTED,
     RESERVED_ID_PREFIX,
@@ -118,13 +119,28 @@ class InboxService:
     async def _send_local(self, caller: Caller, sender, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
         now = now_us()
         items = []
+        budget = self._limits.conversation_budget
         for env in envelopes:
             env.sender = sender.agent_id
             env.created_at_us = env.created_at_us or now
             env.origin.CopyFrom(_LOCAL)
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
-            items.append(AppendItem(env, await self._precheck(sender.agent_id, caller, env)))
+            rejection = await self._precheck(sender.agent_id, caller, env)
+            env.trail.append(sender.agent_id)
+            items.append(AppendItem(env, rejection, conversation_budget=budget))
         return await self._store_items([items], now)
+
+    async def deliver_from_channel(self, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
+        """Store messages the routing ingress received, by the ordinary path.
+        Their senders are channel addresses and their message ids the
+        channel's, so a redelivered message is a duplicate."""
+        now = now_us()
+        for env in envelopes:
+            if not env.sender.startswith(CHANNEL_PREFIX) or env.origin.kind != envelope_pb2.ORIGIN_KIND_CHANNEL:
+                raise errors.Internal(f"ingress delivered {env.message_id} without a channel sender and origin")
+            env.created_at_us = env.created_at_us or now
+            env.sequence = env.stored_at_us = env.delivery_attempt = 0
+        return await self._store_items([[AppendItem(e)] for e in envelopes], now)
 
     async def deliver_from_ioa(self, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
         """Store messages the IOA relay received, in order, by the ordinary
@@ -191,6 +207,14 @@ class InboxService:
         """Rejections decided from facts that never change (existence, scope, hops)."""
         if env.hop_count > self._limits.max_hops:
             return NOT_PERMITTED, f"hop_count {env.hop_count} is over the limit of {self._limits.max_hops}"
+        if len(env.trail) >= self._limits.max_hops:
+            return NOT_PERMITTED, f"loop guard: the message's trail is {len(env.trail)} agents long; at most" \
+                                  f" {self._limits.max_hops}"
+        visits = list(env.trail).count(env.recipient)
+        if visits >= self._limits.max_trail_visits:
+            return NOT_PERMITTED, (f"loop guard: {env.recipient} already appears {visits} times in this message's"
+                                   f" chain (at most {self._limits.max_trail_visits}): the agents are going round"
+                                   " in a loop")
         target = await self._directory.get(env.recipient)
         if target is None:
             return UNKNOWN_TARGET, f"no agent {env.recipient}"

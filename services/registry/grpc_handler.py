@@ -35,15 +35,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     @unary
     async def RegisterAgent(self, request: pb.RegisterAgentRequest, context) -> pb.RegisterAgentResponse:
         caller = await self._directory.authenticate(bearer(context), allow_anonymous=True)
-        record, credential = await self._service.register(
+        record, credential, run_id = await self._service.register(
             caller,
             name=request.name,
             mode=request.mode,
             parent_id=request.parent_id,
             metadata=dict(request.metadata),
             inbox_capacity=request.inbox_capacity,
+            run=request.run if request.HasField("run") else None,
         )
-        return pb.RegisterAgentResponse(agent=agent_pb(record), credential=credential)
+        return pb.RegisterAgentResponse(agent=agent_pb(record), credential=credential, run_id=run_id)
 
     @unary
     async def GetAgent(self, request: pb.GetAgentRequest, context) -> pb.GetAgentResponse:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
+from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.registry.v1 import registry_pb2 as pb
 from services import auth, errors
 from services.clock import now_us
@@ -24,6 +26,8 @@ class RegistryService:
         self._directory = directory
         self._limits = limits
         self._close_listeners: list[Callable[[CloseOutcome], None]] = []
+        self.runs = None
+        """services.runs.service.RunService: children are registered with their runs."""
 
     def on_close(self, listener: Callable[[CloseOutcome], None]) -> None:
         """Call listener after agents were closed (subscriptions end)."""
@@ -38,7 +42,9 @@ class RegistryService:
         parent_id: str,
         metadata: dict[str, str],
         inbox_capacity: int,
-    ) -> tuple[AgentRecord, str]:
+        run: pb.RunSpec | None = None,
+    ) -> tuple[AgentRecord, str, str]:
+        """Returns (agent, credential, run_id)."""
         check_text("name", name, max_len=128, required=True)
         check_map("metadata", metadata)
         if inbox_capacity > self._limits.max_capacity:
@@ -84,13 +90,30 @@ class RegistryService:
             created_at_us=now_us(),
             credential_hash=auth.credential_hash(credential),
         )
-        await self._store.create_agent(record)
+        run_id = ""
+        if parent_id and self.runs is not None:
+            run_record, child_metadata = self.runs.new_run(parent, record, run or pb.RunSpec())
+            record = replace(record, metadata=child_metadata)
+            try:
+                await self._store.create_child(record, run_record, self.runs.limits_for(parent))
+            except errors.ResourceExhausted as exc:
+                await self._store.record_events([ev.Event(
+                    at_us=now_us(), kind=ev.EVENT_KIND_LIMIT_REFUSED, agent_id=parent_id, sender=parent_id,
+                    detail=f"{exc.reason}: {exc.message}")])
+                log.info("spawn of %r by %s refused: %s", name, parent_id, exc.message)
+                raise
+            run_id = run_record.run_id
+        else:
+            if run is not None and run.ByteSize():
+                raise errors.InvalidArgument("run is only for children (give parent_id)", reason="RUN_WITHOUT_PARENT")
+            await self._store.create_agent(record)
         self._directory.remember(record)
         log.info(
-            "registered agent %s name=%r mode=%s parent=%s scope=%s",
+            "registered agent %s name=%r mode=%s parent=%s scope=%s%s",
             agent_id, name, pb.AgentMode.Name(mode), parent_id or "-", record.scope_id,
+            f" run={run_id}" if run_id else "",
         )
-        return record, credential
+        return record, credential, run_id
 
     async def get(self, caller: Caller, agent_id: str) -> AgentRecord:
         check_text("agent_id", agent_id, max_len=128, required=True)
@@ -147,7 +170,12 @@ class RegistryService:
                 reason="NOT_ANCESTOR",
                 metadata={"agent_id": agent_id},
             )
-        outcome = await self._store.close_agent(agent_id, reason or "closed", now_us())
+        return await self.close_as_mesh(agent_id, reason or "closed")
+
+    async def close_as_mesh(self, agent_id: str, reason: str) -> CloseOutcome:
+        """Close an agent and its descendants without a caller's permission
+        check (the mesh's own rules, e.g. a run's cleanup)."""
+        outcome = await self._store.close_agent(agent_id, reason, now_us())
         self._directory.note_closed(outcome.closed)
         for record in outcome.closed:
             log.info("closed agent %s (%s)", record.agent_id, record.close_reason)

@@ -29,6 +29,7 @@ from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.registry.v1 import registry_pb2
+from inboxmesh.runs.v1 import runs_pb2
 
 AGENT_OPEN = registry_pb2.AGENT_STATE_OPEN
 AGENT_CLOSED = registry_pb2.AGENT_STATE_CLOSED
@@ -48,6 +49,9 @@ INBOX_FULL = inbox_pb2.RECEIPT_STATUS_INBOX_FULL
 REASON_CLOSED = "recipient closed"
 IOA_PREFIX = "ioa:"
 """Senders and recipients that are addresses on the IOA network, not agents here."""
+CHANNEL_PREFIX = "channel:"
+"""Senders that are people on an outside channel (routing ingress), not agents."""
+EXTERNAL_PREFIXES = (IOA_PREFIX, CHANNEL_PREFIX)
 RESERVED_ID_PREFIX = "inboxmesh:"
 """Message ids the mesh itself uses (notices); senders may not use them."""
 REASON_ATTEMPTS = "too many delivery attempts"
@@ -83,6 +87,8 @@ class AppendItem:
 
     envelope: envelope_pb2.Envelope
     rejection: tuple[int, str] | None = None
+    conversation_budget: int = 0
+    """Most messages its conversation may hold (loop guard); 0 = no limit."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,49 @@ class DeliveryBatch:
     """Dead-letter notices stored in the senders' inboxes (to deliver)."""
 
 
+@dataclass(frozen=True)
+class SpawnLimits:
+    """Limits checked atomically when a child is registered."""
+
+    max_depth: int
+    """Deepest child allowed (a top-level agent has depth 0)."""
+    max_active_children: int
+    """Runs of one requester that may be running at once."""
+
+
+RunRecord = runs_pb2.SubagentRun
+"""Run records are `inboxmesh.runs.v1.SubagentRun` protobufs, as they travel."""
+RUNNING = runs_pb2.RUN_STATUS_RUNNING
+ANNOUNCE_WAITING = runs_pb2.ANNOUNCE_STATE_WAITING
+ANNOUNCE_PENDING = runs_pb2.ANNOUNCE_STATE_PENDING
+ANNOUNCED = runs_pb2.ANNOUNCE_STATE_ANNOUNCED
+REQUESTER_GONE = runs_pb2.ANNOUNCE_STATE_REQUESTER_GONE
+ANNOUNCE_ID_PREFIX = RESERVED_ID_PREFIX + "announce:"
+
+
+@dataclass(frozen=True)
+class AnnounceOutcome:
+    run: RunRecord
+    envelope: envelope_pb2.Envelope | None = None
+    """The announce as stored (to deliver) when this call stored it."""
+    retry: bool = False
+    """True when it could not be stored yet (requester's inbox full)."""
+
+
+@dataclass(frozen=True)
+class RunWork:
+    """Runs the sweeper has to act on."""
+
+    overdue: list[str]
+    """Running past their deadline."""
+    pending: list[str]
+    """Ended, announce not stored yet."""
+    cleanup: list[str]
+    """Announce settled, cleanup not done."""
+    archivable: list[str]
+    """Settled and past their archive time."""
+
+
 EventRecord = events_pb2.Event
 
 EVENT_ROW_FIELDS = ("at_us", "kind", "agent_id", "message_id", "sender", "recipient", "seq", "detail", "trace_id",
@@ -207,7 +256,55 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def close_agent(self, agent_id: str, reason: str, at_us: int) -> CloseOutcome:
         """Close the agent and all its open descendants, dead-letter their
-        unconsumed messages and notify the senders, atomically."""
+        unconsumed messages and notify the senders, atomically. Runs of the
+        closed agents that had not ended end with RUN_STATUS_CLOSED (their
+        announce pending) in the same commit."""
+
+    @abc.abstractmethod
+    async def set_credential(self, agent_id: str, credential_hash: bytes) -> AgentRecord:
+        """Replace an open agent's credential (earlier ones stop working)."""
+
+    # -- subagent runs ------------------------------------------------------
+    @abc.abstractmethod
+    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits) -> AgentRecord:
+        """Store a new child and its run in one commit. Raises
+        ResourceExhausted (SPAWN_DEPTH / TOO_MANY_CHILDREN) when a limit
+        refuses it, plus what create_agent raises."""
+
+    @abc.abstractmethod
+    async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_runs(self, requester_id: str, include_archived: bool, after_key: str,
+                        limit: int) -> list[RunRecord]:
+        """Runs of one requester in creation order; `after_key` is the last run_id seen."""
+
+    @abc.abstractmethod
+    async def end_run(self, run_id: str, status: int, result: str, at_us: int,
+                      traceparent: str = "") -> tuple[RunRecord, bool]:
+        """End a running run (announce pending). Returns (run, already_ended):
+        when it had ended before, nothing changes."""
+
+    @abc.abstractmethod
+    async def announce_run(self, run_id: str, at_us: int) -> AnnounceOutcome:
+        """Store a pending announce in the requester's inbox as the child,
+        with the run's stable announce id, and record the outcome, in one
+        commit. A run whose announce is settled is returned unchanged."""
+
+    @abc.abstractmethod
+    async def finish_cleanup(self, run_id: str, detail: str, at_us: int) -> RunRecord: ...
+
+    @abc.abstractmethod
+    async def archive_run(self, run_id: str, at_us: int) -> RunRecord: ...
+
+    @abc.abstractmethod
+    async def run_work(self, now_us: int, limit: int) -> RunWork: ...
+
+    # -- routing sessions ---------------------------------------------------
+    @abc.abstractmethod
+    async def session_agent(self, session_key: str, new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
+        """The agent of a routing session; `new_agent` is stored (and
+        returned with True) when the session has none yet."""
 
     # -- inbox --------------------------------------------------------------
     @abc.abstractmethod

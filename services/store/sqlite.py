@@ -19,9 +19,10 @@ from typing import TypeVar
 
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2
 from services import errors
 from services.config import StoreConfig
-from services.store import base, sqlite_ops as ops
+from services.store import base, sqlite_ops as ops, sqlite_runs as runs
 from services.store.base import (
     AGENT_OPEN,
     AckOutcome,
@@ -29,13 +30,17 @@ from services.store.base import (
     AppendItem,
     CloseOutcome,
     DeliveryBatch,
+    AnnounceOutcome,
     EventQuery,
     MessageRecord,
+    RunRecord,
+    RunWork,
     SendOutcome,
+    SpawnLimits,
 )
 from services.store.sqlite_ops import AGENT_COLUMNS, EVENT_COLUMNS, MESSAGE_COLUMNS, agent_of, message_of
 from services.store.sqlite_runner import EventIds, Writer, connect
-from services.store.sqlite_schema import SCHEMA, SCHEMA_VERSION
+from services.store.sqlite_schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE
 from services.telemetry import trace_id_of
 
 log = logging.getLogger(__name__)
@@ -59,6 +64,9 @@ class SqliteStore(base.Store):
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is None:
                 conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) in UPGRADABLE:
+                conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                log.info("upgraded %s from schema version %s to %d", self.path, row[0], SCHEMA_VERSION)
             elif int(row[0]) != SCHEMA_VERSION:
                 raise errors.FailedPrecondition(
                     f"{self.path} has schema version {row[0]}, this mesh needs {SCHEMA_VERSION}; use another"
@@ -138,7 +146,48 @@ class SqliteStore(base.Store):
         return await self._read(op)
 
     async def close_agent(self, agent_id: str, reason: str, at_us: int) -> CloseOutcome:
-        return await self.writer.run(lambda conn, events: ops.close_agent(conn, events, agent_id, reason, at_us))
+        def op(conn: sqlite3.Connection, events: list[tuple]) -> CloseOutcome:
+            outcome = ops.close_agent(conn, events, agent_id, reason, at_us)
+            runs.end_runs_of_closed(conn, events, outcome.closed, at_us)
+            return outcome
+
+        return await self.writer.run(op)
+
+    async def set_credential(self, agent_id: str, credential_hash: bytes) -> AgentRecord:
+        return await self.writer.run(lambda conn, events: runs.set_credential(conn, events, agent_id,
+                                                                              credential_hash))
+
+    # -- subagent runs ------------------------------------------------------
+    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits) -> AgentRecord:
+        return await self.writer.run(lambda conn, events: runs.create_child(conn, events, record, run, limits))
+
+    async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None:
+        return await self._read(lambda conn: runs.load(conn, run_id=run_id, child_id=child_id))
+
+    async def list_runs(self, requester_id: str, include_archived: bool, after_key: str,
+                        limit: int) -> list[RunRecord]:
+        return await self._read(lambda conn: runs.list_runs(conn, requester_id, include_archived, after_key, limit))
+
+    async def end_run(self, run_id: str, status: int, result: str, at_us: int,
+                      traceparent: str = "") -> tuple[RunRecord, bool]:
+        return await self.writer.run(lambda conn, events: runs.end_run(conn, events, run_id, status, result, at_us,
+                                                                       traceparent))
+
+    async def announce_run(self, run_id: str, at_us: int) -> AnnounceOutcome:
+        return await self.writer.run(lambda conn, events: runs.announce(conn, events, run_id, at_us))
+
+    async def finish_cleanup(self, run_id: str, detail: str, at_us: int) -> RunRecord:
+        return await self.writer.run(lambda conn, events: runs.finish_cleanup(conn, events, run_id, detail, at_us))
+
+    async def archive_run(self, run_id: str, at_us: int) -> RunRecord:
+        return await self.writer.run(lambda conn, events: runs.archive(conn, events, run_id, at_us))
+
+    async def run_work(self, now_us: int, limit: int) -> RunWork:
+        return await self._read(lambda conn: runs.work(conn, now_us, limit))
+
+    # -- routing sessions ---------------------------------------------------
+    async def session_agent(self, session_key: str, new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
+        return await self.writer.run(lambda conn, events: runs.session_agent(conn, events, session_key, new_agent))
 
     # -- inbox --------------------------------------------------------------
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
@@ -158,7 +207,14 @@ class SqliteStore(base.Store):
             lambda conn, events: ops.mark_delivered(conn, events, recipient, keys, at_us), lazy=True)
 
     async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int = 0) -> list[AckOutcome]:
-        return await self.writer.run(lambda conn, events: ops.ack(conn, events, recipient, sequences, at_us, turn))
+        def op(conn: sqlite3.Connection, events: list[tuple]) -> list[AckOutcome]:
+            outcomes = ops.ack(conn, events, recipient, sequences, at_us, turn)
+            consumed = [o.message_id for o in outcomes if o.status == inbox_pb2.ACK_STATUS_CONSUMED]
+            if consumed:
+                runs.mark_started(conn, events, recipient, consumed, at_us)
+            return outcomes
+
+        return await self.writer.run(op)
 
     async def get_message_by_sender(self, sender: str, message_id: str) -> MessageRecord | None:
         sql = f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE sender = ? AND message_id = ?"

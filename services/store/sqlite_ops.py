@@ -169,8 +169,8 @@ def close_agent(conn: sqlite3.Connection, events: list[tuple], agent_id: str, re
 # -- inbox --------------------------------------------------------------------
 def append(conn: sqlite3.Connection, events: list[tuple], sender_id: str, items: list[AppendItem],
            at_us: int) -> list[SendOutcome]:
-    if sender_id.startswith(base.IOA_PREFIX):
-        sender_open = True  # a peer on the IOA network, speaking through the relay
+    if sender_id.startswith(base.EXTERNAL_PREFIXES):
+        sender_open = True  # a peer on the IOA network or a channel, speaking through the relay or ingress
     else:
         sender_row = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (sender_id,)).fetchone()
         sender_open = sender_row is not None and sender_row[0] == AGENT_OPEN
@@ -203,6 +203,12 @@ def append(conn: sqlite3.Connection, events: list[tuple], sender_id: str, items:
                     mid, rid, INBOX_FULL,
                     detail=f"agent {rid} holds {inbox.unconsumed} unconsumed messages (capacity {inbox.capacity});"
                            " nothing was evicted, retry after it consumes")
+            elif item.conversation_budget and env.conversation_id and not _within_budget(
+                    conn, env.conversation_id, item.conversation_budget):
+                outcome = SendOutcome(
+                    mid, rid, NOT_PERMITTED,
+                    detail=f"loop guard: conversation {env.conversation_id} has used its budget of"
+                           f" {item.conversation_budget} messages")
             else:
                 env.sender = sender_id
                 seq = _store(conn, inbox, env, at_us)
@@ -219,6 +225,16 @@ def append(conn: sqlite3.Connection, events: list[tuple], sender_id: str, items:
         if inbox is not None:
             inbox.save(conn)
     return outcomes
+
+
+def _within_budget(conn: sqlite3.Connection, conversation_id: str, budget: int) -> bool:
+    """Count one more message of the conversation unless its budget is used up."""
+    row = conn.execute("SELECT messages FROM conversations WHERE conversation_id = ?", (conversation_id,)).fetchone()
+    if row is not None and row[0] >= budget:
+        return False
+    conn.execute("INSERT INTO conversations (conversation_id, messages) VALUES (?, 1)"
+                 " ON CONFLICT(conversation_id) DO UPDATE SET messages = messages + 1", (conversation_id,))
+    return True
 
 
 def dead_letter(conn: sqlite3.Connection, events: list[tuple], recipient: str, records: list[MessageRecord],

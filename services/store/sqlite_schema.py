@@ -1,6 +1,8 @@
 """Schema of the SQLite store. Bump SCHEMA_VERSION with any change."""
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+UPGRADABLE = {2}
+"""Versions that SCHEMA upgrades in place (it only adds tables)."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -74,4 +76,37 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_agent ON events(agent_id, event_id);
 CREATE INDEX IF NOT EXISTS events_by_sender ON events(sender, event_id);
 CREATE INDEX IF NOT EXISTS events_by_message ON events(message_id);
+
+-- Subagent runs: the record is an inboxmesh.runs.v1.SubagentRun; the other
+-- columns index it. active: not ended. settled: announce stored or the
+-- requester gone. cleaned: cleanup done.
+CREATE TABLE IF NOT EXISTS runs (
+    row INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL UNIQUE,
+    child_id TEXT NOT NULL UNIQUE,
+    requester_id TEXT NOT NULL,
+    active INTEGER NOT NULL,
+    started INTEGER NOT NULL DEFAULT 0,
+    announce_state INTEGER NOT NULL,
+    cleaned INTEGER NOT NULL DEFAULT 0,
+    deadline_us INTEGER NOT NULL DEFAULT 0,
+    archive_at_us INTEGER NOT NULL DEFAULT 0,
+    archived INTEGER NOT NULL DEFAULT 0,
+    record BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_by_requester ON runs(requester_id, row);
+CREATE INDEX IF NOT EXISTS runs_active ON runs(requester_id) WHERE active = 1;
+CREATE INDEX IF NOT EXISTS runs_unfinished ON runs(row) WHERE archived = 0;
+
+-- Routing sessions: one agent per session key.
+CREATE TABLE IF NOT EXISTS sessions (
+    session_key TEXT PRIMARY KEY,
+    agent_id TEXT NOT NULL
+) WITHOUT ROWID;
+
+-- Loop guard: messages stored per conversation.
+CREATE TABLE IF NOT EXISTS conversations (
+    conversation_id TEXT PRIMARY KEY,
+    messages INTEGER NOT NULL
+) WITHOUT ROWID;
 """

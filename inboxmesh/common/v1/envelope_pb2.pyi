@@ -21,6 +21,7 @@ class OriginKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ORIGIN_KIND_LOCAL: _ClassVar[OriginKind]
     ORIGIN_KIND_IOA: _ClassVar[OriginKind]
     ORIGIN_KIND_MESH: _ClassVar[OriginKind]
+    ORIGIN_KIND_CHANNEL: _ClassVar[OriginKind]
 MESSAGE_KIND_UNSPECIFIED: MessageKind
 MESSAGE_KIND_TEXT: MessageKind
 MESSAGE_KIND_TASK: MessageKind
@@ -31,6 +32,7 @@ ORIGIN_KIND_UNSPECIFIED: OriginKind
 ORIGIN_KIND_LOCAL: OriginKind
 ORIGIN_KIND_IOA: OriginKind
 ORIGIN_KIND_MESH: OriginKind
+ORIGIN_KIND_CHANNEL: OriginKind
 
 class Content(_message.Message):
     __slots__ = ("text", "data", "media_type")

@@ -29,6 +29,16 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_TASK_COMPLETED: _ClassVar[EventKind]
     EVENT_KIND_RUN_CANCELLED: _ClassVar[EventKind]
     EVENT_KIND_AGENT_IDLE: _ClassVar[EventKind]
+    EVENT_KIND_RUN_CREATED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_STARTED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_ENDED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_ANNOUNCED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_ANNOUNCE_DEFERRED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_REQUESTER_GONE: _ClassVar[EventKind]
+    EVENT_KIND_RUN_CLEANED_UP: _ClassVar[EventKind]
+    EVENT_KIND_RUN_ARCHIVED: _ClassVar[EventKind]
+    EVENT_KIND_LIMIT_REFUSED: _ClassVar[EventKind]
+    EVENT_KIND_ROUTED: _ClassVar[EventKind]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_AGENT_REGISTERED: EventKind
 EVENT_KIND_AGENT_CLOSED: EventKind
@@ -50,6 +60,16 @@ EVENT_KIND_TURN_ENDED: EventKind
 EVENT_KIND_TASK_COMPLETED: EventKind
 EVENT_KIND_RUN_CANCELLED: EventKind
 EVENT_KIND_AGENT_IDLE: EventKind
+EVENT_KIND_RUN_CREATED: EventKind
+EVENT_KIND_RUN_STARTED: EventKind
+EVENT_KIND_RUN_ENDED: EventKind
+EVENT_KIND_RUN_ANNOUNCED: EventKind
+EVENT_KIND_RUN_ANNOUNCE_DEFERRED: EventKind
+EVENT_KIND_RUN_REQUESTER_GONE: EventKind
+EVENT_KIND_RUN_CLEANED_UP: EventKind
+EVENT_KIND_RUN_ARCHIVED: EventKind
+EVENT_KIND_LIMIT_REFUSED: EventKind
+EVENT_KIND_ROUTED: EventKind
 
 class Event(_message.Message):
     __slots__ = ("event_id", "at_us", "kind", "agent_id", "message_id", "sender", "recipient", "sequence", "detail", "trace_id", "turn", "in_reply_to", "conversation_id")

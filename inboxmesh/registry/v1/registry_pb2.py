@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$inboxmesh/registry/v1/registry.proto\x12\x15inboxmesh.registry.v1\"\x87\x03\n\x05\x41gent\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x04mode\x18\x03 \x01(\x0e\x32 .inboxmesh.registry.v1.AgentMode\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12\x10\n\x08scope_id\x18\x05 \x01(\t\x12\x30\n\x05state\x18\x06 \x01(\x0e\x32!.inboxmesh.registry.v1.AgentState\x12<\n\x08metadata\x18\x07 \x03(\x0b\x32*.inboxmesh.registry.v1.Agent.MetadataEntry\x12\x15\n\rcreated_at_us\x18\x08 \x01(\x03\x12\x14\n\x0c\x63losed_at_us\x18\t \x01(\x03\x12\x14\n\x0c\x63lose_reason\x18\n \x01(\t\x12\x16\n\x0einbox_capacity\x18\x0b \x01(\r\x12\r\n\x05\x64\x65pth\x18\x0c \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfd\x01\n\x14RegisterAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x04mode\x18\x02 \x01(\x0e\x32 .inboxmesh.registry.v1.AgentMode\x12\x11\n\tparent_id\x18\x03 \x01(\t\x12K\n\x08metadata\x18\x04 \x03(\x0b\x32\x39.inboxmesh.registry.v1.RegisterAgentRequest.MetadataEntry\x12\x16\n\x0einbox_capacity\x18\x05 \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"X\n\x15RegisterAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\x12\x12\n\ncredential\x18\x02 \x01(\t\"#\n\x0fGetAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"?\n\x10GetAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\"M\n\x13ResolveAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08scope_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_closed\x18\x03 \x01(\x08\"C\n\x14ResolveAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\"w\n\x11ListAgentsRequest\x12\x10\n\x08scope_id\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_closed\x18\x03 \x01(\x08\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"[\n\x12ListAgentsResponse\x12,\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"5\n\x11\x43loseAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"E\n\x12\x43loseAgentResponse\x12\x18\n\x10\x63losed_agent_ids\x18\x01 \x03(\t\x12\x15\n\rdead_lettered\x18\x02 \x01(\r*|\n\tAgentMode\x12\x1a\n\x16\x41GENT_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x41GENT_MODE_MAIN\x10\x01\x12\x13\n\x0f\x41GENT_MODE_SYNC\x10\x02\x12\x14\n\x10\x41GENT_MODE_ASYNC\x10\x03\x12\x13\n\x0f\x41GENT_MODE_FORK\x10\x04*W\n\nAgentState\x12\x1b\n\x17\x41GENT_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41GENT_STATE_OPEN\x10\x01\x12\x16\n\x12\x41GENT_STATE_CLOSED\x10\x02\x32\x89\x04\n\x0fRegistryService\x12j\n\rRegisterAgent\x12+.inboxmesh.registry.v1.RegisterAgentRequest\x1a,.inboxmesh.registry.v1.RegisterAgentResponse\x12[\n\x08GetAgent\x12&.inboxmesh.registry.v1.GetAgentRequest\x1a\'.inboxmesh.registry.v1.GetAgentResponse\x12g\n\x0cResolveAgent\x12*.inboxmesh.registry.v1.ResolveAgentRequest\x1a+.inboxmesh.registry.v1.ResolveAgentResponse\x12\x61\n\nListAgents\x12(.inboxmesh.registry.v1.ListAgentsRequest\x1a).inboxmesh.registry.v1.ListAgentsResponse\x12\x61\n\nCloseAgent\x12(.inboxmesh.registry.v1.CloseAgentRequest\x1a).inboxmesh.registry.v1.CloseAgentResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$inboxmesh/registry/v1/registry.proto\x12\x15inboxmesh.registry.v1\"\x87\x03\n\x05\x41gent\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x04mode\x18\x03 \x01(\x0e\x32 .inboxmesh.registry.v1.AgentMode\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12\x10\n\x08scope_id\x18\x05 \x01(\t\x12\x30\n\x05state\x18\x06 \x01(\x0e\x32!.inboxmesh.registry.v1.AgentState\x12<\n\x08metadata\x18\x07 \x03(\x0b\x32*.inboxmesh.registry.v1.Agent.MetadataEntry\x12\x15\n\rcreated_at_us\x18\x08 \x01(\x03\x12\x14\n\x0c\x63losed_at_us\x18\t \x01(\x03\x12\x14\n\x0c\x63lose_reason\x18\n \x01(\t\x12\x16\n\x0einbox_capacity\x18\x0b \x01(\r\x12\r\n\x05\x64\x65pth\x18\x0c \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xaa\x02\n\x14RegisterAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x04mode\x18\x02 \x01(\x0e\x32 .inboxmesh.registry.v1.AgentMode\x12\x11\n\tparent_id\x18\x03 \x01(\t\x12K\n\x08metadata\x18\x04 \x03(\x0b\x32\x39.inboxmesh.registry.v1.RegisterAgentRequest.MetadataEntry\x12\x16\n\x0einbox_capacity\x18\x05 \x01(\r\x12+\n\x03run\x18\x06 \x01(\x0b\x32\x1e.inboxmesh.registry.v1.RunSpec\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbc\x01\n\x07RunSpec\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x17\n\x0ftask_message_id\x18\x02 \x01(\t\x12\x32\n\x07\x63leanup\x18\x03 \x01(\x0e\x32!.inboxmesh.registry.v1.RunCleanup\x12\r\n\x05label\x18\x04 \x01(\t\x12\x15\n\rrun_timeout_s\x18\x05 \x01(\r\x12\x17\n\x0f\x61gent_config_id\x18\x06 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x07 \x01(\t\"h\n\x15RegisterAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"#\n\x0fGetAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"?\n\x10GetAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\"M\n\x13ResolveAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08scope_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_closed\x18\x03 \x01(\x08\"C\n\x14ResolveAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\"w\n\x11ListAgentsRequest\x12\x10\n\x08scope_id\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_closed\x18\x03 \x01(\x08\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"[\n\x12ListAgentsResponse\x12,\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"5\n\x11\x43loseAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"E\n\x12\x43loseAgentResponse\x12\x18\n\x10\x63losed_agent_ids\x18\x01 \x03(\t\x12\x15\n\rdead_lettered\x18\x02 \x01(\r*|\n\tAgentMode\x12\x1a\n\x16\x41GENT_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x41GENT_MODE_MAIN\x10\x01\x12\x13\n\x0f\x41GENT_MODE_SYNC\x10\x02\x12\x14\n\x10\x41GENT_MODE_ASYNC\x10\x03\x12\x13\n\x0f\x41GENT_MODE_FORK\x10\x04*W\n\nAgentState\x12\x1b\n\x17\x41GENT_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41GENT_STATE_OPEN\x10\x01\x12\x16\n\x12\x41GENT_STATE_CLOSED\x10\x02*W\n\nRunCleanup\x12\x1b\n\x17RUN_CLEANUP_UNSPECIFIED\x10\x00\x12\x14\n\x10RUN_CLEANUP_KEEP\x10\x01\x12\x16\n\x12RUN_CLEANUP_DELETE\x10\x02\x32\x89\x04\n\x0fRegistryService\x12j\n\rRegisterAgent\x12+.inboxmesh.registry.v1.RegisterAgentRequest\x1a,.inboxmesh.registry.v1.RegisterAgentResponse\x12[\n\x08GetAgent\x12&.inboxmesh.registry.v1.GetAgentRequest\x1a\'.inboxmesh.registry.v1.GetAgentResponse\x12g\n\x0cResolveAgent\x12*.inboxmesh.registry.v1.ResolveAgentRequest\x1a+.inboxmesh.registry.v1.ResolveAgentResponse\x12\x61\n\nListAgents\x12(.inboxmesh.registry.v1.ListAgentsRequest\x1a).inboxmesh.registry.v1.ListAgentsResponse\x12\x61\n\nCloseAgent\x12(.inboxmesh.registry.v1.CloseAgentRequest\x1a).inboxmesh.registry.v1.CloseAgentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,36 +35,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AGENT_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_REGISTERAGENTREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_REGISTERAGENTREQUEST_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_AGENTMODE']._serialized_start=1393
-  _globals['_AGENTMODE']._serialized_end=1517
-  _globals['_AGENTSTATE']._serialized_start=1519
-  _globals['_AGENTSTATE']._serialized_end=1606
+  _globals['_AGENTMODE']._serialized_start=1645
+  _globals['_AGENTMODE']._serialized_end=1769
+  _globals['_AGENTSTATE']._serialized_start=1771
+  _globals['_AGENTSTATE']._serialized_end=1858
+  _globals['_RUNCLEANUP']._serialized_start=1860
+  _globals['_RUNCLEANUP']._serialized_end=1947
   _globals['_AGENT']._serialized_start=64
   _globals['_AGENT']._serialized_end=455
   _globals['_AGENT_METADATAENTRY']._serialized_start=408
   _globals['_AGENT_METADATAENTRY']._serialized_end=455
   _globals['_REGISTERAGENTREQUEST']._serialized_start=458
-  _globals['_REGISTERAGENTREQUEST']._serialized_end=711
+  _globals['_REGISTERAGENTREQUEST']._serialized_end=756
   _globals['_REGISTERAGENTREQUEST_METADATAENTRY']._serialized_start=408
   _globals['_REGISTERAGENTREQUEST_METADATAENTRY']._serialized_end=455
-  _globals['_REGISTERAGENTRESPONSE']._serialized_start=713
-  _globals['_REGISTERAGENTRESPONSE']._serialized_end=801
-  _globals['_GETAGENTREQUEST']._serialized_start=803
-  _globals['_GETAGENTREQUEST']._serialized_end=838
-  _globals['_GETAGENTRESPONSE']._serialized_start=840
-  _globals['_GETAGENTRESPONSE']._serialized_end=903
-  _globals['_RESOLVEAGENTREQUEST']._serialized_start=905
-  _globals['_RESOLVEAGENTREQUEST']._serialized_end=982
-  _globals['_RESOLVEAGENTRESPONSE']._serialized_start=984
-  _globals['_RESOLVEAGENTRESPONSE']._serialized_end=1051
-  _globals['_LISTAGENTSREQUEST']._serialized_start=1053
-  _globals['_LISTAGENTSREQUEST']._serialized_end=1172
-  _globals['_LISTAGENTSRESPONSE']._serialized_start=1174
-  _globals['_LISTAGENTSRESPONSE']._serialized_end=1265
-  _globals['_CLOSEAGENTREQUEST']._serialized_start=1267
-  _globals['_CLOSEAGENTREQUEST']._serialized_end=1320
-  _globals['_CLOSEAGENTRESPONSE']._serialized_start=1322
-  _globals['_CLOSEAGENTRESPONSE']._serialized_end=1391
-  _globals['_REGISTRYSERVICE']._serialized_start=1609
-  _globals['_REGISTRYSERVICE']._serialized_end=2130
+  _globals['_RUNSPEC']._serialized_start=759
+  _globals['_RUNSPEC']._serialized_end=947
+  _globals['_REGISTERAGENTRESPONSE']._serialized_start=949
+  _globals['_REGISTERAGENTRESPONSE']._serialized_end=1053
+  _globals['_GETAGENTREQUEST']._serialized_start=1055
+  _globals['_GETAGENTREQUEST']._serialized_end=1090
+  _globals['_GETAGENTRESPONSE']._serialized_start=1092
+  _globals['_GETAGENTRESPONSE']._serialized_end=1155
+  _globals['_RESOLVEAGENTREQUEST']._serialized_start=1157
+  _globals['_RESOLVEAGENTREQUEST']._serialized_end=1234
+  _globals['_RESOLVEAGENTRESPONSE']._serialized_start=1236
+  _globals['_RESOLVEAGENTRESPONSE']._serialized_end=1303
+  _globals['_LISTAGENTSREQUEST']._serialized_start=1305
+  _globals['_LISTAGENTSREQUEST']._serialized_end=1424
+  _globals['_LISTAGENTSRESPONSE']._serialized_start=1426
+  _globals['_LISTAGENTSRESPONSE']._serialized_end=1517
+  _globals['_CLOSEAGENTREQUEST']._serialized_start=1519
+  _globals['_CLOSEAGENTREQUEST']._serialized_end=1572
+  _globals['_CLOSEAGENTRESPONSE']._serialized_start=1574
+  _globals['_CLOSEAGENTRESPONSE']._serialized_end=1643
+  _globals['_REGISTRYSERVICE']._serialized_start=1950
+  _globals['_REGISTRYSERVICE']._serialized_end=2471
 # @@protoc_insertion_point(module_scope)

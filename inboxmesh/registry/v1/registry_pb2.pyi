@@ -19,6 +19,12 @@ class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AGENT_STATE_UNSPECIFIED: _ClassVar[AgentState]
     AGENT_STATE_OPEN: _ClassVar[AgentState]
     AGENT_STATE_CLOSED: _ClassVar[AgentState]
+
+class RunCleanup(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_CLEANUP_UNSPECIFIED: _ClassVar[RunCleanup]
+    RUN_CLEANUP_KEEP: _ClassVar[RunCleanup]
+    RUN_CLEANUP_DELETE: _ClassVar[RunCleanup]
 AGENT_MODE_UNSPECIFIED: AgentMode
 AGENT_MODE_MAIN: AgentMode
 AGENT_MODE_SYNC: AgentMode
@@ -27,6 +33,9 @@ AGENT_MODE_FORK: AgentMode
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_OPEN: AgentState
 AGENT_STATE_CLOSED: AgentState
+RUN_CLEANUP_UNSPECIFIED: RunCleanup
+RUN_CLEANUP_KEEP: RunCleanup
+RUN_CLEANUP_DELETE: RunCleanup
 
 class Agent(_message.Message):
     __slots__ = ("agent_id", "name", "mode", "parent_id", "scope_id", "state", "metadata", "created_at_us", "closed_at_us", "close_reason", "inbox_capacity", "depth")
@@ -64,7 +73,7 @@ class Agent(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., mode: _Optional[_Union[AgentMode, str]] = ..., parent_id: _Optional[str] = ..., scope_id: _Optional[str] = ..., state: _Optional[_Union[AgentState, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at_us: _Optional[int] = ..., closed_at_us: _Optional[int] = ..., close_reason: _Optional[str] = ..., inbox_capacity: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("name", "mode", "parent_id", "metadata", "inbox_capacity")
+    __slots__ = ("name", "mode", "parent_id", "metadata", "inbox_capacity", "run")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,20 +86,42 @@ class RegisterAgentRequest(_message.Message):
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INBOX_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: AgentMode
     parent_id: str
     metadata: _containers.ScalarMap[str, str]
     inbox_capacity: int
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[AgentMode, str]] = ..., parent_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., inbox_capacity: _Optional[int] = ...) -> None: ...
+    run: RunSpec
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[AgentMode, str]] = ..., parent_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., inbox_capacity: _Optional[int] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
+
+class RunSpec(_message.Message):
+    __slots__ = ("task", "task_message_id", "cleanup", "label", "run_timeout_s", "agent_config_id", "conversation_id")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TASK_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLEANUP_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    RUN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CONFIG_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    task_message_id: str
+    cleanup: RunCleanup
+    label: str
+    run_timeout_s: int
+    agent_config_id: str
+    conversation_id: str
+    def __init__(self, task: _Optional[str] = ..., task_message_id: _Optional[str] = ..., cleanup: _Optional[_Union[RunCleanup, str]] = ..., label: _Optional[str] = ..., run_timeout_s: _Optional[int] = ..., agent_config_id: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
-    __slots__ = ("agent", "credential")
+    __slots__ = ("agent", "credential", "run_id")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     agent: Agent
     credential: str
-    def __init__(self, agent: _Optional[_Union[Agent, _Mapping]] = ..., credential: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, agent: _Optional[_Union[Agent, _Mapping]] = ..., credential: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class GetAgentRequest(_message.Message):
     __slots__ = ("agent_id",)

@@ -1,0 +1,176 @@
+"""Routing ingress (docs/routing.md): an inbound channel message is routed to
+a configured agent by the bindings, and stored in the inbox of that agent's
+session (one mesh agent per session key, registered on its first message)
+by the ordinary Inbox path. Knows nothing of gRPC."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.registry.v1 import registry_pb2 as reg_pb
+from inboxmesh.routing.v1 import routing_pb2 as pb
+from services import auth, errors
+from services.clock import now_us
+from services.config import InboxLimits
+from services.directory import Directory
+from services.inbox.service import InboxService
+from services.routing.config import PeerMatch, RoutingConfig
+from services.routing.resolve import ResolvedRoute, resolve_route
+from services.runs.service import AGENT_KEY, ORIGIN_PREFIX
+from services.store.base import AGENT_OPEN, CHANNEL_PREFIX, AgentRecord, SendOutcome, Store
+from services.validation import check_map, check_text
+
+log = logging.getLogger(__name__)
+PEER_KINDS = {pb.PEER_KIND_DM: "dm", pb.PEER_KIND_GROUP: "group", pb.PEER_KIND_CHANNEL: "channel"}
+_CHANNEL_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_CHANNEL)
+
+
+def _peer(peer: pb.Peer, field: str) -> PeerMatch | None:
+    if not peer.id and not peer.kind:
+        return None
+    if peer.kind not in PEER_KINDS or not peer.id.strip():
+        raise errors.InvalidArgument(f"source.{field} needs a kind (DM, GROUP or CHANNEL) and an id",
+                                     reason="BAD_PEER", metadata={"field": f"source.{field}"})
+    check_text(f"source.{field}.id", peer.id, max_len=256)
+    return PeerMatch(kind=PEER_KINDS[peer.kind], id=peer.id.strip())
+
+
+def route_pb(route: ResolvedRoute) -> pb.ResolvedRoute:
+    return pb.ResolvedRoute(
+        agent_id=route.agent_id, channel=route.channel, account_id=route.account_id, session_key=route.session_key,
+        main_session_key=route.main_session_key, matched_by=route.matched_by, binding_index=route.binding_index,
+        warning=route.warning)
+
+
+class RoutingService:
+    def __init__(self, config: RoutingConfig, store: Store, directory: Directory, inbox: InboxService,
+                 limits: InboxLimits, admin_token: str | None):
+        self.config = config
+        self._store = store
+        self._directory = directory
+        self._inbox = inbox
+        self._limits = limits
+        self._tokens = tuple(config.ingress_tokens) + ((admin_token,) if admin_token else ())
+        for warning in config.warnings:
+            log.warning("routing config: %s", warning)
+
+    def check_token(self, token: str | None, action: str) -> None:
+        if not self.config.ingress_tokens:
+            raise errors.FailedPrecondition(f"{action} is disabled: the routing config has no ingress.tokens",
+                                            reason="NO_INGRESS_TOKENS")
+        if not token:
+            raise errors.Unauthenticated(f"{action} needs an ingress token: send 'authorization: Bearer <token>'",
+                                         reason="MISSING_CREDENTIAL")
+        if not any(hmac.compare_digest(token, t) for t in self._tokens):
+            raise errors.Unauthenticated(f"{action}: the ingress token is not one of ingress.tokens",
+                                         reason="BAD_CREDENTIAL")
+
+    def resolve(self, source: pb.RouteInput) -> ResolvedRoute:
+        if not source.channel.strip():
+            raise errors.InvalidArgument("source.channel is required", reason="MISSING_FIELD",
+                                         metadata={"field": "source.channel"})
+        for field, value in (("channel", source.channel), ("account_id", source.account_id),
+                             ("guild_id", source.guild_id), ("team_id", source.team_id)):
+            check_text(f"source.{field}", value, max_len=256)
+        return resolve_route(
+            self.config, channel=source.channel, account_id=source.account_id or None,
+            peer=_peer(source.peer, "peer"), parent_peer=_peer(source.parent_peer, "parent_peer"),
+            guild_id=source.guild_id or None, roles=tuple(source.roles), team_id=source.team_id or None)
+
+    async def ingress(self, token: str | None,
+                      request: pb.IngressRequest) -> tuple[ResolvedRoute, AgentRecord, bool, SendOutcome]:
+        """Returns (route, session agent, whether this created it, receipt)."""
+        self.check_token(token, "ingress")
+        check_text("message_id", request.message_id, max_len=self._limits.max_id_length, required=True)
+        check_text("author", request.author, max_len=256)
+        check_map("headers", dict(request.headers))
+        route = self.resolve(request.source)
+        agent, created = await self._session_agent(route, request.source)
+        peer = request.source.peer
+        sender = f"{CHANNEL_PREFIX}{route.channel}/{route.account_id}"
+        if peer.id:
+            sender += f"/{PEER_KINDS[peer.kind]}:{peer.id.strip()}"
+        headers = {**request.headers, **self._route_headers(route, request.source)}
+        if request.author:
+            headers["inboxmesh-route-author"] = request.author
+        envelope = envelope_pb2.Envelope(
+            message_id=request.message_id, sender=sender, recipient=agent.agent_id,
+            kind=envelope_pb2.MESSAGE_KIND_TEXT, content=envelope_pb2.Content(text=request.text),
+            conversation_id=route.session_key, origin=_CHANNEL_ORIGIN, headers=headers)
+        if envelope.ByteSize() > self._limits.max_message_bytes:
+            raise errors.InvalidArgument(f"the message is {envelope.ByteSize()} bytes; the limit is"
+                                         f" {self._limits.max_message_bytes}", reason="MESSAGE_TOO_LARGE")
+        [outcome] = await self._inbox.deliver_from_channel([envelope])
+        detail = f"{route.matched_by} -> {route.agent_id} session={route.session_key}"
+        if route.warning:
+            detail += f" ({route.warning})"
+            log.warning("ingress %s: %s", request.message_id, route.warning)
+        await self._store.record_events([ev.Event(
+            at_us=now_us(), kind=ev.EVENT_KIND_ROUTED, agent_id=agent.agent_id, message_id=request.message_id,
+            sender=sender, recipient=agent.agent_id, sequence=outcome.sequence, detail=detail)])
+        log.info("ingress %s from %s routed %s: %s", request.message_id, sender, detail, outcome.status)
+        return route, agent, created, outcome
+
+    @staticmethod
+    def _route_headers(route: ResolvedRoute, source: pb.RouteInput) -> dict[str, str]:
+        headers = {
+            "inboxmesh-route-agent": route.agent_id, "inboxmesh-route-session": route.session_key,
+            "inboxmesh-route-channel": route.channel, "inboxmesh-route-account": route.account_id,
+            "inboxmesh-route-matched-by": route.matched_by,
+        }
+        if source.peer.id:
+            headers["inboxmesh-route-peer"] = f"{PEER_KINDS[source.peer.kind]}:{source.peer.id.strip()}"
+        return headers
+
+    async def _session_agent(self, route: ResolvedRoute, source: pb.RouteInput) -> tuple[AgentRecord, bool]:
+        agent_id = auth.new_agent_id()
+        metadata = {AGENT_KEY: route.agent_id,
+                    **{k: v for k, v in self._route_headers(route, source).items() if k.startswith(ORIGIN_PREFIX)}}
+        metadata.pop("inboxmesh-route-matched-by")
+        record = AgentRecord(
+            agent_id=agent_id, name=route.session_key, mode=reg_pb.AGENT_MODE_MAIN, parent_id="", scope_id=agent_id,
+            depth=0, state=AGENT_OPEN, metadata=metadata, inbox_capacity=self._limits.default_capacity,
+            created_at_us=now_us(),
+            # nobody holds this credential: a host takes the session over with ClaimSession
+            credential_hash=auth.credential_hash(auth.new_credential(agent_id)))
+        agent, created = await self._store.session_agent(route.session_key, record)
+        self._directory.remember(agent)
+        if created:
+            log.info("session %s of agent %s registered as %s", route.session_key, route.agent_id, agent.agent_id)
+        return agent, created
+
+    async def claim(self, token: str | None, session_key: str) -> pb.ClaimSessionResponse:
+        self.check_token(token, "claiming a session")
+        check_text("session_key", session_key, max_len=512, required=True)
+        agent_cfg = session_key.split(":")[1] if session_key.startswith("agent:") and session_key.count(":") >= 2 \
+            else ""
+        if self.config.agent(agent_cfg) is None:
+            raise errors.InvalidArgument(f"session_key {session_key!r} does not name a configured agent"
+                                         " (agent:<agentId>:...)", reason="BAD_SESSION_KEY")
+        route = ResolvedRoute(agent_id=agent_cfg, channel="", account_id="", session_key=session_key,
+                              main_session_key=f"agent:{agent_cfg}:{self.config.session.main_key}",
+                              matched_by="claim", binding_index=-1, warning="")
+        agent, _ = await self._session_agent(route, pb.RouteInput())
+        credential = auth.new_credential(agent.agent_id)
+        record = await self._store.set_credential(agent.agent_id, auth.credential_hash(credential))
+        self._directory.credential_changed(record)
+        log.info("session %s (%s) claimed; earlier credentials revoked", session_key, agent.agent_id)
+        return pb.ClaimSessionResponse(session_agent_id=agent.agent_id, credential=credential,
+                                       agent_config_id=agent_cfg)
+
+    def configured_agents(self) -> pb.ListConfiguredAgentsResponse:
+        cfg = self.config
+        agents = cfg.agents or (cfg.agent(cfg.default_agent_id),)
+        return pb.ListConfiguredAgentsResponse(
+            default_id=cfg.default_agent_id, main_key=cfg.session.main_key, dm_scope=cfg.session.dm_scope,
+            agents=[pb.ConfiguredAgent(
+                id=a.id, name=a.name or "", is_default=a.id == cfg.default_agent_id,
+                model=a.model.primary if a.model else "", model_fallbacks=list(a.model.fallbacks) if a.model else [],
+                identity=pb.Identity(name=a.identity.name or "", emoji=a.identity.emoji or "",
+                                     avatar=a.identity.avatar or "", avatar_url=a.identity.avatar_url or "",
+                                     theme=a.identity.theme or ""),
+            ) for a in agents])
+

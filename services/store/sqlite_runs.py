@@ -1,0 +1,273 @@
+"""SQLite operations of the subagent run registry and routing sessions. Like
+services.store.sqlite_ops, each runs inside the writer's transaction and
+appends the events it causes; nothing here commits.
+
+The announce is exactly-once by construction: its message id is derived from
+the run (`inboxmesh:announce:<run_id>`, sent as the child), the inbox's
+(sender, message_id) key makes a second store impossible, and the run's
+announce state changes in the same commit as the store.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.registry.v1 import registry_pb2
+from inboxmesh.runs.v1 import runs_pb2
+from services import errors
+from services.store import sqlite_ops as ops
+from services.store.base import (
+    ACCEPTED,
+    AGENT_OPEN,
+    ANNOUNCE_PENDING,
+    ANNOUNCED,
+    REQUESTER_GONE,
+    AgentRecord,
+    AnnounceOutcome,
+    RunRecord,
+    RunWork,
+    SpawnLimits,
+    event_row,
+)
+from services.telemetry import trace_id_of
+
+_MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
+STATUS_NAME = {v: runs_pb2.RunStatus.Name(v).removeprefix("RUN_STATUS_").lower() for v in runs_pb2.RunStatus.values()}
+
+
+def load(conn: sqlite3.Connection, *, run_id: str = "", child_id: str = "") -> RunRecord | None:
+    column, value = ("run_id", run_id) if run_id else ("child_id", child_id)
+    row = conn.execute(f"SELECT record FROM runs WHERE {column} = ?", (value,)).fetchone()
+    return RunRecord.FromString(row[0]) if row else None
+
+
+def _require(conn: sqlite3.Connection, run_id: str) -> RunRecord:
+    run = load(conn, run_id=run_id)
+    if run is None:
+        raise errors.NotFound(f"no run {run_id}", reason="RUN_NOT_FOUND", metadata={"run_id": run_id})
+    return run
+
+
+def _save(conn: sqlite3.Connection, run: RunRecord) -> None:
+    conn.execute(
+        "UPDATE runs SET active = ?, started = ?, announce_state = ?, cleaned = ?, deadline_us = ?,"
+        " archive_at_us = ?, archived = ?, record = ? WHERE run_id = ?",
+        (int(run.status == runs_pb2.RUN_STATUS_RUNNING), int(run.started_at_us > 0), run.announce_state,
+         int(run.cleaned_up_at_us > 0), run.deadline_us, run.archive_at_us, int(run.archived_at_us > 0),
+         run.SerializeToString(), run.run_id))
+
+
+def _event(events: list[tuple], run: RunRecord, kind: int, at_us: int, detail: str = "", seq: int = 0) -> None:
+    events.append(event_row(at_us, kind, run.child_id, message_id=run.run_id, sender=run.requester_id,
+                            recipient=run.requester_id, seq=seq, detail=detail,
+                            trace_id=trace_id_of(run.traceparent), conversation_id=run.conversation_id))
+
+
+def create_child(conn: sqlite3.Connection, events: list[tuple], record: AgentRecord, run: RunRecord,
+                 limits: SpawnLimits) -> AgentRecord:
+    if record.depth > limits.max_depth:
+        raise errors.ResourceExhausted(
+            f"spawn refused: {record.name!r} would be at depth {record.depth}; the most is {limits.max_depth}",
+            reason="SPAWN_DEPTH", metadata={"depth": str(record.depth), "max_depth": str(limits.max_depth)})
+    active = conn.execute("SELECT count(*) FROM runs WHERE requester_id = ? AND active = 1",
+                          (record.parent_id,)).fetchone()[0]
+    if active >= limits.max_active_children:
+        raise errors.ResourceExhausted(
+            f"spawn refused: {record.parent_id} already has {active} running children; the most is"
+            f" {limits.max_active_children} (wait for one to finish)",
+            reason="TOO_MANY_CHILDREN", metadata={"active": str(active), "max": str(limits.max_active_children)})
+    ops.create_agent(conn, events, record)
+    conn.execute(
+        "INSERT INTO runs (run_id, child_id, requester_id, active, announce_state, deadline_us, record)"
+        " VALUES (?, ?, ?, 1, ?, ?, ?)",
+        (run.run_id, run.child_id, run.requester_id, run.announce_state, run.deadline_us, run.SerializeToString()))
+    _event(events, run, ev.EVENT_KIND_RUN_CREATED, run.created_at_us, detail=run.label or run.task[:200])
+    return record
+
+
+def _end(events: list[tuple], run: RunRecord, status: int, result: str, at_us: int) -> None:
+    run.status = status
+    run.result = result
+    run.ended_at_us = at_us
+    run.announce_state = ANNOUNCE_PENDING
+    run.archive_at_us = at_us + run.archive_after_us
+    _event(events, run, ev.EVENT_KIND_RUN_ENDED, at_us, detail=STATUS_NAME[status])
+
+
+def end_run(conn: sqlite3.Connection, events: list[tuple], run_id: str, status: int, result: str, at_us: int,
+            traceparent: str) -> tuple[RunRecord, bool]:
+    run = _require(conn, run_id)
+    if run.status != runs_pb2.RUN_STATUS_RUNNING:
+        return run, True
+    if traceparent:
+        run.traceparent = traceparent
+    _end(events, run, status, result, at_us)
+    _save(conn, run)
+    return run, False
+
+
+def end_runs_of_closed(conn: sqlite3.Connection, events: list[tuple], closed: list[AgentRecord], at_us: int) -> None:
+    """Runs of agents closed before their task ended end as CLOSED."""
+    for agent in closed:
+        run = load(conn, child_id=agent.agent_id)
+        if run is not None and run.status == runs_pb2.RUN_STATUS_RUNNING:
+            _end(events, run, runs_pb2.RUN_STATUS_CLOSED, agent.close_reason, at_us)
+            _save(conn, run)
+
+
+def mark_started(conn: sqlite3.Connection, events: list[tuple], recipient: str, message_ids: list[str],
+                 at_us: int) -> None:
+    """The child consumed its task: the run has started."""
+    row = conn.execute("SELECT record FROM runs WHERE child_id = ? AND started = 0", (recipient,)).fetchone()
+    if row is None:
+        return
+    run = RunRecord.FromString(row[0])
+    if run.task_message_id in message_ids:
+        run.started_at_us = at_us
+        _save(conn, run)
+        _event(events, run, ev.EVENT_KIND_RUN_STARTED, at_us)
+
+
+def announce_text(run: RunRecord) -> str:
+    if run.status == runs_pb2.RUN_STATUS_OK:
+        return run.result
+    if run.status == runs_pb2.RUN_STATUS_ERROR:
+        return f"The task failed: {run.result}"
+    if run.status == runs_pb2.RUN_STATUS_TIMEOUT:
+        return f"The task did not end in time: {run.result}"
+    return f"The subagent was closed before its task ended: {run.result}"
+
+
+def announce(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: int) -> AnnounceOutcome:
+    run = _require(conn, run_id)
+    if run.announce_state != ANNOUNCE_PENDING:
+        return AnnounceOutcome(run)
+    message_id = run.announce_message_id
+    stored = conn.execute("SELECT seq FROM messages WHERE sender = ? AND message_id = ?",
+                          (run.child_id, message_id)).fetchone()
+    envelope = None
+    if stored is not None:  # stored by an attempt whose run update was lost: never store twice
+        _settle(events, run, ANNOUNCED, at_us, "duplicate: stored by an earlier attempt", stored[0])
+    else:
+        inbox = ops.Inbox.load(conn, run.requester_id)
+        if inbox is None:
+            _settle(events, run, REQUESTER_GONE, at_us, f"requester {run.requester_id} does not exist")
+        elif inbox.state != AGENT_OPEN:
+            reason = conn.execute("SELECT close_reason FROM agents WHERE agent_id = ?",
+                                  (run.requester_id,)).fetchone()[0]
+            _settle(events, run, REQUESTER_GONE, at_us, f"requester {run.requester_id} is closed ({reason})")
+        elif inbox.unconsumed >= inbox.capacity:
+            detail = (f"requester {run.requester_id}'s inbox is full ({inbox.unconsumed} of {inbox.capacity});"
+                      " retrying")
+            if run.announce_detail != detail:
+                run.announce_detail = detail
+                _event(events, run, ev.EVENT_KIND_RUN_ANNOUNCE_DEFERRED, at_us, detail=detail)
+                _save(conn, run)
+            return AnnounceOutcome(run, retry=True)
+        else:
+            envelope = envelope_pb2.Envelope(
+                message_id=message_id, sender=run.child_id, recipient=run.requester_id,
+                kind=envelope_pb2.MESSAGE_KIND_COMPLETION, content=envelope_pb2.Content(text=announce_text(run)),
+                in_reply_to=run.task_message_id, conversation_id=run.conversation_id,
+                trace=envelope_pb2.TraceContext(traceparent=run.traceparent), origin=_MESH_ORIGIN,
+                headers={"inboxmesh-run": run.run_id, "inboxmesh-run-status": STATUS_NAME[run.status]},
+                created_at_us=at_us)
+            seq = ops._store(conn, inbox, envelope, at_us)
+            inbox.save(conn)
+            common = dict(message_id=message_id, sender=run.child_id, recipient=run.requester_id, seq=seq,
+                          trace_id=trace_id_of(run.traceparent), in_reply_to=run.task_message_id,
+                          conversation_id=run.conversation_id)
+            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_SENT, run.requester_id,
+                                    detail=ops.RECEIPT_NAME[ACCEPTED], **common))
+            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_STORED, run.requester_id, **common))
+            _settle(events, run, ANNOUNCED, at_us, "accepted", seq)
+    if run.cleanup != registry_pb2.RUN_CLEANUP_DELETE:
+        run.cleaned_up_at_us = at_us
+        _event(events, run, ev.EVENT_KIND_RUN_CLEANED_UP, at_us, detail="kept")
+    _save(conn, run)
+    return AnnounceOutcome(run, envelope)
+
+
+def _settle(events: list[tuple], run: RunRecord, state: int, at_us: int, detail: str, seq: int = 0) -> None:
+    run.announce_state = state
+    run.announce_detail = detail
+    run.announced_at_us = at_us
+    run.announce_sequence = seq
+    kind = ev.EVENT_KIND_RUN_ANNOUNCED if state == ANNOUNCED else ev.EVENT_KIND_RUN_REQUESTER_GONE
+    _event(events, run, kind, at_us, detail=detail, seq=seq)
+
+
+def finish_cleanup(conn: sqlite3.Connection, events: list[tuple], run_id: str, detail: str,
+                   at_us: int) -> RunRecord:
+    run = _require(conn, run_id)
+    if not run.cleaned_up_at_us:
+        run.cleaned_up_at_us = at_us
+        _save(conn, run)
+        _event(events, run, ev.EVENT_KIND_RUN_CLEANED_UP, at_us, detail=detail)
+    return run
+
+
+def archive(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: int) -> RunRecord:
+    run = _require(conn, run_id)
+    if not run.archived_at_us:
+        run.archived_at_us = at_us
+        _save(conn, run)
+        _event(events, run, ev.EVENT_KIND_RUN_ARCHIVED, at_us)
+    return run
+
+
+def work(conn: sqlite3.Connection, now_us: int, limit: int) -> RunWork:
+    def ids(where: str, *params) -> list[str]:
+        sql = f"SELECT run_id FROM runs WHERE archived = 0 AND {where} ORDER BY row LIMIT ?"
+        return [r[0] for r in conn.execute(sql, (*params, limit)).fetchall()]
+
+    return RunWork(
+        overdue=ids("active = 1 AND deadline_us > 0 AND deadline_us <= ?", now_us),
+        pending=ids("announce_state = ?", ANNOUNCE_PENDING),
+        cleanup=ids("announce_state IN (?, ?) AND cleaned = 0", ANNOUNCED, REQUESTER_GONE),
+        archivable=ids("announce_state IN (?, ?) AND cleaned = 1 AND archive_at_us <= ?", ANNOUNCED,
+                       REQUESTER_GONE, now_us),
+    )
+
+
+def list_runs(conn: sqlite3.Connection, requester_id: str, include_archived: bool, after_key: str,
+              limit: int) -> list[RunRecord]:
+    after_row = 0
+    if after_key:
+        found = conn.execute("SELECT row FROM runs WHERE run_id = ?", (after_key,)).fetchone()
+        if found is None:
+            raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason="BAD_PAGE_TOKEN")
+        after_row = found[0]
+    rows = conn.execute(
+        "SELECT record FROM runs WHERE requester_id = ? AND row > ?" + ("" if include_archived else
+                                                                       " AND archived = 0")
+        + " ORDER BY row LIMIT ?", (requester_id, after_row, limit)).fetchall()
+    return [RunRecord.FromString(r[0]) for r in rows]
+
+
+# -- routing sessions and credentials ---------------------------------------------
+def session_agent(conn: sqlite3.Connection, events: list[tuple], session_key: str,
+                  new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
+    row = conn.execute("SELECT agent_id FROM sessions WHERE session_key = ?", (session_key,)).fetchone()
+    if row is not None:
+        found = conn.execute(f"SELECT {ops.AGENT_COLUMNS} FROM agents WHERE agent_id = ?", (row[0],)).fetchone()
+        agent = ops.agent_of(found)
+        if agent.is_open:
+            return agent, False
+        conn.execute("DELETE FROM sessions WHERE session_key = ?", (session_key,))  # a closed session starts anew
+    ops.create_agent(conn, events, new_agent)
+    conn.execute("INSERT INTO sessions (session_key, agent_id) VALUES (?, ?)", (session_key, new_agent.agent_id))
+    return new_agent, True
+
+
+def set_credential(conn: sqlite3.Connection, events: list[tuple], agent_id: str,
+                   credential_hash: bytes) -> AgentRecord:
+    cur = conn.execute("UPDATE agents SET credential_hash = ? WHERE agent_id = ? AND state = ?",
+                       (credential_hash, agent_id, AGENT_OPEN))
+    if not cur.rowcount:
+        raise errors.FailedPrecondition(f"agent {agent_id} is closed or unknown; no credential issued",
+                                        reason="AGENT_CLOSED", metadata={"agent_id": agent_id})
+    row = conn.execute(f"SELECT {ops.AGENT_COLUMNS} FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
+    return ops.agent_of(row)
