@@ -24,6 +24,7 @@ import signal
 import sys
 from dataclasses import replace
 from datetime import datetime, timezone
+from pathlib import Path
 
 from google.protobuf import json_format
 
@@ -75,13 +76,24 @@ async def _up(args) -> int:
         admin_token=args.admin_token, capacity=args.capacity, allow_cross_scope=args.allow_cross_scope,
         heartbeat_interval_s=args.heartbeat_interval, synchronous=args.synchronous.upper(),
     )
+    if args.routing:
+        config = replace(config, routing=Path(args.routing))
+    config = replace(config, runs=replace(
+        config.runs, **{k: v for k, v in (("max_spawn_depth", args.max_spawn_depth),
+                                          ("max_active_children", args.max_active_children),
+                                          ("archive_after_s", args.run_archive_after and args.run_archive_after * 60))
+                        if v}))
     if args.ioa_network:
         from services.config import IoaConfig
 
         node_id = args.node_id or f"mesh-{args.port or 'any'}"
         config = replace(config, ioa=IoaConfig(node_id=node_id, network=args.ioa_network),
                          services=tuple(dict.fromkeys((*config.services, "relay"))))
-    mesh = Mesh(config)
+    try:
+        mesh = Mesh(config)
+    except errors.MeshError as exc:
+        print(f"inboxmesh: {exc.message}", file=sys.stderr)
+        return 2
     try:
         await mesh.start()
     except errors.Unavailable as exc:
@@ -275,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--allow-cross-scope", action="store_true", help="let agents send outside their own tree")
     up.add_argument("--ioa-network", metavar="HOST:PORT", help="connect this mesh to an IOA network (relay)")
     up.add_argument("--node-id", help="this mesh's node id on the IOA network (default: mesh-<port>)")
+    up.add_argument("--routing", metavar="FILE", help="routing config (YAML or TOML: agents.list, bindings,"
+                    " ingress.tokens; docs/routing.md); serves the routing ingress")
+    up.add_argument("--max-spawn-depth", type=int, help="deepest subagent allowed (default 3)")
+    up.add_argument("--max-active-children", type=int, help="running children per agent (default 8)")
+    up.add_argument("--run-archive-after", type=float, metavar="MINUTES",
+                    help="archive ended subagent runs after this long (default 60)")
     up.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True,
                     help="run the two-agent demo after starting (default on)")
     up.add_argument("--exit-after-demo", action="store_true", help="stop once the demo finished")

@@ -15,8 +15,10 @@ _LISTENING = re.compile(r"inboxmesh listening on (\S+)")
 
 
 class MeshProcess:
-    def __init__(self, data_dir: Path, *extra: str, admin_token: str = "test-admin-token"):
+    def __init__(self, data_dir: Path, *extra: str, admin_token: str = "test-admin-token",
+                 env: dict[str, str] | None = None):
         self.data_dir = data_dir
+        self.env = {**os.environ, **(env or {})}
         self.args = [sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--port", "0", "--no-demo",
                      "--data-dir", str(data_dir), "--admin-token", admin_token, *extra]
         self.proc: subprocess.Popen | None = None
@@ -24,7 +26,7 @@ class MeshProcess:
 
     def start(self, timeout: float = 30.0) -> str:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=Path(__file__).resolve().parent.parent)
+                                     cwd=Path(__file__).resolve().parent.parent, env=self.env)
         deadline = time.monotonic() + timeout
         seen = []
         while time.monotonic() < deadline:

@@ -24,6 +24,7 @@ from services import errors
 from services.clock import now_us
 from services.config import RunsConfig
 from services.directory import Caller, Directory
+from services.faults import crash_point
 from services.inbox.delivery import DeliveryHub
 from services.store.base import (
     ANNOUNCE_ID_PREFIX,
@@ -149,6 +150,7 @@ class RunService:
                          pb.RunStatus.Name(ended.status))
                 return ended, True
             log.info("run %s of %s ended: %s", run.run_id, run.child_id, pb.RunStatus.Name(status))
+            crash_point("run-ended")
             return await self.settle(run.run_id), False
 
     async def settle(self, run_id: str) -> RunRecord:
@@ -169,6 +171,7 @@ class RunService:
         elif run.announce_state == REQUESTER_GONE and not run.cleaned_up_at_us:
             log.info("run %s: %s", run.run_id, run.announce_detail)
         if run.announce_state in (pb.ANNOUNCE_STATE_ANNOUNCED, REQUESTER_GONE) and not run.cleaned_up_at_us:
+            crash_point("run-announced")
             run = await self._cleanup(run)
         return run
 
