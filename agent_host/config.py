@@ -55,6 +55,11 @@ class HostConfig:
     show_ids: bool = True
     """Show agent ids in system prompts and message headers. Small models
     tend to invent ids when they see some; names are enough for them."""
+    team_targets: bool = False
+    """Offer send_message's `to` as a choice (a JSON-schema enum) of the
+    names of the agent's siblings and children on this host: a small model
+    cannot invent a name or message its parent, which hears from it through
+    finish (the run's announce)."""
     route_via_ioa: bool = False
     """Send every message between agents through the mesh's IOA relay
     (to the recipient's IOA address) instead of directly."""

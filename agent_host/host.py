@@ -269,6 +269,16 @@ class Host:
         return ([c.record.name for c in children if c.record.task_message_id in answered],
                 [c.record.name for c in children if c.record.task_message_id not in answered])
 
+    def team_targets(self, runner: AgentRunner) -> list[str] | None:
+        """send_message's choice of names (config.team_targets): the agent's
+        siblings and children hosted here, open ones only."""
+        if not self.config.team_targets:
+            return None
+        record = runner.record
+        return sorted({r.record.name for r in self.runners.values() if r is not runner and not r.record.closed
+                       and (r.record.parent_id == record.agent_id
+                            or (record.parent_id and r.record.parent_id == record.parent_id))}) or None
+
     def children_working(self, runner: AgentRunner) -> list[str]:
         """The agent's open children whose report this agent has not consumed yet."""
         return self.children_status(runner)[1]

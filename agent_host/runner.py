@@ -295,7 +295,8 @@ class AgentRunner:
                 with tracer.start_as_current_span("turn", attributes={"inboxmesh.agent": self.agent_id,
                                                                       "inboxmesh.turn": turn}):
                     await self._take_pending()
-                    reply = await self.host.call_model(self, schemas(self.tools_now()))
+                    offered = schemas(self.tools_now(), self.host.team_targets(self))
+                    reply = await self.host.call_model(self, offered)
                     assistant = reply.as_message()
                     self.conversation.messages.append(assistant)
                     done = []

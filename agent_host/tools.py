@@ -100,11 +100,22 @@ ALL_TOOLS = ("spawn_agent", "send_message", "reply", "list_agents", "close_agent
 SPACE_TOOLS = ("space_send", "space_read")
 
 
-def schemas(names: tuple[str, ...]) -> list[dict[str, Any]]:
+def schemas(names: tuple[str, ...], targets: list[str] | None = None) -> list[dict[str, Any]]:
+    """Tool schemas; `targets` (when given) are the only names send_message offers."""
     unknown = [n for n in names if n not in SPECS]
     if unknown:
         raise ValueError(f"unknown tools {unknown}; known: {sorted(SPECS)}")
-    return [{"type": "function", "function": {"name": n, **SPECS[n]}} for n in names]
+    found = []
+    for name in names:
+        spec = SPECS[name]
+        if name == "send_message" and targets:
+            params = spec["parameters"]
+            spec = {**spec, "description": "Send a message to another agent of your team (by name).",
+                    "parameters": {**params, "properties": {
+                        **params["properties"], "to": {"type": "string", "enum": targets,
+                                                       "description": "The agent's name."}}}}
+        found.append({"type": "function", "function": {"name": name, **spec}})
+    return found
 
 
 def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:

@@ -166,6 +166,9 @@ async def verify(client: MeshClient, host: Host, secret: str, spans=None) -> lis
             continue
         status = await view.status(report.message_id, sender=report.sender)
         e.check(status.envelope.kind == env_pb.MESSAGE_KIND_COMPLETION, f"{child.record.name}'s report is a completion")
+        announces = [x for x in of(K.EVENT_KIND_RUN_ANNOUNCED) if x.agent_id == child.agent_id]
+        e.check(len(announces) == 1 and report.message_id == f"inboxmesh:announce:{announces[0].message_id}",
+                f"{child.record.name}'s result was announced exactly once, by its run")
     if quoted:
         a_done = of(K.EVENT_KIND_TASK_COMPLETED, agent_id=a.agent_id)
         e.check(a_done and a_done[0].event_id > a_consumed[quoted[0].message_id].event_id,
@@ -200,7 +203,7 @@ async def run_once(mesh_address: str, model: Model, data_dir: Path, *, via_ioa: 
                    budget: Budget = BUDGET, spans=None, label: str = "") -> ScenarioResult:
     secret = f"SEC-{secrets.randbelow(10**6):06d}"
     config = HostConfig(mesh_address=mesh_address, data_dir=data_dir, budget=budget, yield_after_send=True,
-                        show_ids=False, route_via_ioa=via_ioa)
+                        show_ids=False, team_targets=True, route_via_ioa=via_ioa)
     log: list[HostEvent] = []
     started = time.time()
     async with Host(config, profiles(model)) as host:
