@@ -122,6 +122,7 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
     async def _write(self, node: _Node, queue: asyncio.Queue, stop: asyncio.Event, context) -> None:
         held: pb.NetworkFrame | None = None
         stopping = asyncio.create_task(stop.wait())
+        getting: asyncio.Task | None = None
         try:
             while True:
                 getting = asyncio.create_task(queue.get())
@@ -145,8 +146,10 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
                     node.reorder -= 1
                     await context.write(held)
                     held = None
-        finally:
+        finally:  # cancelled or done: leave no task behind
             stopping.cancel()
+            if getting is not None:
+                getting.cancel()
 
     def _enqueue(self, node: _Node, frame: pb.NetworkFrame) -> None:
         if node.queue is None or not node.connected:
