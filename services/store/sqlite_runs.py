@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import sqlite3
 
-from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
-from inboxmesh.registry.v1 import registry_pb2
 from inboxmesh.runs.v1 import runs_pb2
 from services import errors
 from services.store import sqlite_ops as ops
 from services.store.base import (
-    ACCEPTED,
     AGENT_OPEN,
     ANNOUNCE_PENDING,
     ANNOUNCED,
@@ -29,12 +26,15 @@ from services.store.base import (
     RunRecord,
     RunWork,
     SpawnLimits,
-    event_row,
 )
-from services.telemetry import trace_id_of
-
-_MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
-STATUS_NAME = {v: runs_pb2.RunStatus.Name(v).removeprefix("RUN_STATUS_").lower() for v in runs_pb2.RunStatus.values()}
+from services.store.run_rules import (
+    announce_envelope,
+    announce_events,
+    end,
+    keep_if_kept,
+    run_event,
+    settle,
+)
 
 
 def load(conn: sqlite3.Connection, *, run_id: str = "", child_id: str = "") -> RunRecord | None:
@@ -59,12 +59,6 @@ def _save(conn: sqlite3.Connection, run: RunRecord) -> None:
          run.SerializeToString(), run.run_id))
 
 
-def _event(events: list[tuple], run: RunRecord, kind: int, at_us: int, detail: str = "", seq: int = 0) -> None:
-    events.append(event_row(at_us, kind, run.child_id, message_id=run.run_id, sender=run.requester_id,
-                            recipient=run.requester_id, seq=seq, detail=detail,
-                            trace_id=trace_id_of(run.traceparent), conversation_id=run.conversation_id))
-
-
 def create_child(conn: sqlite3.Connection, events: list[tuple], record: AgentRecord, run: RunRecord,
                  limits: SpawnLimits) -> AgentRecord:
     if record.depth > limits.max_depth:
@@ -83,17 +77,8 @@ def create_child(conn: sqlite3.Connection, events: list[tuple], record: AgentRec
         "INSERT INTO runs (run_id, child_id, requester_id, active, announce_state, deadline_us, record)"
         " VALUES (?, ?, ?, 1, ?, ?, ?)",
         (run.run_id, run.child_id, run.requester_id, run.announce_state, run.deadline_us, run.SerializeToString()))
-    _event(events, run, ev.EVENT_KIND_RUN_CREATED, run.created_at_us, detail=run.label or run.task[:200])
+    run_event(events, run, ev.EVENT_KIND_RUN_CREATED, run.created_at_us, detail=run.label or run.task[:200])
     return record
-
-
-def _end(events: list[tuple], run: RunRecord, status: int, result: str, at_us: int) -> None:
-    run.status = status
-    run.result = result
-    run.ended_at_us = at_us
-    run.announce_state = ANNOUNCE_PENDING
-    run.archive_at_us = at_us + run.archive_after_us
-    _event(events, run, ev.EVENT_KIND_RUN_ENDED, at_us, detail=STATUS_NAME[status])
 
 
 def end_run(conn: sqlite3.Connection, events: list[tuple], run_id: str, status: int, result: str, at_us: int,
@@ -103,7 +88,7 @@ def end_run(conn: sqlite3.Connection, events: list[tuple], run_id: str, status: 
         return run, True
     if traceparent:
         run.traceparent = traceparent
-    _end(events, run, status, result, at_us)
+    end(events, run, status, result, at_us)
     _save(conn, run)
     return run, False
 
@@ -113,7 +98,7 @@ def end_runs_of_closed(conn: sqlite3.Connection, events: list[tuple], closed: li
     for agent in closed:
         run = load(conn, child_id=agent.agent_id)
         if run is not None and run.status == runs_pb2.RUN_STATUS_RUNNING:
-            _end(events, run, runs_pb2.RUN_STATUS_CLOSED, agent.close_reason, at_us)
+            end(events, run, runs_pb2.RUN_STATUS_CLOSED, agent.close_reason, at_us)
             _save(conn, run)
 
 
@@ -127,17 +112,7 @@ def mark_started(conn: sqlite3.Connection, events: list[tuple], recipient: str, 
     if run.task_message_id in message_ids:
         run.started_at_us = at_us
         _save(conn, run)
-        _event(events, run, ev.EVENT_KIND_RUN_STARTED, at_us)
-
-
-def announce_text(run: RunRecord) -> str:
-    if run.status == runs_pb2.RUN_STATUS_OK:
-        return run.result
-    if run.status == runs_pb2.RUN_STATUS_ERROR:
-        return f"The task failed: {run.result}"
-    if run.status == runs_pb2.RUN_STATUS_TIMEOUT:
-        return f"The task did not end in time: {run.result}"
-    return f"The subagent was closed before its task ended: {run.result}"
+        run_event(events, run, ev.EVENT_KIND_RUN_STARTED, at_us)
 
 
 def announce(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: int) -> AnnounceOutcome:
@@ -149,54 +124,32 @@ def announce(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: 
                           (run.child_id, message_id)).fetchone()
     envelope = None
     if stored is not None:  # stored by an attempt whose run update was lost: never store twice
-        _settle(events, run, ANNOUNCED, at_us, "duplicate: stored by an earlier attempt", stored[0])
+        settle(events, run, ANNOUNCED, at_us, "duplicate: stored by an earlier attempt", stored[0])
     else:
         inbox = ops.Inbox.load(conn, run.requester_id)
         if inbox is None:
-            _settle(events, run, REQUESTER_GONE, at_us, f"requester {run.requester_id} does not exist")
+            settle(events, run, REQUESTER_GONE, at_us, f"requester {run.requester_id} does not exist")
         elif inbox.state != AGENT_OPEN:
             reason = conn.execute("SELECT close_reason FROM agents WHERE agent_id = ?",
                                   (run.requester_id,)).fetchone()[0]
-            _settle(events, run, REQUESTER_GONE, at_us, f"requester {run.requester_id} is closed ({reason})")
+            settle(events, run, REQUESTER_GONE, at_us, f"requester {run.requester_id} is closed ({reason})")
         elif inbox.unconsumed >= inbox.capacity:
             detail = (f"requester {run.requester_id}'s inbox is full ({inbox.unconsumed} of {inbox.capacity});"
                       " retrying")
             if run.announce_detail != detail:
                 run.announce_detail = detail
-                _event(events, run, ev.EVENT_KIND_RUN_ANNOUNCE_DEFERRED, at_us, detail=detail)
+                run_event(events, run, ev.EVENT_KIND_RUN_ANNOUNCE_DEFERRED, at_us, detail=detail)
                 _save(conn, run)
             return AnnounceOutcome(run, retry=True)
         else:
-            envelope = envelope_pb2.Envelope(
-                message_id=message_id, sender=run.child_id, recipient=run.requester_id,
-                kind=envelope_pb2.MESSAGE_KIND_COMPLETION, content=envelope_pb2.Content(text=announce_text(run)),
-                in_reply_to=run.task_message_id, conversation_id=run.conversation_id,
-                trace=envelope_pb2.TraceContext(traceparent=run.traceparent), origin=_MESH_ORIGIN,
-                headers={"inboxmesh-run": run.run_id, "inboxmesh-run-status": STATUS_NAME[run.status]},
-                created_at_us=at_us)
+            envelope = announce_envelope(run, at_us)
             seq = ops._store(conn, inbox, envelope, at_us)
             inbox.save(conn)
-            common = dict(message_id=message_id, sender=run.child_id, recipient=run.requester_id, seq=seq,
-                          trace_id=trace_id_of(run.traceparent), in_reply_to=run.task_message_id,
-                          conversation_id=run.conversation_id)
-            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_SENT, run.requester_id,
-                                    detail=ops.RECEIPT_NAME[ACCEPTED], **common))
-            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_STORED, run.requester_id, **common))
-            _settle(events, run, ANNOUNCED, at_us, "accepted", seq)
-    if run.cleanup != registry_pb2.RUN_CLEANUP_DELETE:
-        run.cleaned_up_at_us = at_us
-        _event(events, run, ev.EVENT_KIND_RUN_CLEANED_UP, at_us, detail="kept")
+            events += announce_events(run, seq, at_us)
+            settle(events, run, ANNOUNCED, at_us, "accepted", seq)
+    keep_if_kept(events, run, at_us)
     _save(conn, run)
     return AnnounceOutcome(run, envelope)
-
-
-def _settle(events: list[tuple], run: RunRecord, state: int, at_us: int, detail: str, seq: int = 0) -> None:
-    run.announce_state = state
-    run.announce_detail = detail
-    run.announced_at_us = at_us
-    run.announce_sequence = seq
-    kind = ev.EVENT_KIND_RUN_ANNOUNCED if state == ANNOUNCED else ev.EVENT_KIND_RUN_REQUESTER_GONE
-    _event(events, run, kind, at_us, detail=detail, seq=seq)
 
 
 def finish_cleanup(conn: sqlite3.Connection, events: list[tuple], run_id: str, detail: str,
@@ -205,7 +158,7 @@ def finish_cleanup(conn: sqlite3.Connection, events: list[tuple], run_id: str, d
     if not run.cleaned_up_at_us:
         run.cleaned_up_at_us = at_us
         _save(conn, run)
-        _event(events, run, ev.EVENT_KIND_RUN_CLEANED_UP, at_us, detail=detail)
+        run_event(events, run, ev.EVENT_KIND_RUN_CLEANED_UP, at_us, detail=detail)
     return run
 
 
@@ -214,7 +167,7 @@ def archive(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: i
     if not run.archived_at_us:
         run.archived_at_us = at_us
         _save(conn, run)
-        _event(events, run, ev.EVENT_KIND_RUN_ARCHIVED, at_us)
+        run_event(events, run, ev.EVENT_KIND_RUN_ARCHIVED, at_us)
     return run
 
 
