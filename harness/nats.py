@@ -133,15 +133,23 @@ class NatsCluster:
         self.kill()
 
 
-async def wait_for_jetstream(urls: list[str], timeout: float = 30.0) -> None:
-    """Until JetStream answers (a cluster first elects its meta leader)."""
+async def wait_for_jetstream(urls: list[str], timeout: float = 30.0, replicas: int = 1) -> None:
+    """Until JetStream answers and can place a stream with `replicas`
+    replicas (a cluster first elects its meta leader, then learns its peers)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
         nc = None
         try:
             nc = await nats.connect(servers=urls, connect_timeout=1, max_reconnect_attempts=0)
-            await nc.jetstream().account_info()
+            js = nc.jetstream()
+            await js.account_info()
+            if replicas > 1:
+                from nats.js.api import StreamConfig
+
+                await js.add_stream(StreamConfig(name="READY_PROBE", subjects=["ready.probe"],
+                                                 num_replicas=replicas))
+                await js.delete_stream("READY_PROBE")
             return
         except Exception as exc:  # not ready yet: no meta leader, no connection
             last = exc

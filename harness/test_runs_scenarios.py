@@ -35,8 +35,9 @@ async def test_a_busy_parent_gets_the_announce_at_its_next_turn_once(mesh, clien
         await asyncio.wait_for(parent_model.waiting.wait(), 10)
         worker = by_name(host, "worker")
         run = await eventually(lambda: _announced(client, worker.record.run_id), message="announce stored")
+        await eventually(lambda: len(parent.pending) == 1, message="delivered to the host, waiting for the turn"
+                                                                    " boundary")
         assert parent.state == "running" and parent.record.turn == 2, "the parent is busy in turn 2"
-        assert len(parent.pending) == 1, "delivered to the host, waiting for the turn boundary"
         gate.set()
         await eventually(lambda: parent.record.completed, message="parent completed")
     record = await Record.read(client)

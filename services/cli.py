@@ -76,6 +76,13 @@ async def _up(args) -> int:
         admin_token=args.admin_token, capacity=args.capacity, allow_cross_scope=args.allow_cross_scope,
         heartbeat_interval_s=args.heartbeat_interval, synchronous=args.synchronous.upper(),
     )
+    if args.store == "jetstream":
+        if not args.nats:
+            print("inboxmesh: --store jetstream needs --nats URL[,URL...]", file=sys.stderr)
+            return 2
+        config = replace(config, store=replace(
+            config.store, backend="jetstream", nats_urls=tuple(args.nats.split(",")),
+            nats_replicas=args.nats_replicas, nats_namespace=args.nats_namespace))
     if args.routing:
         config = replace(config, routing=Path(args.routing))
     config = replace(config, runs=replace(
@@ -100,8 +107,10 @@ async def _up(args) -> int:
         print(f"inboxmesh: {exc.message}. Use --port 0 for any free port.", file=sys.stderr)
         return 1
     state = settings.write_state(data, mesh.address, config.admin_token)
-    print(f"inboxmesh listening on {mesh.address} (services: {', '.join(config.services)};"
-          f" store: sqlite {config.store.path})", flush=True)
+    where = (f"sqlite {config.store.path}" if config.store.backend == "sqlite"
+             else f"jetstream {','.join(config.store.nats_urls)} namespace {config.store.nats_namespace}")
+    print(f"inboxmesh listening on {mesh.address} (services: {', '.join(config.services)}; store: {where})",
+          flush=True)
     if mesh.relay is not None:
         print(f"inboxmesh: IOA relay node {mesh.relay.node_id!r} on network {args.ioa_network}", flush=True)
     print(f"inboxmesh: address and admin token written to {state}", flush=True)
@@ -287,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--allow-cross-scope", action="store_true", help="let agents send outside their own tree")
     up.add_argument("--ioa-network", metavar="HOST:PORT", help="connect this mesh to an IOA network (relay)")
     up.add_argument("--node-id", help="this mesh's node id on the IOA network (default: mesh-<port>)")
+    up.add_argument("--store", default="sqlite", choices=["sqlite", "jetstream"],
+                    help="sqlite: embedded file in --data-dir (default); jetstream: NATS JetStream (docs/jetstream.md)")
+    up.add_argument("--nats", metavar="URL[,URL]", help="NATS servers of the jetstream store")
+    up.add_argument("--nats-replicas", type=int, default=1, help="JetStream replicas (3 on a three-node cluster)")
+    up.add_argument("--nats-namespace", default="im", help="prefix of the mesh's streams and buckets")
     up.add_argument("--routing", metavar="FILE", help="routing config (YAML or TOML: agents.list, bindings,"
                     " ingress.tokens; docs/routing.md); serves the routing ingress")
     up.add_argument("--max-spawn-depth", type=int, help="deepest subagent allowed (default 3)")

@@ -12,7 +12,7 @@ class StoreConfig:
     """Where and how the mesh keeps its state."""
 
     backend: str = "sqlite"
-    """Store implementation. Only "sqlite" exists so far."""
+    """Store implementation: "sqlite" (embedded default) or "jetstream"."""
     path: Path = Path(".inboxmesh/mesh.db")
     """SQLite database file; its directory is created when missing."""
     synchronous: str = "FULL"
@@ -25,6 +25,20 @@ class StoreConfig:
     """Most queued operations joined into one transaction (group commit)."""
     busy_timeout_ms: int = 5_000
     """How long to wait for another process holding the database lock."""
+    nats_urls: tuple[str, ...] = ()
+    """NATS servers of the "jetstream" backend (any of a cluster's nodes)."""
+    nats_replicas: int = 1
+    """JetStream replicas of every stream and bucket (3 on a three-node cluster)."""
+    nats_timeout_s: float = 5.0
+    """Deadline of each JetStream request."""
+    nats_duplicate_window_s: float = 3600.0
+    """How long JetStream itself recognises a repeated message id (a durable
+    record covers the time after)."""
+    nats_namespace: str = "im"
+    """Prefix of the streams, subjects and buckets: several meshes (or test
+    runs) can share one NATS."""
+    max_inbox_capacity: int = 100_000
+    """The JetStream backend's per-subject limit: the largest inbox capacity."""
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ class Mesh:
             self.store, admin_token=config.admin_token, allow_cross_scope=config.limits.allow_cross_scope
         )
         self.hub = DeliveryHub(self.store, config.limits, config.heartbeat_interval_s)
+        self.store.add_append_listener(self.hub.wake_agent)
         self.registry = RegistryService(self.store, self.directory, config.limits)
         self.inbox = InboxService(self.store, self.directory, config.limits, self.hub)
         self.events = EventsService(self.store, self.directory)

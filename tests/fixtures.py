@@ -5,7 +5,11 @@ installed once for the session."""
 from __future__ import annotations
 
 import asyncio
+import atexit
+import os
+import tempfile
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,10 +40,30 @@ def spans():
     _EXPORTER.clear()
 
 
+STORE = os.environ.get("INBOXMESH_TEST_STORE", "sqlite")
+"""Which store the mesh fixtures use: sqlite (default) or jetstream (a
+nats-server started once for the session; each config gets its own
+namespace on it)."""
+_NATS: dict[str, object] = {}
+
+
+def store_config(tmp_path: Path) -> StoreConfig:
+    if STORE != "jetstream":
+        return StoreConfig(path=tmp_path / "mesh.db")
+    if "node" not in _NATS:
+        from harness.nats import NatsNode
+
+        node = NatsNode(Path(tempfile.mkdtemp(prefix="inboxmesh-nats-"))).start()
+        atexit.register(node.kill)
+        _NATS["node"] = node
+    return StoreConfig(backend="jetstream", nats_urls=(_NATS["node"].url,),
+                       nats_namespace=f"t{uuid.uuid4().hex[:12]}", path=tmp_path / "mesh.db")
+
+
 def make_config(tmp_path: Path, **limits) -> MeshConfig:
     return MeshConfig(
         port=0,
-        store=StoreConfig(path=tmp_path / "mesh.db"),
+        store=store_config(tmp_path),
         limits=replace(InboxLimits(), **limits),
         admin_token=ADMIN_TOKEN,
         heartbeat_interval_s=0.5,

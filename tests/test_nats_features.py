@@ -49,7 +49,7 @@ async def test_one_node_rejects_a_full_subject_dedupes_and_survives_kill_9(tmp_p
 
 async def test_a_three_node_cluster_keeps_serving_with_one_node_down(tmp_path):
     with NatsCluster(tmp_path) as cluster:
-        await wait_for_jetstream(cluster.urls)
+        await wait_for_jetstream(cluster.urls, replicas=3)
         nc = await nats.connect(servers=cluster.urls)
         js = nc.jetstream()
         await js.add_stream(inbox_stream(replicas=3, capacity=100))

@@ -237,10 +237,22 @@ class DeliveryHub:
         return released
 
     def on_appended(self, envelopes: list[envelope_pb2.Envelope]) -> None:
+        if not self.store.fresh_delivery:
+            for envelope in envelopes:
+                self.wake_agent(envelope.recipient)
+            return
         for envelope in envelopes:
             owner = self._owners.get(envelope.recipient)
             if owner is not None and owner[1].offer(envelope):
                 owner[0].wake.set()
+
+    def wake_agent(self, agent_id: str) -> None:
+        """Something was appended to the agent's inbox (maybe by another
+        process): its feed reads the store."""
+        owner = self._owners.get(agent_id)
+        if owner is not None:
+            owner[1].needs_store = True
+            owner[0].wake.set()
 
     def on_acked(self, agent_id: str, sequences: list[int]) -> None:
         owner = self._owners.get(agent_id)

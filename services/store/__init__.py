@@ -13,6 +13,11 @@ def open_store(config: StoreConfig) -> Store:
         from services.store.sqlite import SqliteStore
 
         return SqliteStore(config)
+    if config.backend == "jetstream":
+        from services.store.jetstream import JetStreamStore
+
+        return JetStreamStore(config)
     from services.errors import InvalidArgument
 
-    raise InvalidArgument(f"unknown store backend {config.backend!r}; known: 'sqlite'", reason="BAD_CONFIG")
+    raise InvalidArgument(f"unknown store backend {config.backend!r}; known: 'sqlite', 'jetstream'",
+                          reason="BAD_CONFIG")

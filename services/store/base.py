@@ -228,6 +228,15 @@ class Store(abc.ABC):
     """Durable state of the mesh. All methods are coroutines; results are
     returned only after the change is durable."""
 
+    fresh_delivery = True
+    """Whether just-appended messages may be streamed from memory
+    (mark_delivered): inbox sequences are contiguous and this process sees
+    every append. False for a store shared by several processes."""
+
+    def add_append_listener(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(agent_id)` when another process appended to that
+        agent's inbox (a store only one process uses never does)."""
+
     @abc.abstractmethod
     async def start(self) -> None: ...
 

@@ -1,0 +1,149 @@
+"""The delivery contract on every store backend: the same scenarios against a
+mesh on SQLite and on JetStream (a real nats-server). Sequences are read
+from receipts, not assumed: they increase within an inbox on both backends,
+and are contiguous from 1 only on SQLite (docs/jetstream.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import replace
+
+import pytest
+
+from harness.evidence import Record
+from harness.nats import NatsNode
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from inboxmesh.registry.v1 import registry_pb2 as reg
+from inboxmesh.runs.v1 import runs_pb2 as runs
+from services.client import MeshClient
+from services.config import StoreConfig
+from services.server import Mesh
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config
+from tests.streams import Collector
+
+ACCEPTED = pb.RECEIPT_STATUS_ACCEPTED
+
+
+@pytest.fixture(scope="module")
+def nats_node(tmp_path_factory):
+    node = NatsNode(tmp_path_factory.mktemp("nats")).start()
+    yield node
+    node.kill()
+
+
+@pytest.fixture(params=["sqlite", "jetstream"])
+async def client(request, tmp_path):
+    config = make_config(tmp_path)
+    if request.param == "jetstream":
+        node = request.getfixturevalue("nats_node")
+        config = replace(config, store=StoreConfig(backend="jetstream", nats_urls=(node.url,),
+                                                   nats_namespace=f"c{uuid.uuid4().hex[:12]}"))
+    else:
+        config = replace(config, store=StoreConfig(path=tmp_path / "mesh.db"))
+    async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as c:
+        c.backend = request.param
+        yield c
+
+
+async def test_send_deliver_ack_exactly_once_and_duplicates(client):
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    receipts = [await a.send(b.agent_id, f"m{i}", message_id=f"id-{i}") for i in range(5)]
+    assert [r.status for r in receipts] == [ACCEPTED] * 5
+    sequences = [r.sequence for r in receipts]
+    assert sequences == sorted(sequences) and len(set(sequences)) == 5, "one order per inbox"
+    if client.backend == "sqlite":
+        assert sequences == [1, 2, 3, 4, 5]
+    again = await a.send(b.agent_id, "m0", message_id="id-0")
+    assert (again.status, again.sequence) == (pb.RECEIPT_STATUS_DUPLICATE, sequences[0])
+    inbox = Collector(b)
+    try:
+        got = await inbox.wait_for(5)
+        assert [m.content.text for m in got] == [f"m{i}" for i in range(5)], "FIFO per pair"
+        first = await b.ack(m.sequence for m in got)
+        second = await b.ack(m.sequence for m in got)
+    finally:
+        await inbox.stop()
+    assert {r.status for r in first} == {pb.ACK_STATUS_CONSUMED}
+    assert {r.status for r in second} == {pb.ACK_STATUS_ALREADY_CONSUMED}, "consumed once"
+    assert (await a.status("id-3")).state == pb.MESSAGE_STATE_CONSUMED
+    record = await Record.read(client)
+    assert len(record.of(ev.EVENT_KIND_MESSAGE_CONSUMED, agent_id=b.agent_id)) == 5
+
+
+async def test_a_full_inbox_rejects_and_never_evicts(client):
+    lead = await client.register("lead")
+    small = await lead.spawn("small", inbox_capacity=3)
+    sender = await lead.spawn("sender")
+    receipts = [await sender.send(small.agent_id, f"m{i}") for i in range(5)]
+    assert [r.status for r in receipts] == [ACCEPTED] * 3 + [pb.RECEIPT_STATUS_INBOX_FULL] * 2
+    assert "capacity 3" in receipts[3].detail
+    for r in receipts[:3]:
+        assert (await sender.status(r.message_id)).state == pb.MESSAGE_STATE_QUEUED, "nothing evicted"
+    assert [r.status for r in await small.ack([receipts[0].sequence])] == [pb.ACK_STATUS_CONSUMED]
+    retry = await sender.send(small.agent_id, "m3", message_id=receipts[3].message_id)
+    assert retry.status == ACCEPTED and retry.sequence > receipts[2].sequence, "room again after a consume"
+
+
+async def test_close_dead_letters_tells_senders_and_refuses_new_sends(client):
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    sent = await a.send(b.agent_id, "will die")
+    await lead.close(b.agent_id, reason="finished early")
+    status = await a.status(sent.message_id)
+    assert (status.state, status.dead_letter_reason) == (pb.MESSAGE_STATE_DEAD_LETTERED, "recipient closed")
+    inbox = Collector(a)
+    try:
+        [notice] = await inbox.wait_for(1)
+    finally:
+        await inbox.stop()
+    assert notice.in_reply_to == sent.message_id and "recipient closed" in notice.content.text
+    late = await a.send(b.agent_id, "too late")
+    assert late.status == pb.RECEIPT_STATUS_TARGET_CLOSED
+    dead = await a.dead_letters(sender=a.agent_id)
+    assert [d.envelope.message_id for d in dead] == [sent.message_id]
+
+
+async def test_concurrent_senders_keep_pair_fifo(client):
+    lead = await client.register("lead")
+    target = await lead.spawn("target")
+    senders = [await lead.spawn(f"s{i}") for i in range(4)]
+
+    async def blast(sender):
+        for n in range(10):
+            assert (await sender.send(target.agent_id, f"{sender.agent_id}:{n}")).status == ACCEPTED
+
+    await asyncio.gather(*(blast(s) for s in senders))
+    inbox = Collector(target, auto_ack=True)
+    try:
+        got = await inbox.wait_for(40, timeout=20)
+    finally:
+        await inbox.stop()
+    assert [m.sequence for m in got] == sorted(m.sequence for m in got)
+    for sender in senders:
+        mine = [int(m.content.text.split(":")[1]) for m in got if m.sender == sender.agent_id]
+        assert mine == list(range(10))
+
+
+async def test_a_run_is_announced_exactly_once(client):
+    lead = await client.register("lead")
+    child = await lead.spawn("worker", run=reg.RunSpec(task="job", task_message_id="task-job"))
+    results = await asyncio.gather(*(child.end_run(f"done {i}") for i in range(4)))
+    assert sum(not r.already_ended for r in results) == 1
+    run = await eventually(lambda: _announced(client, child.run_id), message="announced")
+    assert run.status == runs.RUN_STATUS_OK
+    inbox = Collector(lead)
+    try:
+        [report] = await inbox.wait_for(1)
+        await asyncio.sleep(0.3)
+        assert len(inbox.messages) == 1
+    finally:
+        await inbox.stop()
+    assert report.message_id == f"inboxmesh:announce:{child.run_id}" and report.in_reply_to == "task-job"
+
+
+async def _announced(client, run_id):
+    run = await client.admin_run(run_id=run_id)
+    return run if run.announce_state == runs.ANNOUNCE_STATE_ANNOUNCED else None
