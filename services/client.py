@@ -30,6 +30,7 @@ _IDEMPOTENT = {
     "inboxmesh.inbox.v1.InboxService": ["Send", "Ack", "GetMessageStatus", "ListDeadLetters"],
     "inboxmesh.registry.v1.RegistryService": ["GetAgent", "ResolveAgent", "ListAgents", "CloseAgent"],
     "inboxmesh.events.v1.EventService": ["ListEvents"],
+    "inboxmesh.runs.v1.SubagentRunService": ["EndRun", "GetRun", "ListRuns"],
 }
 SERVICE_CONFIG = json.dumps(
     {

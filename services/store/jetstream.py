@@ -16,11 +16,14 @@ number of mesh processes can share one NATS.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 
 import nats
+import nats.errors
 from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import APIError as NatsApiError
 from nats.js.errors import BadRequestError, NotFoundError
 
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -572,6 +575,33 @@ class JetStreamStore(base.Store):
         )
 
 
+def _unavailable_on_nats_errors(cls):
+    """Every store call: a NATS failure (disconnected, timed out, no
+    JetStream leader) is reported as Unavailable. Retrying is safe: sends
+    carry their message ids, acks and state changes are compare-and-set."""
+    for name in base.Store.__abstractmethods__:
+        method = getattr(cls, name)
+        if not asyncio.iscoroutinefunction(method):
+            continue
+
+        def wrap(method=method, name=name):
+            @functools.wraps(method)
+            async def call(self, *args, **kwargs):
+                try:
+                    return await method(self, *args, **kwargs)
+                except errors.MeshError:
+                    raise
+                except (nats.errors.Error, asyncio.TimeoutError, TimeoutError, NatsApiError, OSError) as exc:
+                    raise errors.Unavailable(
+                        f"NATS JetStream did not answer ({type(exc).__name__}: {exc}); retry with the same"
+                        " message ids (a send may have been stored; a retry is then a duplicate)",
+                        reason="STORE_UNAVAILABLE") from None
+            return call
+
+        setattr(cls, name, wrap())
+    return cls
+
+
 def _matches(event: ev.Event, query: EventQuery) -> bool:
     if query.message_id and event.message_id != query.message_id:
         return False
@@ -581,3 +611,5 @@ def _matches(event: ev.Event, query: EventQuery) -> bool:
         return False
     return not query.kinds or event.kind in query.kinds
 
+
+_unavailable_on_nats_errors(JetStreamStore)

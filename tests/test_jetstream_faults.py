@@ -1,0 +1,241 @@
+"""Faults on the JetStream backend with several stateless mesh replicas
+(real `inboxmesh up` processes on real nats-server processes). Each test
+counts what was sent, accepted and consumed and requires every accepted
+message to be consumed exactly once (from the event record), nothing else
+consumed, and nothing accepted lost."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import pytest
+
+from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services import errors
+from services.client import MeshClient
+from tests.fixtures import ADMIN_TOKEN, eventually
+from tests.processes import MeshProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def replica(tmp_path, urls: list[str], name: str, replicas: int = 1) -> MeshProcess:
+    return MeshProcess(tmp_path / name, "--store", "jetstream", "--nats", ",".join(urls),
+                       "--nats-replicas", str(replicas))
+
+
+class Traffic:
+    """A sender that keeps sending (retrying each message with the same id
+    until it gets a receipt, on any replica that answers) and a consumer
+    that acks everything it gets, moving to another replica when its stream
+    breaks."""
+
+    def __init__(self, addresses: list[str], sender, target):
+        self.addresses = addresses
+        self.sender_info = (sender.info, sender.credential)
+        self.target_info = (target.info, target.credential)
+        self.accepted: dict[str, int] = {}
+        self.sent = 0
+        self.received: list[str] = []
+        self.acked: set[str] = set()
+        self.stop = asyncio.Event()
+
+    async def send(self, count: int, pause: float = 0.002) -> None:
+        clients = [MeshClient(a, timeout=2.0) for a in self.addresses]
+        current = 0
+        try:
+            for i in range(count):
+                message_id = f"m-{i}"
+                self.sent += 1
+                for _ in range(600):
+                    client = clients[current]
+                    try:
+                        receipt = await client.agent(*self.sender_info).send(self.target_info[0].agent_id,
+                                                                              f"n{i}", message_id=message_id)
+                    except errors.MeshError:
+                        current = (current + 1) % len(clients)  # this replica failed: the next one
+                        await asyncio.sleep(0.05)
+                        continue
+                    assert receipt.status in (pb.RECEIPT_STATUS_ACCEPTED, pb.RECEIPT_STATUS_DUPLICATE), receipt
+                    self.accepted[message_id] = receipt.sequence
+                    break
+                else:
+                    raise AssertionError(f"{message_id} never got a receipt")
+                await asyncio.sleep(pause)
+        finally:
+            for client in clients:
+                await client.close()
+
+    async def consume(self) -> None:
+        turn = 0
+        while not self.stop.is_set():
+            address = self.addresses[turn % len(self.addresses)]
+            turn += 1
+            client = MeshClient(address, timeout=2.0)
+            target = client.agent(*self.target_info)
+            call = target.subscribe(64)
+            try:
+                async for response in call:
+                    if response.WhichOneof("event") != "deliveries":
+                        continue
+                    batch = list(response.deliveries.messages)
+                    self.received += [m.message_id for m in batch]
+                    await target.ack(m.sequence for m in batch)
+                    self.acked.update(m.message_id for m in batch)
+            except Exception:  # the replica went away (or its stream broke): take another
+                await asyncio.sleep(0.1)
+            finally:
+                call.cancel()
+                await client.close()
+
+    async def check(self, admin: MeshClient) -> None:
+        """Every accepted message consumed exactly once, nothing else: the
+        stored state of each message, and the event record."""
+        assert self.sent == len(self.accepted), "every send got a receipt in the end"
+        sender = admin.agent(*self.sender_info)
+        states = {mid: (await sender.status(mid)).state for mid in self.accepted}
+        assert {mid for mid, state in states.items() if state != pb.MESSAGE_STATE_CONSUMED} == set(), \
+            "every accepted message consumed"
+        consumed = await _events(admin, self.target_info[0].agent_id, ev.EVENT_KIND_MESSAGE_CONSUMED)
+        ids = [e.message_id for e in consumed]
+        assert len(ids) == len(set(ids)), "no message consumed twice"
+        assert set(ids) <= set(self.accepted), "nothing consumed that was not accepted"
+        self.missing_events = set(self.accepted) - set(ids)
+
+
+async def _settled(traffic: Traffic) -> bool:
+    """Every accepted message acked by the consumer, or consumed by an ack
+    whose answer was lost with its replica."""
+    left = set(traffic.accepted) - traffic.acked
+    if not left:
+        return True
+    async with MeshClient(traffic.addresses[-1]) as client:
+        sender = client.agent(*traffic.sender_info)
+        for message_id in left:
+            if (await sender.status(message_id)).state != pb.MESSAGE_STATE_CONSUMED:
+                return False
+    return True
+
+
+async def _events(admin: MeshClient, agent_id: str, kind: int) -> list[ev.Event]:
+    found, after = [], 0
+    while True:
+        page = await admin.admin_events(agent_id=agent_id, after=after, limit=1000)
+        if not page:
+            return [e for e in found if e.kind == kind and e.agent_id == agent_id]
+        found += page
+        after = page[-1].event_id
+
+
+async def _pair(address: str):
+    async with MeshClient(address, admin_token=ADMIN_TOKEN) as client:
+        lead = await client.register(f"lead-{uuid.uuid4().hex[:6]}")
+        sender = await lead.spawn("sender")
+        target = await lead.spawn("target", inbox_capacity=100_000)
+        return sender, target
+
+
+@contextlib.asynccontextmanager
+async def running(traffic: Traffic, count: int):
+    consumer = asyncio.create_task(traffic.consume())
+    sender = asyncio.create_task(traffic.send(count))
+    try:
+        yield sender
+        await sender
+        await eventually(lambda: _settled(traffic), timeout=60, message="every accepted message acked")
+    finally:
+        sender.cancel()
+        traffic.stop.set()
+        consumer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
+
+
+async def test_a_killed_replica_loses_nothing_and_its_host_resumes_on_another(tmp_path):
+    with NatsNode(tmp_path / "nats") as node:
+        with replica(tmp_path, [node.url], "r1") as r1, replica(tmp_path, [node.url], "r2") as r2:
+            sender, target = await _pair(r1.address)
+            traffic = Traffic([r1.address, r2.address], sender, target)
+            async with running(traffic, 300):
+                await eventually(lambda: len(traffic.received) >= 60, timeout=30, message="traffic flowing")
+                r1.kill()  # kill -9 mid-stream: the consumer moves to r2, the sender retries there
+            async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
+                await traffic.check(admin)
+
+
+async def test_a_restarted_nats_node_loses_nothing_accepted(tmp_path):
+    node = NatsNode(tmp_path / "nats").start()
+    try:
+        with replica(tmp_path, [node.url], "r1") as r1:
+            sender, target = await _pair(r1.address)
+            traffic = Traffic([r1.address], sender, target)
+            async with running(traffic, 200):
+                await eventually(lambda: len(traffic.received) >= 50, timeout=30, message="traffic flowing")
+                node.kill()  # file storage: what was acknowledged is on disk
+                await asyncio.sleep(1.0)
+                node.start()
+            async with MeshClient(r1.address, admin_token=ADMIN_TOKEN) as admin:
+                await traffic.check(admin)
+    finally:
+        node.kill()
+
+
+async def test_one_node_of_three_stopped_while_traffic_flows(tmp_path):
+    with NatsCluster(tmp_path / "nats") as cluster:
+        await wait_for_jetstream(cluster.urls, replicas=3)
+        with replica(tmp_path, cluster.urls, "r1", replicas=3) as r1, \
+                replica(tmp_path, cluster.urls, "r2", replicas=3) as r2:
+            sender, target = await _pair(r1.address)
+            traffic = Traffic([r1.address, r2.address], sender, target)
+            async with running(traffic, 200):
+                await eventually(lambda: len(traffic.received) >= 50, timeout=30, message="traffic flowing")
+                cluster.nodes[0].stop()
+            async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
+                await traffic.check(admin)
+
+
+async def test_retries_after_timeouts_are_duplicates_and_a_crashed_host_gets_its_messages_again(tmp_path):
+    with NatsNode(tmp_path / "nats") as node, replica(tmp_path, [node.url], "r1") as r1:
+        sender, target = await _pair(r1.address)
+        accepted: dict[str, int] = {}
+        async with MeshClient(r1.address, timeout=0.004) as hasty, MeshClient(r1.address) as patient:
+            for i in range(60):
+                message_id = f"t-{i}"
+                try:  # a deadline too short: the mesh may store it although the caller gave up
+                    await hasty.agent(sender.info, sender.credential).send(target.agent_id, "x", message_id=message_id)
+                except errors.MeshError:
+                    pass
+                receipt = await patient.agent(sender.info, sender.credential).send(target.agent_id, "x",
+                                                                                    message_id=message_id)
+                assert receipt.status in (pb.RECEIPT_STATUS_ACCEPTED, pb.RECEIPT_STATUS_DUPLICATE)
+                accepted[message_id] = receipt.sequence
+            assert len(set(accepted.values())) == 60, "one stored copy per message id"
+            # a host gets the messages and dies before acking: they come again, and are consumed once
+            view = patient.agent(target.info, target.credential)
+            crashed = view.subscribe(64)
+            got = []
+            async for response in crashed:
+                if response.WhichOneof("event") == "deliveries":
+                    got += response.deliveries.messages
+                    if len(got) >= 60:
+                        break
+            crashed.cancel()
+            again = view.subscribe(64)
+            redelivered = []
+            async for response in again:
+                if response.WhichOneof("event") == "deliveries":
+                    batch = list(response.deliveries.messages)
+                    redelivered += batch
+                    await view.ack(m.sequence for m in batch)
+                    if len(redelivered) >= 60:
+                        break
+            again.cancel()
+        assert {m.message_id for m in redelivered} == set(accepted)
+        assert all(m.delivery_attempt == 2 for m in redelivered), "the second delivery of each"
+        async with MeshClient(r1.address, admin_token=ADMIN_TOKEN) as admin:
+            consumed = await _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_CONSUMED)
+        assert sorted(e.message_id for e in consumed) == sorted(accepted)
