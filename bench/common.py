@@ -50,7 +50,7 @@ def summarize(system: str, concurrency: int, sent_ns: dict, consumed_ns: dict, c
     """The result line: throughput, latency percentiles and CPU per message."""
     missing = set(sent_ns) - set(consumed_ns)
     if missing:
-        raise SystemExit(f"{system}: {len(missing)} messages were never consumed")
+        raise SystemExit(f"{system}: {len(missing)} messages were never consumed: {sorted(missing)[:10]}")
     latencies_ms = [(consumed_ns[k] - sent_ns[k]) / 1e6 for k in sent_ns]
     elapsed_s = (max(consumed_ns.values()) - min(sent_ns.values())) / 1e9
     n = len(sent_ns)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,13 +34,15 @@ from bench.procs import Child, read_command  # noqa: E402
 WARMUP = 300
 
 
-async def run_sender(address: str, agent_id: str, credential: str, recipient: str, n: int, c: int) -> None:
+async def run_sender(address: str, agent_id: str, credential: str, recipient: str, n: int, c: int,
+                     events_address: str = "") -> None:
     from inboxmesh.events.v1 import events_pb2 as ev
     from inboxmesh.inbox.v1 import inbox_pb2 as pb
     from services.client import MeshClient, envelope
 
-    async with MeshClient(address) as client:
+    async with MeshClient(address) as client, MeshClient(events_address or address) as events_client:
         me = client.agent(agent_id, credential)
+        watcher_view = events_client.agent(agent_id, credential)  # the receiver's replica records its acks
         window = asyncio.Semaphore(c)
         consumed = 0
         all_consumed = asyncio.Event()
@@ -49,7 +52,7 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
             nonlocal consumed
             # the receiver's consumptions (its inbox only ever holds this sender's messages)
             receiver_id = recipient.rpartition("/")[2]
-            async for _ in me.watch_events(agent_id=receiver_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED],
+            async for _ in watcher_view.watch_events(agent_id=receiver_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED],
                                            from_now=True):
                 consumed += 1
                 window.release()
@@ -109,7 +112,12 @@ async def run_receiver(address: str, agent_id: str, credential: str) -> None:
         consumed_ns: dict[str, int] = {}
 
         async def report():
-            await read_command()
+            command = await read_command()  # "report <n>": the sender saw n consumptions in the event record
+            expected = int(command.split()[1]) if len(command.split()) > 1 else 0
+            for _ in range(500):  # the ack's answer may reach this process just after its event reached the sender
+                if sum(1 for k in consumed_ns if k.startswith("m")) >= expected:
+                    break
+                await asyncio.sleep(0.01)
             print("consumed " + json.dumps({k: v for k, v in consumed_ns.items() if k.startswith("m")}), flush=True)
             stream.stop()
 
@@ -138,44 +146,72 @@ async def setup_agents(address: str) -> tuple:
         return sender, receiver
 
 
-def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False) -> dict:
+def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store: str = "sqlite",
+        replicas: int = 1) -> dict:
+    """One measurement. With the jetstream store a nats-server (file
+    storage) runs beside the mesh; with two replicas the sender talks to the
+    first mesh process and the receiver to the second."""
     env = python_env()
     me = [sys.executable, str(Path(__file__).resolve())]
     cli = [sys.executable, "-m", "services.cli", "--log-level", "warning"]
     with tempfile.TemporaryDirectory(prefix="meshbench") as data:
         children = []
+        nats_node = None
         extra = []
         if via_ioa:
             network = Child("ioa-server", [*cli, "ioa-server", "--port", "0"], env)
             children.append(network)
             extra = ["--ioa-network", network.expect("ioa network listening on "), "--node-id", "bench"]
-        mesh = Child("mesh", [*cli, "up", "--port", "0", "--no-demo", "--data-dir", data, "--synchronous",
-                              synchronous, *extra], env)
-        children.append(mesh)
+        if store == "jetstream":
+            from harness.nats import NatsNode
+
+            nats_node = NatsNode(Path(data) / "nats").start()
+            extra += ["--store", "jetstream", "--nats", nats_node.url]
+        meshes = [Child(f"mesh{i}", [*cli, "up", "--port", "0", "--no-demo", "--data-dir", f"{data}/m{i}",
+                                     "--synchronous", synchronous, *extra], env) for i in range(replicas)]
+        children += meshes
         try:
-            address = mesh.expect("inboxmesh listening on ").split()[0]
-            sender, receiver = asyncio.run(setup_agents(address))
+            addresses = [m.expect("inboxmesh listening on ").split()[0] for m in meshes]
+            sender, receiver = asyncio.run(setup_agents(addresses[0]))
             target = f"ioa:bench/{receiver.agent_id}" if via_ioa else receiver.agent_id
-            recv = Child("receiver", [*me, "--role", "receiver", "--address", address, "--agent",
+            recv = Child("receiver", [*me, "--role", "receiver", "--address", addresses[-1], "--agent",
                                       receiver.agent_id, "--credential", receiver.credential], env)
             children.append(recv)
             recv.expect("ready", others=children)
-            send = Child("sender", [*me, "--role", "sender", "--address", address, "--agent", sender.agent_id,
+            send = Child("sender", [*me, "--role", "sender", "--address", addresses[0], "--agent", sender.agent_id,
                                     "--credential", sender.credential, "--recipient", target,
+                                    "--events-address", addresses[-1],
                                     "--messages", str(n), "--concurrency", str(c)], env)
             children.append(send)
             send.expect("warmed", others=children)
-            before = {"mesh": mesh.cpu(), "sender": send.cpu(), "receiver": recv.cpu()}
+            processes = {**{m.name: m for m in meshes}, "sender": send, "receiver": recv}
+            before = {k: p.cpu() for k, p in processes.items()}
+            nats_before = _cpu_of(nats_node)
             send.send("go")
             sent_ns = json.loads(send.expect("sent ", timeout=600, others=children))
-            after = {"mesh": mesh.cpu(), "sender": send.cpu(), "receiver": recv.cpu()}
-            recv.send("report")
+            after = {k: p.cpu() for k, p in processes.items()}
+            cpu = {k: after[k] - before[k] for k in before}
+            if nats_node is not None:
+                cpu["nats"] = _cpu_of(nats_node) - nats_before
+            recv.send(f"report {len(sent_ns)}")
             consumed_ns = json.loads(recv.expect("consumed ", others=children))
-            return summarize("inboxmesh-ioa" if via_ioa else "inboxmesh", c, sent_ns, consumed_ns,
-                             {k: after[k] - before[k] for k in before})
+            name = "inboxmesh-ioa" if via_ioa else "inboxmesh"
+            if store == "jetstream":
+                name += f"-jetstream-{replicas}r"
+            return summarize(name, c, sent_ns, consumed_ns, cpu)
         finally:
             for child in reversed(children):
                 child.close()
+            if nats_node is not None:
+                nats_node.kill()
+
+
+def _cpu_of(node) -> float:
+    """CPU seconds used so far by a nats-server process."""
+    if node is None:
+        return 0.0
+    fields = Path(f"/proc/{node.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -187,6 +223,12 @@ def main() -> None:
     parser.add_argument("--via-ioa", action="store_true",
                         help="send through the mesh's IOA relay and a reference IOA network (sender and receiver"
                              " on the same node, so every message crosses the network)")
+    parser.add_argument("--store", default="sqlite", choices=["sqlite", "jetstream"],
+                        help="the mesh's store (jetstream: a nats-server with file storage beside it)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="mesh processes on the jetstream store (the sender uses the first, the receiver the"
+                             " last)")
+    parser.add_argument("--events-address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--agent", help=argparse.SUPPRESS)
@@ -195,11 +237,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "sender":
         asyncio.run(run_sender(args.address, args.agent, args.credential, args.recipient, args.messages,
-                               args.concurrency))
+                               args.concurrency, args.events_address))
     elif args.role == "receiver":
         asyncio.run(run_receiver(args.address, args.agent, args.credential))
     else:
-        emit(run(args.messages, args.concurrency, args.synchronous, args.via_ioa))
+        emit(run(args.messages, args.concurrency, args.synchronous, args.via_ioa, args.store, args.replicas))
 
 
 if __name__ == "__main__":

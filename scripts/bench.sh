@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up the project's .venv and AutoGen's own .venv-autogen (AutoGen's grpc
 # extra pins grpcio 1.70), then run the comparison and rewrite the results
-# in docs/benchmarks.md. Extra arguments go to bench/run.py.
+# in docs/benchmarks.md (then the store comparison, bench/store_run.py). Extra
+# arguments go to bench/run.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
@@ -11,4 +12,6 @@ if [ ! -x .venv-autogen/bin/python ] || ! cmp -s bench/autogen-requirements.txt 
   .venv-autogen/bin/python -m pip install --quiet -r bench/autogen-requirements.txt >&2
   cp bench/autogen-requirements.txt .venv-autogen/.requirements
 fi
-exec .venv/bin/python bench/run.py "$@"
+.venv/bin/python bench/run.py "$@"
+# the stores: SQLite, JetStream with one and with two mesh processes
+exec .venv/bin/python bench/store_run.py

@@ -39,7 +39,8 @@ _sub_ids = itertools.count(1)
 class Feed:
     """One agent's delivery state on one subscription."""
 
-    __slots__ = ("agent_id", "max_in_flight", "cursor", "in_flight", "fresh", "fresh_limit", "needs_store", "ended")
+    __slots__ = ("agent_id", "max_in_flight", "cursor", "in_flight", "fresh", "fresh_limit", "needs_store", "ended",
+                 "woken")
 
     def __init__(self, agent_id: str, max_in_flight: int):
         self.agent_id = agent_id
@@ -50,6 +51,9 @@ class Feed:
         self.fresh_limit = max(64, 2 * max_in_flight)
         self.needs_store = True
         self.ended: tuple[int, str] | None = None
+        self.woken = 0
+        """Counts wake-ups for appends the feed must read from the store; a
+        read that raced one does not clear needs_store."""
 
     @property
     def room(self) -> int:
@@ -145,6 +149,7 @@ class Subscription:
 
     async def _read_store(self, feed: Feed) -> list[envelope_pb2.Envelope]:
         limit = feed.room
+        woken = feed.woken
         found = await self.hub.store.next_deliveries(
             feed.agent_id, feed.cursor, limit, self.hub.limits.max_delivery_attempts, now_us()
         )
@@ -162,7 +167,7 @@ class Subscription:
         for envelope in found.messages:
             feed.cursor = max(feed.cursor, envelope.sequence)
             feed.in_flight.add(envelope.sequence)
-        if len(found.messages) + len(found.dead_lettered) < limit:
+        if len(found.messages) + len(found.dead_lettered) < limit and feed.woken == woken:
             feed.needs_store = False
             while feed.fresh and feed.fresh[0].sequence <= feed.cursor:
                 feed.fresh.popleft()
@@ -252,6 +257,7 @@ class DeliveryHub:
         owner = self._owners.get(agent_id)
         if owner is not None:
             owner[1].needs_store = True
+            owner[1].woken += 1
             owner[0].wake.set()
 
     def on_acked(self, agent_id: str, sequences: list[int]) -> None:

@@ -71,6 +71,8 @@ class JetStreamStore(base.Store):
         self._append_listeners: list[Callable] = []
         self._pending_events: set[asyncio.Task] = set()
         self._subscription = None
+        self._settled_starts: set[str] = set()
+        """Agents whose run has started, or that have none: acks need no run lookup."""
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -483,9 +485,15 @@ class JetStreamStore(base.Store):
                 await self.end_run(run.run_id, runs_pb2.RUN_STATUS_CLOSED, agent.close_reason, at_us)
 
     async def _mark_started(self, recipient: str, message_ids: list[str], at_us: int) -> None:
-        run = await self.get_run(child_id=recipient)
-        if run is None or run.started_at_us or run.task_message_id not in message_ids:
+        if recipient in self._settled_starts:
             return
+        run = await self.get_run(child_id=recipient)
+        if run is None or run.started_at_us:  # runs are created with their child: no run now is no run ever
+            self._remember_start(recipient)
+            return
+        if run.task_message_id not in message_ids:
+            return
+        self._remember_start(recipient)
 
         def change(run: RunRecord, rows: list[tuple]) -> bool:
             if run.started_at_us:
@@ -495,6 +503,11 @@ class JetStreamStore(base.Store):
             return True
 
         await self._change_run(run.run_id, change)
+
+    def _remember_start(self, agent_id: str) -> None:
+        if len(self._settled_starts) > 100_000:
+            self._settled_starts.clear()
+        self._settled_starts.add(agent_id)
 
     async def announce_run(self, run_id: str, at_us: int) -> AnnounceOutcome:
         self.require_open()

@@ -256,7 +256,11 @@ class InboxLog:
                 return {**base_state, "state": DELIVERED, "attempts": base_state["attempts"] + 1,
                         "delivered": base_state.get("delivered") or now_us}
 
-            written = await kvh.cas(self.msgs, state_key(recipient, msg.seq), deliver)
+            first = None if state is not None else deliver(None)
+            if first is not None and await kvh.create(self.msgs, state_key(recipient, msg.seq), first):
+                written = first  # the usual case: first delivery, one request
+            else:
+                written = await kvh.cas(self.msgs, state_key(recipient, msg.seq), deliver)
             if written is None:
                 continue
             env.delivery_attempt = written["attempts"]
