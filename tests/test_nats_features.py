@@ -3,7 +3,10 @@ processes (one node with file storage, a three-node cluster): per-subject
 capacity that rejects instead of evicting, Nats-Msg-Id de-duplication, file
 storage that survives kill -9, replicas that survive the loss of a node."""
 
+import asyncio
+
 import nats
+import nats.errors
 import pytest
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError
@@ -58,8 +61,19 @@ async def test_a_three_node_cluster_keeps_serving_with_one_node_down(tmp_path):
         info = await js.stream_info("FEATURES")
         assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
         cluster.nodes[0].kill()
-        for i in range(10, 20):
-            ack = await js.publish("t.inbox.a", f"{i}".encode(), headers={"Nats-Msg-Id": f"m{i}"}, timeout=10)
+        for i in range(10, 20):  # retried with the same id while the cluster elects new leaders
+            ack = await _publish_until_stored(js, f"{i}".encode(), f"m{i}")
             assert ack.seq == i + 1
         assert (await js.stream_info("FEATURES")).state.messages == 20
         await nc.close()
+
+
+async def _publish_until_stored(js, data: bytes, msg_id: str, timeout: float = 60.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await js.publish("t.inbox.a", data, headers={"Nats-Msg-Id": msg_id}, timeout=5)
+        except (nats.errors.Error, APIError):  # timeouts, no responders, no stream response: not yet
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
