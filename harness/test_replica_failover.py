@@ -1,0 +1,56 @@
+"""A host that loses its mesh replica carries on with another: two `inboxmesh
+up --store jetstream` processes on one nats-server, a host given both
+addresses, the replica it uses killed (SIGKILL) in the middle of the
+sibling exchange. The exchange finishes, and every message was consumed
+exactly once (stored states and the event record, read through the
+surviving replica)."""
+
+import asyncio
+import secrets
+
+import pytest
+
+from harness.hosts import GatedModel, by_name, scripted_host
+from harness.nats import NatsNode
+from harness.policies import SIBLING_POLICIES
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services.client import MeshClient
+from tests.fixtures import ADMIN_TOKEN, eventually
+from tests.processes import MeshProcess
+
+K = ev.EventKind
+pytestmark = pytest.mark.timeout(180)
+
+
+async def test_the_exchange_survives_the_loss_of_the_hosts_replica(tmp_path):
+    secret = f"SEC-{secrets.randbelow(10**6):06d}"
+    gate = asyncio.Event()
+    b_model = GatedModel(SIBLING_POLICIES["B"], {2: gate})  # B's second model call: A's message is in hand
+    policies = {**SIBLING_POLICIES, "B": b_model}
+    with NatsNode(tmp_path / "nats") as node:
+        args = ("--store", "jetstream", "--nats", node.url)
+        with MeshProcess(tmp_path / "r1", *args) as r1, MeshProcess(tmp_path / "r2", *args) as r2:
+            both = f"ipv4:{r1.address},{r2.address}"  # gRPC tries them in order: r1 while it lives
+            async with scripted_host(both, tmp_path / "host", policies) as host:
+                parent = await host.start_task("parent", f"Coordinate A and B. The secret code for A is {secret}.")
+                await asyncio.wait_for(b_model.waiting.wait(), 30)
+                r1.kill()
+                gate.set()
+                outcome = await host.outcome(parent.agent_id, timeout=90)
+                assert outcome.ok, outcome.error
+                runners = {n: by_name(host, n) for n in ("parent", "A", "B")}
+                reconnects = sum(r.stream.reconnects for r in runners.values() if r.stream is not None)
+            assert reconnects >= 1, "the hosts' inbox streams moved to the other replica"
+            async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
+                events = await admin.admin_events(limit=1000)
+                stored = [e for e in events if e.kind == K.EVENT_KIND_MESSAGE_STORED]
+                consumed = [e for e in events if e.kind == K.EVENT_KIND_MESSAGE_CONSUMED]
+                ids = [(e.agent_id, e.message_id) for e in consumed]
+                assert len(ids) == len(set(ids)), "no message consumed twice"
+                for e in stored:
+                    agent = runners[next(n for n, r in runners.items() if r.agent_id == e.recipient)]
+                    view = admin.agent(agent.agent_id, agent.record.credential)
+                    status = await eventually(lambda v=view, s=e.sequence: v.inbox_status(s), message="status")
+                    assert status.state == pb.MESSAGE_STATE_CONSUMED, f"{e.message_id} to {e.recipient}"
+            assert secret in outcome.result
