@@ -239,7 +239,9 @@ async def test_senders_are_told_when_their_messages_are_dead_lettered(client):
     from_tiny = [await tiny.send(b.agent_id, f"t{i}") for i in range(2)]
     await lead.send(tiny.agent_id, "fills tiny's inbox")
     await lead.close(b.agent_id, reason="finished early")
-    status = await a.inbox_status(1)  # the notice is the first message in a's inbox
+    [stored] = [e for e in await lead.events(agent_id=a.agent_id, kinds=[ev.EVENT_KIND_MESSAGE_STORED])
+                if e.recipient == a.agent_id]  # the notice: the only message stored in a's inbox
+    status = await a.inbox_status(stored.sequence)
     notice = status.envelope
     assert notice.kind == env_pb.MESSAGE_KIND_CONTROL and notice.origin.kind == env_pb.ORIGIN_KIND_MESH
     assert notice.sender == b.agent_id and notice.in_reply_to == sent.message_id

@@ -154,7 +154,7 @@ class Subscription:
             feed.agent_id, feed.cursor, limit, self.hub.limits.max_delivery_attempts, now_us()
         )
         if not found.recipient_open:
-            feed.end(pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent {feed.agent_id} is closed")
+            feed.end(pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent closed: {found.close_reason}")
             return []
         if found.notices:
             self.hub.on_appended(found.notices)

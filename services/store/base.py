@@ -152,6 +152,8 @@ class DeliveryBatch:
     recipient_open: bool
     notices: list[envelope_pb2.Envelope] = field(default_factory=list)
     """Dead-letter notices stored in the senders' inboxes (to deliver)."""
+    close_reason: str = ""
+    """Why the recipient was closed (when it is)."""
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,8 @@ class InboxLog:
                               now_us: int) -> DeliveryBatch:
         agent = await self.store.get_agent(recipient)
         if agent is None or not agent.is_open:
-            return DeliveryBatch([], [], recipient_open=False)
+            return DeliveryBatch([], [], recipient_open=False,
+                                 close_reason=agent.close_reason if agent else "unknown agent")
         envelopes: list[envelope_pb2.Envelope] = []
         dead: list[MessageRecord] = []
         notices: list[envelope_pb2.Envelope] = []
@@ -363,7 +364,8 @@ class InboxLog:
         if status != ACCEPTED:
             await self.store.emit([event_row(at_us, ev.EVENT_KIND_NOTICE_UNDELIVERED, dead.sender,
                                              message_id=message_id, sender=recipient, recipient=dead.sender,
-                                             detail=f"{detail}; {dead.message_id} was dead-lettered: {reason}")])
+                                             detail=f"{'inbox full' if status == INBOX_FULL else detail};"
+                                                    f" {dead.message_id} was dead-lettered: {reason}")])
             return None
         await kvh.create(self.msgs, kvh.idem_key(recipient, message_id), [dead.sender, seq, at_us])
         notice.sequence = seq

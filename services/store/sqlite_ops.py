@@ -293,9 +293,9 @@ def _notice(conn, events, inbox: Inbox | None, dead: envelope_pb2.Envelope, reci
 
 def next_deliveries(conn: sqlite3.Connection, events: list[tuple], recipient: str, after_sequence: int, limit: int,
                     max_attempts: int, now_us: int) -> DeliveryBatch:
-    state = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (recipient,)).fetchone()
+    state = conn.execute("SELECT state, close_reason FROM agents WHERE agent_id = ?", (recipient,)).fetchone()
     if state is None or state[0] != AGENT_OPEN:
-        return DeliveryBatch([], [], recipient_open=False)
+        return DeliveryBatch([], [], recipient_open=False, close_reason=state[1] if state else "unknown agent")
     rows = conn.execute(
         f"SELECT expires_at_us, {MESSAGE_COLUMNS} FROM messages"
         " WHERE recipient = ? AND seq > ? AND state IN (1, 2) ORDER BY seq LIMIT ?",
