@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hashlib
 import os
 import tempfile
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,7 +57,14 @@ def store_config(tmp_path: Path) -> StoreConfig:
         atexit.register(node.kill)
         _NATS["node"] = node
     return StoreConfig(backend="jetstream", nats_urls=(_NATS["node"].url,),
-                       nats_namespace=f"t{uuid.uuid4().hex[:12]}", path=tmp_path / "mesh.db")
+                       nats_namespace="t" + hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12],
+                       path=tmp_path / "mesh.db")  # the same directory is the same mesh, as with SQLite
+
+
+def contiguous_sequences() -> bool:
+    """Inbox sequences run 1, 2, 3, ... on SQLite; on JetStream they are the
+    stream's sequences: increasing within an inbox, with gaps."""
+    return STORE != "jetstream"
 
 
 def make_config(tmp_path: Path, **limits) -> MeshConfig:

@@ -53,7 +53,7 @@ async def test_a_child_is_registered_with_its_run_and_its_result_is_announced_on
     ended = await child.end_run("1, 2, 3")
     assert not ended.already_ended
     assert ended.run.status == runs.RUN_STATUS_OK
-    assert ended.run.announce_state == runs.ANNOUNCE_STATE_ANNOUNCED and ended.run.announce_sequence == 1
+    assert ended.run.announce_state == runs.ANNOUNCE_STATE_ANNOUNCED and ended.run.announce_sequence > 0
     again = await child.end_run("something else", failed=True)
     assert again.already_ended and again.run.status == runs.RUN_STATUS_OK and again.run.result == "1, 2, 3"
 
