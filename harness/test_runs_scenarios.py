@@ -40,7 +40,7 @@ async def test_a_busy_parent_gets_the_announce_at_its_next_turn_once(mesh, clien
         assert parent.state == "running" and parent.record.turn == 2, "the parent is busy in turn 2"
         gate.set()
         await eventually(lambda: parent.record.completed, message="parent completed")
-    record = await Record.read(client)
+    record = await eventually(lambda: _with_completion(client, parent.agent_id), message="completion recorded")
     [stored] = record.of(K.EVENT_KIND_MESSAGE_STORED, recipient=parent.agent_id)
     assert stored.message_id == run.announce_message_id and stored.sender == worker.agent_id
     consumed = record.one(K.EVENT_KIND_MESSAGE_CONSUMED, message_id=stored.message_id, agent_id=parent.agent_id)
@@ -49,6 +49,12 @@ async def test_a_busy_parent_gets_the_announce_at_its_next_turn_once(mesh, clien
     assert record.one(K.EVENT_KIND_TASK_COMPLETED, agent_id=parent.agent_id).event_id > consumed.event_id
     assert "ready" in parent.record.result
     assert record.turns_alternate(parent.agent_id) and parent.max_runs_active == 1
+
+
+async def _with_completion(client, agent_id):
+    """The event record once the host's TASK_COMPLETED event is in it."""
+    record = await Record.read(client)
+    return record if record.of(K.EVENT_KIND_TASK_COMPLETED, agent_id=agent_id) else None
 
 
 async def _announced(client, run_id):
