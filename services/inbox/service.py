@@ -245,7 +245,11 @@ class InboxService:
         released = self.hub.release(subscription)
         log.info("subscription %r ended (%s)", subscription, why)
         if released:
-            await self._store.record_events(self.hub.subscription_events(ev.EVENT_KIND_UNSUBSCRIBED, released, why))
+            try:
+                await self._store.record_events(self.hub.subscription_events(ev.EVENT_KIND_UNSUBSCRIBED, released,
+                                                                             why))
+            except errors.Unavailable as exc:  # the mesh is stopping: the store is already closed
+                log.info("unsubscribed event of %s not recorded: %s", ", ".join(released), exc.message)
 
     async def ack(self, caller: Caller, agent_id: str, sequences: list[int], turn: int = 0) -> list[AckOutcome]:
         agent = caller.require_agent("acking")
