@@ -39,7 +39,8 @@ async def test_a_busy_parent_gets_the_announce_at_its_next_turn_once(mesh, clien
                                                                     " boundary")
         assert parent.state == "running" and parent.record.turn == 2, "the parent is busy in turn 2"
         gate.set()
-        await eventually(lambda: parent.record.completed, message="parent completed")
+        await eventually(lambda: parent.record.completed and parent.state == "idle",
+                         message="parent completed and its last turn over")
     record = await eventually(lambda: _with_completion(client, parent.agent_id), message="completion recorded")
     [stored] = record.of(K.EVENT_KIND_MESSAGE_STORED, recipient=parent.agent_id)
     assert stored.message_id == run.announce_message_id and stored.sender == worker.agent_id
@@ -54,7 +55,8 @@ async def test_a_busy_parent_gets_the_announce_at_its_next_turn_once(mesh, clien
 async def _with_completion(client, agent_id):
     """The event record once the host's TASK_COMPLETED event is in it."""
     record = await Record.read(client)
-    return record if record.of(K.EVENT_KIND_TASK_COMPLETED, agent_id=agent_id) else None
+    done = record.of(K.EVENT_KIND_TASK_COMPLETED, agent_id=agent_id)
+    return record if done and record.turns_alternate(agent_id) else None  # the last turn's end is in too
 
 
 async def _announced(client, run_id):

@@ -104,6 +104,13 @@ class Subscription:
         self.feeds = {feed.agent_id: feed for feed in feeds}
         self.wake = asyncio.Event()
         self.heartbeat_due = False
+        self.stopped = False
+
+    def stop(self) -> None:
+        """End responses() at its next step (the stream failed elsewhere).
+        Not a cancel: a cancel that races an awaited request can be lost."""
+        self.stopped = True
+        self.wake.set()
 
     def __repr__(self) -> str:
         return f"Subscription#{self.id}({', '.join(self.feeds)})"
@@ -114,7 +121,7 @@ class Subscription:
             yield pb.SubscribeResponse(
                 subscription=pb.SubscriptionEvent(agent_id=agent_id, kind=pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
             )
-        while self.feeds and not hub.closing:
+        while self.feeds and not hub.closing and not self.stopped:
             self.wake.clear()
             batch: list[envelope_pb2.Envelope] = []
             for feed in list(self.feeds.values()):

@@ -127,16 +127,23 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 await write(pb.SubscribeResponse(acked=pb.AckResponse(
                     results=[ack_result_pb(o) for o in outcomes], agent_id=request.agent_id,
                     request_id=request.request_id)))
+            except BaseException:
+                subscription.stop()  # the stream ends with this error
+                raise
             finally:
                 acking.release()
 
         async def read_acks(group: asyncio.TaskGroup) -> None:
-            async for request in requests:
-                if request.WhichOneof("request") != "ack":
-                    raise errors.InvalidArgument("only `ack` may follow the first ConsumeRequest",
-                                                 reason="ACK_EXPECTED")
-                await acking.acquire()
-                group.create_task(ack_one(request.ack))
+            try:
+                async for request in requests:
+                    if request.WhichOneof("request") != "ack":
+                        raise errors.InvalidArgument("only `ack` may follow the first ConsumeRequest",
+                                                     reason="ACK_EXPECTED")
+                    await acking.acquire()
+                    group.create_task(ack_one(request.ack))
+            except Exception:
+                subscription.stop()
+                raise
 
         try:
             async with asyncio.TaskGroup() as group:
