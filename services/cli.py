@@ -85,6 +85,10 @@ async def _up(args) -> int:
             nats_replicas=args.nats_replicas, nats_namespace=args.nats_namespace))
     if args.routing:
         config = replace(config, routing=Path(args.routing))
+    if args.conversation_budget or args.max_trail_visits:
+        config = replace(config, limits=replace(
+            config.limits, conversation_budget=args.conversation_budget or config.limits.conversation_budget,
+            max_trail_visits=args.max_trail_visits or config.limits.max_trail_visits))
     config = replace(config, runs=replace(
         config.runs, **{k: v for k, v in (("max_spawn_depth", args.max_spawn_depth),
                                           ("max_active_children", args.max_active_children),
@@ -305,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                     " ingress.tokens; docs/routing.md); serves the routing ingress")
     up.add_argument("--max-spawn-depth", type=int, help="deepest subagent allowed (default 3)")
     up.add_argument("--max-active-children", type=int, help="running children per agent (default 8)")
+    up.add_argument("--conversation-budget", type=int,
+                    help="loop guard: agent messages one conversation may hold (default 500)")
+    up.add_argument("--max-trail-visits", type=int,
+                    help="loop guard: times one agent may appear in a message's chain (default 5)")
     up.add_argument("--run-archive-after", type=float, metavar="MINUTES",
                     help="archive ended subagent runs after this long (default 60)")
     up.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True,
