@@ -180,18 +180,29 @@ class InboxStream:
         except grpc.aio.AioRpcError as exc:
             self._acks.pop(request_id, None)
             raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}") from None
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call ended just now
+            self._acks.pop(request_id, None)
+            raise errors.Unavailable(f"could not ack on the inbox stream: {exc}") from None
         return await asyncio.wait_for(future, self.ack_timeout)
 
-    async def consume(self, agent_id: str, messages: list[envelope_pb2.Envelope],
-                      turn: int = 0) -> list[envelope_pb2.Envelope]:
+    async def consume(self, agent_id: str, messages: list[envelope_pb2.Envelope], turn: int = 0,
+                      taken: set[tuple[str, str]] | None = None) -> list[envelope_pb2.Envelope]:
         """Ack the agent's messages on the stream (for `turn`, recorded on the
         consumed events); return those this ack consumed, in order.
-        Already-consumed or dead-lettered ones are left out."""
+        Dead-lettered ones are left out, and so are already-consumed ones,
+        except when `taken` is given ((sender, message_id) of what the agent
+        already took in): an already-consumed message the agent has not
+        taken in was consumed by an earlier ack of its own whose answer was
+        lost (the stream or the mesh went away after the mesh recorded it;
+        only the agent itself can ack its inbox), so it is the agent's now."""
         mine = [m for m in messages if m.recipient == agent_id]
         if not mine:
             return []
         results = await self.ack(agent_id, [m.sequence for m in mine], turn)
         won = {r.sequence for r in results if r.status == inbox_pb2.ACK_STATUS_CONSUMED}
+        if taken is not None:
+            won |= {r.sequence for r in results if r.status == inbox_pb2.ACK_STATUS_ALREADY_CONSUMED}
+            return [m for m in mine if m.sequence in won and (m.sender, m.message_id) not in taken]
         return [m for m in mine if m.sequence in won]
 
 

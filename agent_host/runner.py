@@ -166,7 +166,8 @@ class AgentRunner:
         """Ack on the stream for this turn; keep what this ack won. On a lost
         stream the messages stay pending (they come again)."""
         try:
-            won = await self.stream.consume(self.agent_id, messages, turn=self.record.turn)
+            taken = {(m.sender, m.message_id) for m in self.received.values()}
+            won = await self.stream.consume(self.agent_id, messages, turn=self.record.turn, taken=taken)
         except errors.Unavailable as exc:
             log.warning("%s: could not consume %d messages (%s); they stay pending", self, len(messages), exc)
             self.pending = messages + self.pending

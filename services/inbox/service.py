@@ -16,6 +16,7 @@ from services import errors
 from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Caller, Directory
+from services.faults import crash_point
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.store.base import (
     ACCEPTED,
@@ -264,6 +265,7 @@ class InboxService:
             raise errors.InvalidArgument(f"{len(sequences)} sequences in one ack; at most "
                                          f"{10 * self._limits.max_batch_messages}", reason="BATCH_TOO_LARGE")
         outcomes = await self._store.ack(agent.agent_id, sequences, now_us(), turn)
+        crash_point("ack-stored")
         for outcome in outcomes:
             if outcome.status == pb.ACK_STATUS_CONSUMED:
                 if outcome.traceparent:
