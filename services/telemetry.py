@@ -39,10 +39,20 @@ def context_of(envelope: envelope_pb2.Envelope) -> otel_context.Context | None:
     return _propagator.extract(carrier)
 
 
-def inject(envelope: envelope_pb2.Envelope, ctx: otel_context.Context | None = None) -> None:
-    """Write the current (or given) span's context into the envelope."""
+def _carrier(ctx: otel_context.Context | None) -> dict[str, str]:
     carrier: dict[str, str] = {}
     _propagator.inject(carrier, context=ctx)
+    return carrier
+
+
+def traceparent(ctx: otel_context.Context | None = None) -> str:
+    """The W3C traceparent of the current (or given) span ("" without one)."""
+    return _carrier(ctx).get("traceparent", "")
+
+
+def inject(envelope: envelope_pb2.Envelope, ctx: otel_context.Context | None = None) -> None:
+    """Write the current (or given) span's context into the envelope."""
+    carrier = _carrier(ctx)
     if "traceparent" in carrier:
         envelope.trace.traceparent = carrier["traceparent"]
         envelope.trace.tracestate = carrier.get("tracestate", "")

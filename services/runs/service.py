@@ -36,7 +36,7 @@ from services.store.base import (
     SpawnLimits,
     Store,
 )
-from services.telemetry import context_of, tracer
+from services.telemetry import context_of, traceparent, tracer
 from services.validation import check_text, page_size
 
 log = logging.getLogger(__name__)
@@ -141,10 +141,8 @@ class RunService:
                                           reason="NOT_ANCESTOR", metadata={"run_id": run.run_id})
         status = pb.RUN_STATUS_ERROR if failed else pb.RUN_STATUS_OK
         with tracer.start_as_current_span("run end", attributes={"inboxmesh.run": run.run_id,
-                                                                 "inboxmesh.agent": run.child_id}) as span:
-            ctx = span.get_span_context()
-            traceparent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01" if ctx.is_valid else ""
-            ended, already = await self._store.end_run(run.run_id, status, result, now_us(), traceparent)
+                                                                 "inboxmesh.agent": run.child_id}):
+            ended, already = await self._store.end_run(run.run_id, status, result, now_us(), traceparent())
             if already:
                 log.info("run %s had already ended (%s); this end changed nothing", run.run_id,
                          pb.RunStatus.Name(ended.status))
