@@ -174,3 +174,15 @@ async def test_a_mesh_without_ingress_tokens_refuses_ingress(tmp_path):
                 await client.ingress("anything", source("slack"), "x", "hi")
             assert "ingress.tokens" in refused.value.message
             assert (await client.configured_agents()).default_id == "main"
+
+
+async def test_a_closed_session_starts_anew(routed):
+    client = routed
+    first = await client.ingress(TOKEN, source("webchat"), "w-1", "hi")
+    admin_view = client.agent(first.session_agent_id, ADMIN_TOKEN)
+    await admin_view.close(first.session_agent_id, reason="conversation over")
+    second = await client.ingress(TOKEN, source("webchat"), "w-2", "hello again")
+    assert second.session_created and second.session_agent_id != first.session_agent_id
+    assert second.route.session_key == first.route.session_key
+    third = await client.ingress(TOKEN, source("webchat"), "w-3", "and again")
+    assert not third.session_created and third.session_agent_id == second.session_agent_id

@@ -319,20 +319,22 @@ class JetStreamStore(base.Store):
     async def session_agent(self, session_key: str, new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
         self.require_open()
         key = f"session.{kvh.token(session_key)}"
+        registered = False
         for _ in range(kvh.MAX_CAS_TRIES):
             found = await kvh.get(self.misc, key)
-            if found is not None:
-                agent = await self.get_agent(found[0])
+            current = found[0] if found else None
+            if current:
+                agent = await self.get_agent(current)
                 if agent is not None and agent.is_open:
+                    if registered:  # another process's agent won the session
+                        await self.close_agent(new_agent.agent_id, "lost a race for its session",
+                                               new_agent.created_at_us)
                     return agent, False
-                try:  # a closed session starts anew
-                    await self.misc.update(key, b"null", last=found[1])
-                except Exception:
-                    continue
-            await self.create_agent(new_agent)
-            if await kvh.cas(self.misc, key, lambda cur: new_agent.agent_id if cur is None else None):
+            if not registered:  # no agent yet, or a closed one: the session starts anew
+                await self.create_agent(new_agent)
+                registered = True
+            if await kvh.cas(self.misc, key, lambda cur, seen=current: new_agent.agent_id if cur == seen else None):
                 return new_agent, True
-            await self.close_agent(new_agent.agent_id, "lost a race for its session", new_agent.created_at_us)
         raise errors.Unavailable(f"too much contention on session {session_key}", reason="CONTENTION")
 
     # -- inbox (services.store.jetstream_inbox) ---------------------------------------
