@@ -77,8 +77,9 @@ class RunService:
             await asyncio.gather(task, return_exceptions=True)
 
     def on_closed(self, outcome: CloseOutcome) -> None:
-        """Closed agents may have ended runs (CLOSED): announce them soon."""
-        if outcome.closed:
+        """Closed children may have ended runs (CLOSED): announce them soon.
+        (A top-level agent has no run; its children are in the outcome.)"""
+        if any(record.parent_id for record in outcome.closed):
             self._wake.set()
 
     # -- spawning ---------------------------------------------------------------

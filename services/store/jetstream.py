@@ -24,7 +24,7 @@ import nats
 import nats.errors
 from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import APIError as NatsApiError
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NoKeysError, NotFoundError
 
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
@@ -49,7 +49,8 @@ from services.store.jetstream_inbox import InboxLog
 from services.store.run_rules import announce_envelope, announce_events, end, keep_if_kept, run_event, settle
 
 log = logging.getLogger(__name__)
-BUCKETS = ("agents", "msgs", "runs", "misc")
+BUCKETS = ("agents", "msgs", "runs", "runwork", "misc")
+"""runwork: one key per run not archived yet, so the sweeper reads only those."""
 
 
 class JetStreamStore(base.Store):
@@ -430,6 +431,7 @@ class JetStreamStore(base.Store):
             await kvh.cas(self.misc, counter, lambda cur: max(0, (cur or 1) - 1))
             raise
         await self.runs.create(self._run_key(run.run_id), run.SerializeToString())
+        await self.kv["runwork"].put(kvh.token(run.run_id), b"")
         await kvh.cas(self.runs, f"c.{kvh.token(run.child_id)}", lambda cur: run.run_id if cur is None else None)
         await kvh.cas(self.runs, f"q.{kvh.token(run.requester_id)}",
                       lambda cur: [*(cur or []), run.run_id])
@@ -568,15 +570,17 @@ class JetStreamStore(base.Store):
             run_event(rows, run, ev.EVENT_KIND_RUN_ARCHIVED, at_us)
             return True
 
-        return await self._change_run(run_id, change)
+        run = await self._change_run(run_id, change)
+        await self.kv["runwork"].delete(kvh.token(run_id))
+        return run
 
     async def run_work(self, now_us: int, limit: int) -> RunWork:
         self.require_open()
         try:
-            keys = await self.runs.keys()
-        except Exception:  # no keys yet
+            keys = await self.kv["runwork"].keys()
+        except NoKeysError:
             keys = []
-        runs = [r for r in await asyncio.gather(*(self.get_run(run_id=k[2:]) for k in keys if k.startswith("r.")))
+        runs = [r for r in await asyncio.gather(*(self.get_run(run_id=k) for k in keys))
                 if r is not None and not r.archived_at_us]
         runs.sort(key=lambda r: r.created_at_us)
         settled = (ANNOUNCED, REQUESTER_GONE)
