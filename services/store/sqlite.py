@@ -131,12 +131,7 @@ class SqliteStore(base.Store):
         column, value = ("parent_id", parent_id) if parent_id else ("scope_id", scope_id)
 
         def op(conn: sqlite3.Connection) -> list[AgentRecord]:
-            after_row = 0
-            if after_key:
-                found = conn.execute("SELECT row FROM agents WHERE agent_id = ?", (after_key,)).fetchone()
-                if found is None:
-                    raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason="BAD_PAGE_TOKEN")
-                after_row = found[0]
+            after_row = ops.row_after(conn, "agents", "agent_id", after_key)
             rows = conn.execute(
                 f"SELECT {AGENT_COLUMNS} FROM agents WHERE {column} = ? AND row > ?"
                 + ("" if include_closed else f" AND state = {AGENT_OPEN}") + " ORDER BY row LIMIT ?",

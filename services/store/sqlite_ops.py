@@ -69,6 +69,17 @@ def message_of(row: tuple) -> MessageRecord:
     )
 
 
+def row_after(conn: sqlite3.Connection, table: str, key_column: str, page_token: str) -> int:
+    """The row number a page token (the last key of the previous page) names;
+    0 for the first page."""
+    if not page_token:
+        return 0
+    found = conn.execute(f"SELECT row FROM {table} WHERE {key_column} = ?", (page_token,)).fetchone()
+    if found is None:
+        raise errors.InvalidArgument(f"page_token {page_token!r} is not valid", reason="BAD_PAGE_TOKEN")
+    return found[0]
+
+
 class Inbox:
     """The counters of one recipient, loaded once per operation."""
 

@@ -187,12 +187,7 @@ def work(conn: sqlite3.Connection, now_us: int, limit: int) -> RunWork:
 
 def list_runs(conn: sqlite3.Connection, requester_id: str, include_archived: bool, after_key: str,
               limit: int) -> list[RunRecord]:
-    after_row = 0
-    if after_key:
-        found = conn.execute("SELECT row FROM runs WHERE run_id = ?", (after_key,)).fetchone()
-        if found is None:
-            raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason="BAD_PAGE_TOKEN")
-        after_row = found[0]
+    after_row = ops.row_after(conn, "runs", "run_id", after_key)
     rows = conn.execute(
         "SELECT record FROM runs WHERE requester_id = ? AND row > ?" + ("" if include_archived else
                                                                        " AND archived = 0")
