@@ -4,6 +4,7 @@ message states, with an operator's view (admin token)."""
 from __future__ import annotations
 
 from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.runs.v1 import runs_pb2
 from services.client import MeshClient
 
 K = ev.EventKind
@@ -40,3 +41,10 @@ class Record:
         expected_kinds = [K.EVENT_KIND_TURN_STARTED, K.EVENT_KIND_TURN_ENDED] * (len(turns) // 2)
         expected_turns = [t for n in range(1, len(turns) // 2 + 1) for t in (n, n)]
         return [e.kind for e in turns] == expected_kinds and [e.turn for e in turns] == expected_turns
+
+
+async def announced_run(client: MeshClient, run_id: str) -> runs_pb2.SubagentRun | None:
+    """The run once its result is stored in its requester's inbox, else None
+    (for polling with an admin client)."""
+    run = await client.admin_run(run_id=run_id)
+    return run if run.announce_state == runs_pb2.ANNOUNCE_STATE_ANNOUNCED else None

@@ -5,10 +5,9 @@ agents forwarding to each other is stopped by the mesh's loop guard."""
 import asyncio
 
 from agent_host.models.scripted import ContextView, Decision, call, say
-from harness.evidence import Record
+from harness.evidence import Record, announced_run
 from harness.hosts import GatedModel, by_name, scripted_host
 from inboxmesh.events.v1 import events_pb2 as ev
-from inboxmesh.runs.v1 import runs_pb2 as runs
 from tests.fixtures import eventually
 
 K = ev.EventKind
@@ -34,7 +33,7 @@ async def test_a_busy_parent_gets_the_announce_at_its_next_turn_once(mesh, clien
         parent = await host.start_task("parent", "Start a worker and report what it says.")
         await asyncio.wait_for(parent_model.waiting.wait(), 10)
         worker = by_name(host, "worker")
-        run = await eventually(lambda: _announced(client, worker.record.run_id), message="announce stored")
+        run = await eventually(lambda: announced_run(client, worker.record.run_id), message="announce stored")
         await eventually(lambda: len(parent.pending) == 1, message="delivered to the host, waiting for the turn"
                                                                     " boundary")
         assert parent.state == "running" and parent.record.turn == 2, "the parent is busy in turn 2"
@@ -58,10 +57,6 @@ async def _with_completion(client, agent_id):
     done = record.of(K.EVENT_KIND_TASK_COMPLETED, agent_id=agent_id)
     return record if done and record.turns_alternate(agent_id) else None  # the last turn's end is in too
 
-
-async def _announced(client, run_id):
-    run = await client.admin_run(run_id=run_id)
-    return run if run.announce_state == runs.ANNOUNCE_STATE_ANNOUNCED else None
 
 
 RING = {"a": "b", "b": "c", "c": "a"}

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from harness.evidence import Record
+from harness.evidence import Record, announced_run
 from harness.nats import NatsNode
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
@@ -132,7 +132,7 @@ async def test_a_run_is_announced_exactly_once(client):
     child = await lead.spawn("worker", run=reg.RunSpec(task="job", task_message_id="task-job"))
     results = await asyncio.gather(*(child.end_run(f"done {i}") for i in range(4)))
     assert sum(not r.already_ended for r in results) == 1
-    run = await eventually(lambda: _announced(client, child.run_id), message="announced")
+    run = await eventually(lambda: announced_run(client, child.run_id), message="announced")
     assert run.status == runs.RUN_STATUS_OK
     inbox = Collector(lead)
     try:
@@ -143,7 +143,3 @@ async def test_a_run_is_announced_exactly_once(client):
         await inbox.stop()
     assert report.message_id == f"inboxmesh:announce:{child.run_id}" and report.in_reply_to == "task-job"
 
-
-async def _announced(client, run_id):
-    run = await client.admin_run(run_id=run_id)
-    return run if run.announce_state == runs.ANNOUNCE_STATE_ANNOUNCED else None
