@@ -17,7 +17,6 @@ import asyncio
 import logging
 import uuid
 
-from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.registry.v1 import registry_pb2 as reg_pb
 from inboxmesh.runs.v1 import runs_pb2 as pb
 from services import errors
@@ -251,9 +250,3 @@ class RunService:
         limit = page_size(size)
         found = await self._store.list_runs(requester_id, include_archived, page_token, limit)
         return found, (found[-1].run_id if len(found) == limit else "")
-
-
-def announce_of(envelope: envelope_pb2.Envelope) -> str:
-    """The run id an announce message reports ("" for other messages)."""
-    return envelope.headers.get("inboxmesh-run", "") if envelope.message_id.startswith(ANNOUNCE_ID_PREFIX) else ""
-

@@ -168,7 +168,6 @@ class SpawnLimits:
 
 RunRecord = runs_pb2.SubagentRun
 """Run records are `inboxmesh.runs.v1.SubagentRun` protobufs, as they travel."""
-RUNNING = runs_pb2.RUN_STATUS_RUNNING
 ANNOUNCE_WAITING = runs_pb2.ANNOUNCE_STATE_WAITING
 ANNOUNCE_PENDING = runs_pb2.ANNOUNCE_STATE_PENDING
 ANNOUNCED = runs_pb2.ANNOUNCE_STATE_ANNOUNCED

@@ -7,8 +7,8 @@ import base64
 import hashlib
 import json
 import re
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -17,7 +17,6 @@ from inboxmesh.common.v1 import envelope_pb2
 from services import errors
 from services.store.base import AgentRecord, MessageRecord
 
-T = TypeVar("T")
 _SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 MAX_CAS_TRIES = 100
 
@@ -78,14 +77,6 @@ async def cas(kv: KeyValue, key: str, change: Callable[[Any | None], Any | None]
         except KeyWrongLastSequenceError:
             continue
     raise errors.Unavailable(f"too much contention on {key}; nothing changed", reason="CONTENTION")
-
-
-async def retry_cas(step: Callable[[], Awaitable[T | None]]) -> T:
-    for _ in range(MAX_CAS_TRIES):
-        result = await step()
-        if result is not None:
-            return result
-    raise errors.Unavailable("too much contention; nothing changed", reason="CONTENTION")
 
 
 # -- records --------------------------------------------------------------------
