@@ -155,6 +155,9 @@ class InboxStream:
             items.put_nowait(exc)
         except asyncio.CancelledError:
             items.put_nowait(_ENDED)
+        except Exception as exc:  # the call broke some other way: say so, or the stream would wait forever
+            log.warning("inbox stream read failed: %r", exc)
+            items.put_nowait(_ENDED)
 
     async def _write(self, request: inbox_pb2.ConsumeRequest) -> None:
         async with self._write_lock:

@@ -141,6 +141,8 @@ class AgentRunner:
                                   self, event.detail)
                         self.host.observe(self, "superseded", event.detail)
                         return
+                    if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_ATTACHED and self.pending:
+                        self.wake.set()  # back after a lost stream: consume what an ack could not take then
                     continue
                 for message in item.messages:
                     self._route(message)
