@@ -50,6 +50,20 @@ def status_pb(record: MessageRecord) -> pb.MessageStatus:
     )
 
 
+class _SubscriberGone(Exception):
+    """A write to the stream failed: the call ended under us (the subscriber left or was cut off).
+    What it carried stays unacked and is redelivered on the next subscribe."""
+
+
+async def _write(context: grpc.aio.ServicerContext, response: pb.SubscribeResponse) -> None:
+    try:
+        await context.write(response)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # grpc raises its own internal types here (ExecuteBatchError, UsageError)
+        raise _SubscriberGone(type(exc).__name__) from exc
+
+
 class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
     def __init__(self, service: InboxService, directory: Directory):
         self._service = service
@@ -91,7 +105,10 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
             return
         try:
             async for response in subscription.responses():
-                await context.write(response)
+                await _write(context, response)
+        except _SubscriberGone as exc:
+            await self._service.unsubscribed(subscription, f"subscriber gone (write failed: {exc})")
+            return
         except BaseException as exc:
             await self._service.unsubscribed(subscription, f"subscriber gone ({type(exc).__name__})")
             raise
@@ -114,7 +131,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
 
         async def write(response: pb.SubscribeResponse) -> None:
             async with writing:
-                await context.write(response)
+                await _write(context, response)
 
         async def ack_one(request: pb.AckRequest) -> None:
             try:
@@ -153,6 +170,9 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 reader.cancel()
         except BaseExceptionGroup as failed:  # a task of the stream failed
             first = failed.exceptions[0]
+            if isinstance(first, _SubscriberGone):
+                await self._service.unsubscribed(subscription, f"subscriber gone (write failed: {first})")
+                return
             await self._service.unsubscribed(subscription, f"stream failed ({type(first).__name__})")
             if not isinstance(first, errors.MeshError):
                 log.error("Consume stream failed", exc_info=first)
