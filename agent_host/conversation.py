@@ -69,6 +69,11 @@ class Conversation:
             self.injected.update(key_of(e) for e, _ in fresh)
         return [e for e, _ in fresh]
 
+    def has_new_input(self) -> bool:
+        """Something the model has not answered yet: a user turn (the task, a
+        message) or tool results after its last reply."""
+        return bool(self.messages) and self.messages[-1]["role"] in ("user", "tool")
+
     def fork(self) -> Conversation:
         """A copy for a forked child: everything but the parent's unanswered
         last assistant turn (the one spawning the fork)."""

@@ -80,6 +80,8 @@ class AgentRunner:
         self._items = None
         self._tasks: list[asyncio.Task] = []
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._stream_down = False
+        """An ack failed because the inbox stream was lost; cleared when it attaches again."""
 
     @property
     def agent_id(self) -> str:
@@ -141,8 +143,10 @@ class AgentRunner:
                                   self, event.detail)
                         self.host.observe(self, "superseded", event.detail)
                         return
-                    if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_ATTACHED and self.pending:
-                        self.wake.set()  # back after a lost stream: consume what an ack could not take then
+                    if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_ATTACHED:
+                        self._stream_down = False
+                        if self.pending:
+                            self.wake.set()  # back after a lost stream: consume what an ack could not take then
                     continue
                 for message in item.messages:
                     self._route(message)
@@ -171,8 +175,10 @@ class AgentRunner:
             taken = {(m.sender, m.message_id) for m in self.received.values()}
             won = await self.stream.consume(self.agent_id, messages, turn=self.record.turn, taken=taken)
         except errors.Unavailable as exc:
-            log.warning("%s: could not consume %d messages (%s); they stay pending", self, len(messages), exc)
+            log.warning("%s: could not consume %d messages (%s); they stay pending until the inbox stream is"
+                        " back", self, len(messages), exc)
             self.pending = messages + self.pending
+            self._stream_down = True
             return []
         for message in won:
             self.received[message.message_id] = message
@@ -184,11 +190,15 @@ class AgentRunner:
                               f" (turn {self.record.turn})")
         return won
 
-    async def _take_pending(self) -> None:
+    async def _take_pending(self) -> bool:
+        """Consume what is pending into the conversation; False when there was
+        something to take and the ack could not be made (the stream is lost)."""
         if not self.pending:
-            return
+            return True
         batch, self.pending = self.pending, []
         won = await self._consume(batch)
+        if not won and self._stream_down:
+            return False
         if won:
             names = {m.sender: await self.host.name_of(m.sender) for m in won}
             self.conversation.inject([(m, names[m.sender]) for m in won], note=self._task_note(won),
@@ -275,12 +285,15 @@ class AgentRunner:
                 self.host.save(self)
             if self.stopping:
                 return
-            if self.pending:
+            if self.pending and not self._stream_down:
                 self.wake.set()
                 continue
+            # idle; with messages still pending only while the inbox stream is down: they are taken when
+            # it is back (ATTACHED wakes the agent), not by turns that could not consume them anyway
             self.state = "idle"
             await self.event(ev.EVENT_KIND_AGENT_IDLE, turn=self.record.turn)
-            self._arm_idle_timer()
+            if not self.pending:
+                self._arm_idle_timer()
 
     async def _run(self) -> None:
         self.runs_active += 1
@@ -297,7 +310,13 @@ class AgentRunner:
                 await self.event(ev.EVENT_KIND_TURN_STARTED, turn=turn)
                 with tracer.start_as_current_span("turn", attributes={"inboxmesh.agent": self.agent_id,
                                                                       "inboxmesh.turn": turn}):
-                    await self._take_pending()
+                    if not await self._take_pending() and not self.conversation.has_new_input():
+                        # the turn was for messages it could not consume: no model call on old input;
+                        # they stay pending and the agent wakes when the inbox stream is back
+                        await self.event(ev.EVENT_KIND_TURN_ENDED, turn=turn,
+                                         detail=f"no model call: the inbox stream was lost, {len(self.pending)}"
+                                                " message(s) stay pending")
+                        return
                     offered = schemas(self.tools_now(), self.host.team_targets(self))
                     reply = await self.host.call_model(self, offered)
                     assistant = reply.as_message()

@@ -56,8 +56,6 @@ async def test_the_exchange_survives_the_loss_of_the_hosts_replica(tmp_path):
             assert secret in outcome.result
 
 
-@pytest.mark.skip(reason="flaky, about 1 run in 5: after the replica dies mid-ack, A's inbox stream sometimes "
-                         "keeps acking on the finished call and never resubscribes (open work in issue 7)")
 async def test_an_ack_whose_answer_was_lost_still_reaches_the_agent(tmp_path):
     """The replica records a consumption and dies before it answers the ack
     (a crash point). The host acks again through the other replica, is told
