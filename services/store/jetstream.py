@@ -46,6 +46,7 @@ from services.store.base import (
     SpawnLimits,
 )
 from services.store.jetstream_inbox import InboxLog
+from services.store.jetstream_keeper import EVENT_DEDUP_WINDOW_S, EventKeeper, dedup_id
 from services.store.run_rules import announce_envelope, announce_events, end, keep_if_kept, run_event, settle
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class JetStreamStore(base.Store):
         self._append_listeners: list[Callable] = []
         self._pending_events: set[asyncio.Task] = set()
         self._subscription = None
+        self.keeper: EventKeeper | None = None
         self._settled_starts: set[str] = set()
         """Agents whose run has started, or that have none: acks need no run lookup."""
 
@@ -94,13 +96,15 @@ class JetStreamStore(base.Store):
             discard_new_per_subject=True, duplicate_window=self.config.nats_duplicate_window_s, allow_direct=True))
         await self._ensure_stream(StreamConfig(
             name=self.event_stream, subjects=[f"{ns}.ev.>"], storage=StorageType.FILE, num_replicas=replicas,
-            allow_direct=True))
+            allow_direct=True, duplicate_window=EVENT_DEDUP_WINDOW_S))
         for bucket in BUCKETS:
             self.kv[bucket] = await self.js.create_key_value(KeyValueConfig(
                 bucket=f"{ns}_{bucket}", history=1, storage=StorageType.FILE, replicas=replicas))
         self.inbox = InboxLog(self)
         self.inbox.listeners = self._append_listeners
         self._subscription = await self.nc.subscribe(f"{ns}.inbox.*", cb=self.inbox.on_published)
+        self.keeper = EventKeeper(self)
+        self.keeper.start()
         log.info("jetstream store on %s (replicas=%d)", ", ".join(urls), replicas)
 
     async def _ensure_stream(self, config: StreamConfig) -> None:
@@ -110,6 +114,8 @@ class JetStreamStore(base.Store):
             await self.js.update_stream(config)
 
     async def close(self) -> None:
+        if self.keeper is not None:
+            await self.keeper.stop()
         if self._pending_events:
             await asyncio.gather(*self._pending_events, return_exceptions=True)
         nc, self.nc = self.nc, None
@@ -138,20 +144,37 @@ class JetStreamStore(base.Store):
 
     # -- events ---------------------------------------------------------------
     async def emit(self, rows: list[tuple], *, wait: bool = True) -> list[int]:
-        """Publish event rows; ids (stream sequences) once stored."""
+        """Publish event rows, in order; ids (stream sequences) once stored."""
+        return [ack.seq for ack in await self.publish_events(rows)]
+
+    async def publish_events(self, rows: list[tuple]) -> list:
+        """Publish event rows in order (pipelined) and tell this process's
+        listeners of the new ones; the PubAcks. A message event carries its
+        identity (dedup_id) as Nats-Msg-Id, so a copy the event keeper
+        publishes again is dropped (ack.duplicate)."""
         if not rows:
             return []
-        acks = await asyncio.gather(*(self.js.publish(
-            f"{self.ns}.ev.{kvh.token(row[2] or '_')}.{kvh.token(row[4] or '_')}",
-            base.event_of(0, row).SerializeToString()) for row in rows))
-        ids = [a.seq for a in acks]
-        for callback in self._listeners:
-            for event_id, row in zip(ids, rows):
+        futures = []
+        for row in rows:
+            ident = dedup_id(row)
+            futures.append(await self.js.publish_async(
+                f"{self.ns}.ev.{kvh.token(row[2] or '_')}.{kvh.token(row[4] or '_')}",
+                base.event_of(0, row).SerializeToString(), headers={"Nats-Msg-Id": ident} if ident else None))
+        try:
+            acks = await asyncio.wait_for(asyncio.gather(*futures), self.config.nats_timeout_s)
+        except asyncio.TimeoutError:
+            for future in futures:
+                future.cancel()
+            raise nats.errors.TimeoutError from None
+        for ack, row in zip(acks, rows):
+            if ack.duplicate:
+                continue
+            for callback in self._listeners:
                 try:
-                    callback(event_id, [row])
+                    callback(ack.seq, [row])
                 except Exception:
                     log.exception("event listener failed")
-        return ids
+        return acks
 
     def emit_later(self, rows: list[tuple]) -> None:
         task = asyncio.create_task(self.emit(rows))

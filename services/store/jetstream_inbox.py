@@ -21,6 +21,7 @@ from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from services import errors
+from services.faults import crash_point
 from services.store import base
 from services.store import jetstream_kv as kvh
 from services.store.base import (
@@ -278,17 +279,19 @@ class InboxLog:
         outcomes = []
         rows = []
         for seq in sequences:
-            outcome, env = await self._ack_one(recipient, seq, at_us)
+            outcome, env = await self._ack_one(recipient, seq, at_us, turn)
             if env is not None:
                 rows.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_CONSUMED, recipient, message_id=env.message_id,
                                       sender=env.sender, recipient=recipient, seq=seq,
                                       trace_id=trace_id_of(env.trace.traceparent), turn=turn))
             outcomes.append(outcome)
+        if rows:
+            crash_point("consumed-unrecorded")  # the consumption is stored, its event not yet
         await self.store.emit(rows)
         return outcomes
 
-    async def _ack_one(self, recipient: str, seq: int,
-                       at_us: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None]:
+    async def _ack_one(self, recipient: str, seq: int, at_us: int,
+                       turn: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None]:
         """The outcome, and the envelope when this ack consumed it."""
         key = state_key(recipient, seq)
         for _ in range(kvh.MAX_CAS_TRIES):
@@ -301,7 +304,7 @@ class InboxLog:
                     return AckOutcome(seq, _mid(state), inbox_pb2.ACK_STATUS_DEAD_LETTERED), None
                 if state["state"] == REJECTED:
                     return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None
-                new = {**state, "state": CONSUMED, "consumed": at_us}
+                new = {**state, "state": CONSUMED, "consumed": at_us, "turn": turn}
                 try:
                     await self.msgs.update(key, json.dumps(new).encode(), last=revision)
                 except Exception:
@@ -311,7 +314,7 @@ class InboxLog:
                 env = await self.envelope_at(recipient, seq)
                 if env is None:
                     return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None
-                new = {"state": CONSUMED, "attempts": 0, "stored": env.stored_at_us, "consumed": at_us,
+                new = {"state": CONSUMED, "attempts": 0, "stored": env.stored_at_us, "consumed": at_us, "turn": turn,
                        "env": kvh.envelope_b64(env)}
                 if not await kvh.create(self.msgs, key, new):
                     continue
