@@ -143,3 +143,33 @@ async def test_a_run_is_announced_exactly_once(client):
         await inbox.stop()
     assert report.message_id == f"inboxmesh:announce:{child.run_id}" and report.in_reply_to == "task-job"
 
+
+
+async def test_duplicates_are_found_after_jetstream_forgot_them(nats_node, tmp_path):
+    """JetStream remembers a Nats-Msg-Id only within its duplicate window;
+    the durable idempotency record answers after it: the same receipt
+    (DUPLICATE, original sequence), one stored copy, also when the target
+    has been closed since."""
+    config = replace(make_config(tmp_path), store=StoreConfig(
+        backend="jetstream", nats_urls=(nats_node.url,), nats_namespace=f"w{uuid.uuid4().hex[:12]}",
+        nats_duplicate_window_s=0.5))
+    async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+        lead = await client.register("lead")
+        a, b, c = await lead.spawn("a"), await lead.spawn("b"), await lead.spawn("c")
+        first = await a.send(b.agent_id, "once", message_id="late-1")
+        to_c = await a.send(c.agent_id, "once", message_id="late-2")
+        assert first.status == to_c.status == ACCEPTED
+        await asyncio.sleep(1.0)  # past the window: JetStream alone would store a second copy
+        again = await a.send(b.agent_id, "once", message_id="late-1")
+        assert (again.status, again.sequence) == (pb.RECEIPT_STATUS_DUPLICATE, first.sequence)
+        await c.close()
+        closed_since = await a.send(c.agent_id, "once", message_id="late-2")
+        assert (closed_since.status, closed_since.sequence) == (pb.RECEIPT_STATUS_DUPLICATE, to_c.sequence)
+        inbox = Collector(b)
+        try:
+            got = await inbox.wait_for(1)
+            await asyncio.sleep(0.3)
+            assert [m.message_id for m in inbox.messages] == ["late-1"], "one stored copy"
+        finally:
+            await inbox.stop()
+        assert [m.message_id for m in got] == ["late-1"]

@@ -48,13 +48,12 @@ async def get(kv: KeyValue, key: str) -> tuple[Any, int] | None:
     return json.loads(entry.value), entry.revision
 
 
-async def create(kv: KeyValue, key: str, value: Any) -> bool:
-    """Create the key; False when it exists (somebody else won)."""
+async def create(kv: KeyValue, key: str, value: Any) -> int:
+    """Create the key: its revision, or 0 when it exists (somebody else won)."""
     try:
-        await kv.create(key, json.dumps(value).encode())
-        return True
+        return await kv.create(key, json.dumps(value).encode())
     except KeyWrongLastSequenceError:
-        return False
+        return 0
 
 
 async def cas(kv: KeyValue, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
