@@ -7,6 +7,7 @@ agent. The agent id prefix lets the mesh find the agent without a scan.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import secrets
@@ -24,6 +25,21 @@ def new_agent_id() -> str:
 
 def new_credential(agent_id: str) -> str:
     return f"{agent_id}.{secrets.token_urlsafe(32)}"
+
+
+def agent_id_for(parent_id: str, request_id: str) -> str:
+    """The agent an idempotent registration names: always the same for the
+    same (parent, request_id)."""
+    return "agt_" + hashlib.sha256(f"agent\x00{parent_id}\x00{request_id}".encode()).hexdigest()[:20]
+
+
+def credential_for(agent_id: str, request_id: str) -> str:
+    """The credential of an idempotent registration, derived from its secret
+    request_id, so a retry can be answered with the same credential (only
+    its hash is stored)."""
+    secret = base64.urlsafe_b64encode(
+        hashlib.sha256(f"credential\x00{agent_id}\x00{request_id}".encode()).digest()).decode().rstrip("=")
+    return f"{agent_id}.{secret}"
 
 
 def credential_hash(credential: str) -> bytes:

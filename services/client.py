@@ -5,6 +5,7 @@ turned back into MeshError subclasses."""
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterable
 
@@ -28,7 +29,9 @@ from services.telemetry import inject, tracer
 
 _IDEMPOTENT = {
     "inboxmesh.inbox.v1.InboxService": ["Send", "Ack", "GetMessageStatus", "ListDeadLetters"],
-    "inboxmesh.registry.v1.RegistryService": ["GetAgent", "ResolveAgent", "ListAgents", "CloseAgent"],
+    # RegisterAgent: this client always sends a request_id, which makes a retry name the same agent
+    "inboxmesh.registry.v1.RegistryService": ["RegisterAgent", "GetAgent", "ResolveAgent", "ListAgents",
+                                              "CloseAgent"],
     "inboxmesh.events.v1.EventService": ["ListEvents"],
     "inboxmesh.runs.v1.SubagentRunService": ["EndRun", "GetRun", "ListRuns"],
 }
@@ -96,6 +99,10 @@ def envelope(
     )
 
 
+def _request_id() -> str:
+    return secrets.token_hex(16)
+
+
 async def _call(awaitable):
     try:
         return await awaitable
@@ -135,12 +142,14 @@ class MeshClient:
         *,
         metadata: dict[str, str] | None = None,
         inbox_capacity: int = 0,
+        request_id: str = "",
     ) -> AgentHandle:
-        """Register a top-level agent."""
+        """Register a top-level agent (retried on UNAVAILABLE with the same
+        request_id, a fresh random one unless given)."""
         response = await _call(
             self.registry.RegisterAgent(
                 reg_pb.RegisterAgentRequest(name=name, mode=reg_pb.AGENT_MODE_MAIN, metadata=metadata or {},
-                                            inbox_capacity=inbox_capacity),
+                                            inbox_capacity=inbox_capacity, request_id=request_id or _request_id()),
                 timeout=self.timeout,
                 metadata=self._admin_metadata(),
             )
@@ -216,13 +225,14 @@ class AgentHandle:
     # -- registry -----------------------------------------------------------
     async def spawn(
         self, name: str, mode: int = reg_pb.AGENT_MODE_ASYNC, *, metadata: dict[str, str] | None = None,
-        inbox_capacity: int = 0, run: reg_pb.RunSpec | None = None,
+        inbox_capacity: int = 0, run: reg_pb.RunSpec | None = None, request_id: str = "",
     ) -> AgentHandle:
-        """Register a child of this agent (and its run)."""
+        """Register a child of this agent (and its run); retried like register."""
         response = await _call(
             self.client.registry.RegisterAgent(
                 reg_pb.RegisterAgentRequest(name=name, mode=mode, parent_id=self.agent_id, metadata=metadata or {},
-                                            inbox_capacity=inbox_capacity, run=run),
+                                            inbox_capacity=inbox_capacity, run=run,
+                                            request_id=request_id or _request_id()),
                 **self._opts(),
             )
         )

@@ -106,6 +106,10 @@ class Directory:
                 return Caller(agent=record)
         agent_id = auth.agent_id_of(credential)
         record = await self.get(agent_id)
+        if record is not None and not auth.hashes_match(credential, record.credential_hash):
+            record = await self._store.get_agent(agent_id)  # replaced since it was cached (by another replica)?
+            if record is not None:
+                self.remember(record)
         if record is None or not auth.hashes_match(credential, record.credential_hash):
             raise errors.Unauthenticated(
                 f"credential for {agent_id!r} is not valid", reason="BAD_CREDENTIAL", metadata={"agent_id": agent_id}

@@ -15,6 +15,8 @@ import pytest
 from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from inboxmesh.registry.v1 import registry_pb2 as reg
+from inboxmesh.runs.v1 import runs_pb2 as runs
 from services import errors
 from services.client import MeshClient
 from tests.fixtures import ADMIN_TOKEN, eventually
@@ -274,3 +276,25 @@ async def test_a_consumption_whose_replica_died_before_its_event_still_gets_its_
                     assert [(e.message_id, e.sequence) for e in consumed] == [("gap-1", receipt.sequence)]
                     stored = await _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_STORED)
                     assert [e.message_id for e in stored] == ["gap-1"], "the STORED event is not repeated"
+
+
+async def test_a_spawn_whose_replica_died_midway_is_retried_into_one_child_with_its_run(tmp_path):
+    """The replica stores the child and dies before its run record (a crash
+    point). The client retries RegisterAgent with the same request_id on the
+    other replica: the same child, its run completed, one slot among the
+    parent's active children."""
+    with NatsNode(tmp_path / "nats") as node:
+        with replica(tmp_path, [node.url], "r1", env={"INBOXMESH_CRASH_AT": "child-stored"}) as r1, \
+                replica(tmp_path, [node.url], "r2") as r2:
+            async with MeshClient(r2.address) as client:
+                lead = await client.register("lead")
+            async with MeshClient(f"ipv4:{r1.address},{r2.address}", timeout=20.0) as both:
+                child = await both.agent(lead.info, lead.credential).spawn("worker", run=reg.RunSpec(task="t"))
+            assert r1.proc.wait(10) == 137, "r1 died between the child and its run"
+            async with MeshClient(r2.address) as client:
+                parent = client.agent(lead.info, lead.credential)
+                assert [a.agent_id for a in await parent.list_agents(parent_id=lead.agent_id)] == [child.agent_id]
+                run = await parent.get_run(child_id=child.agent_id)
+                assert run.run_id == child.run_id and run.status == runs.RUN_STATUS_RUNNING
+                assert [r.run_id for r in await parent.list_runs()] == [child.run_id]
+                assert (await client.agent(child.info, child.credential).get()).name == "worker", "its credential"

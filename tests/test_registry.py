@@ -141,3 +141,32 @@ async def test_admin_token_sees_everything_but_cannot_act_as_an_agent(client, me
     assert (await admin.get(lead.agent_id)).name == "lead"
     with pytest.raises(errors.PermissionDenied, match="admin token cannot act"):
         await admin.send(lead.agent_id, "hi")
+
+
+async def test_a_registration_retried_with_its_request_id_names_the_same_agent(client):
+    """A retry after a lost answer: the same agent, credential and run, not a
+    second agent; the request_id cannot be reused for another registration."""
+    first = await client.register("lead", request_id="req-lead-0123456789")
+    again = await client.register("lead", request_id="req-lead-0123456789")
+    assert (again.agent_id, again.credential) == (first.agent_id, first.credential)
+    assert (await again.get()).name == "lead", "the credential works"
+    child = await first.spawn("worker", run=reg.RunSpec(task="t"), request_id="req-child-0123456789")
+    retried = await first.spawn("worker", run=reg.RunSpec(task="t"), request_id="req-child-0123456789")
+    assert (retried.agent_id, retried.credential, retried.run_id) == (child.agent_id, child.credential, child.run_id)
+    assert child.run_id
+    assert [a.agent_id for a in await first.list_agents(parent_id=first.agent_id)] == [child.agent_id]
+    assert [r.run_id for r in await first.list_runs()] == [child.run_id]
+    other_parent = await client.register("other")
+    elsewhere = await other_parent.spawn("worker", request_id="req-child-0123456789")
+    assert elsewhere.agent_id != child.agent_id, "a request_id names an agent only under its parent"
+
+    with pytest.raises(errors.FailedPrecondition) as caught:
+        await first.spawn("someone-else", request_id="req-child-0123456789")
+    assert caught.value.reason == "REQUEST_ID_REUSED" and child.agent_id in caught.value.message
+    with pytest.raises(errors.InvalidArgument) as caught:
+        await first.spawn("worker", request_id="short")
+    assert caught.value.reason == "REQUEST_ID_TOO_SHORT"
+    await first.close(child.agent_id)
+    with pytest.raises(errors.FailedPrecondition) as caught:
+        await first.spawn("worker", run=reg.RunSpec(task="t"), request_id="req-child-0123456789")
+    assert caught.value.reason == "AGENT_CLOSED"

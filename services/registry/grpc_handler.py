@@ -43,6 +43,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             metadata=dict(request.metadata),
             inbox_capacity=request.inbox_capacity,
             run=request.run if request.HasField("run") else None,
+            request_id=request.request_id,
         )
         return pb.RegisterAgentResponse(agent=agent_pb(record), credential=credential, run_id=run_id)
 

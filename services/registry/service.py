@@ -43,9 +43,15 @@ class RegistryService:
         metadata: dict[str, str],
         inbox_capacity: int,
         run: pb.RunSpec | None = None,
+        request_id: str = "",
     ) -> tuple[AgentRecord, str, str]:
         """Returns (agent, credential, run_id)."""
         check_text("name", name, max_len=128, required=True)
+        check_text("request_id", request_id, max_len=128)
+        if request_id and len(request_id) < 16:
+            raise errors.InvalidArgument(
+                f"request_id has {len(request_id)} characters; at least 16 (it is the secret the credential is"
+                " derived from: use a random value such as a uuid4)", reason="REQUEST_ID_TOO_SHORT")
         check_map("metadata", metadata)
         if inbox_capacity > self._limits.max_capacity:
             raise errors.InvalidArgument(
@@ -75,8 +81,15 @@ class RegistryService:
                     f"a top-level agent has mode MAIN; {pb.AgentMode.Name(mode)} needs a parent_id", reason="BAD_MODE"
                 )
             mode, scope_id, depth = pb.AGENT_MODE_MAIN, "", 0
-        agent_id = auth.new_agent_id()
-        credential = auth.new_credential(agent_id)
+        if request_id:
+            agent_id = auth.agent_id_for(parent_id, request_id)
+            credential = auth.credential_for(agent_id, request_id)
+            existing = await self._store.get_agent(agent_id)
+            if existing is not None:
+                return await self._registered_before(existing, credential, name, parent_id, run)
+        else:
+            agent_id = auth.new_agent_id()
+            credential = auth.new_credential(agent_id)
         record = AgentRecord(
             agent_id=agent_id,
             name=name,
@@ -92,7 +105,8 @@ class RegistryService:
         )
         run_id = ""
         if parent_id and self.runs is not None:
-            run_record, child_metadata = self.runs.new_run(parent, record, run or pb.RunSpec())
+            run_record, child_metadata = self.runs.new_run(parent, record, run or pb.RunSpec(),
+                                                           idempotent=bool(request_id))
             record = replace(record, metadata=child_metadata)
             try:
                 await self._store.create_child(record, run_record, self.runs.limits_for(parent))
@@ -114,6 +128,35 @@ class RegistryService:
             f" run={run_id}" if run_id else "",
         )
         return record, credential, run_id
+
+    async def _registered_before(self, existing: AgentRecord, credential: str, name: str, parent_id: str,
+                                 run: pb.RunSpec | None) -> tuple[AgentRecord, str, str]:
+        """A retry of a registration that was stored (its answer was lost):
+        the same agent, credential and run. A first attempt that stopped
+        between the agent and its run record (JetStream: two writes) gets
+        its run now."""
+        agent_id = existing.agent_id
+        if existing.name != name or existing.parent_id != parent_id \
+                or not auth.hashes_match(credential, existing.credential_hash):
+            raise errors.FailedPrecondition(
+                f"request_id was used before to register {existing.name!r} ({agent_id}), not this registration;"
+                " use a new request_id for a new agent", reason="REQUEST_ID_REUSED", metadata={"agent_id": agent_id})
+        if not existing.is_open:
+            raise errors.FailedPrecondition(
+                f"this registration was made before, and agent {agent_id} is closed since ({existing.close_reason})",
+                reason="AGENT_CLOSED", metadata={"agent_id": agent_id})
+        run_id = ""
+        if parent_id and self.runs is not None:
+            found = await self._store.get_run(child_id=agent_id)
+            if found is None:
+                parent = await self._directory.fresh(parent_id)
+                run_record, _ = self.runs.new_run(parent, existing, run or pb.RunSpec(), idempotent=True)
+                await self._store.create_child(existing, run_record, self.runs.limits_for(parent), resume=True)
+                found = run_record
+            run_id = found.run_id
+        self._directory.remember(existing)
+        log.info("registration of %s (%r) repeated: the same agent again", agent_id, name)
+        return existing, credential, run_id
 
     async def get(self, caller: Caller, agent_id: str) -> AgentRecord:
         check_text("agent_id", agent_id, max_len=128, required=True)

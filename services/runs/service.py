@@ -14,6 +14,7 @@ message instead of storing a second one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import uuid
 
@@ -93,9 +94,11 @@ class RunService:
             return SpawnLimits(self.config.max_spawn_depth, self.config.max_active_children)
         return SpawnLimits(policy.subagents.max_spawn_depth, policy.subagents.max_children_per_agent)
 
-    def new_run(self, parent: AgentRecord, child: AgentRecord, spec: reg_pb.RunSpec) -> tuple[RunRecord, dict]:
+    def new_run(self, parent: AgentRecord, child: AgentRecord, spec: reg_pb.RunSpec,
+                idempotent: bool = False) -> tuple[RunRecord, dict]:
         """The run record of a child being registered, and the metadata the
-        child gets. Refuses a configured agent the parent may not spawn."""
+        child gets. Refuses a configured agent the parent may not spawn.
+        `idempotent`: the child's id comes from a request_id, and so does the run's."""
         check_text("run.task", spec.task, max_len=64 * 1024)
         check_text("run.label", spec.label, max_len=256)
         check_text("run.task_message_id", spec.task_message_id, max_len=128)
@@ -117,7 +120,9 @@ class RunService:
                                             reason="NO_ROUTING_CONFIG")
         if target:
             metadata[AGENT_KEY] = target
-        run_id = f"run-{uuid.uuid4().hex}"
+        # an idempotent registration's run is named by its child, so a retry names the same run
+        run_id = f"run-{hashlib.sha256(child.agent_id.encode()).hexdigest()[:32]}" if idempotent \
+            else f"run-{uuid.uuid4().hex}"
         origin = {k: v for k, v in parent.metadata.items() if k.startswith(ORIGIN_PREFIX)}
         run = RunRecord(
             run_id=run_id, child_id=child.agent_id, requester_id=parent.agent_id, requester_origin=origin,

@@ -276,10 +276,13 @@ class Store(abc.ABC):
 
     # -- subagent runs ------------------------------------------------------
     @abc.abstractmethod
-    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits) -> AgentRecord:
+    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits, *,
+                           resume: bool = False) -> AgentRecord:
         """Store a new child and its run in one commit. Raises
         ResourceExhausted (SPAWN_DEPTH / TOO_MANY_CHILDREN) when a limit
-        refuses it, plus what create_agent raises."""
+        refuses it, plus what create_agent raises. `resume`: the agent was
+        stored by an earlier attempt whose run was not (a store that cannot
+        write both in one commit); store what is missing."""
 
     @abc.abstractmethod
     async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None: ...

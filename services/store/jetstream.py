@@ -31,6 +31,7 @@ from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.runs.v1 import runs_pb2
 from services import errors
 from services.config import StoreConfig
+from services.faults import crash_point
 from services.store import base
 from services.store import jetstream_kv as kvh
 from services.store.base import (
@@ -426,42 +427,56 @@ class JetStreamStore(base.Store):
             return run
         raise errors.Unavailable(f"too much contention on run {run_id}", reason="CONTENTION")
 
-    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits) -> AgentRecord:
+    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits, *,
+                           resume: bool = False) -> AgentRecord:
+        """The child's slot among its parent's active children, the agent,
+        then its run: every step can be repeated, so a retry after a crash
+        in between (resume) completes it."""
         self.require_open()
         if record.depth > limits.max_depth:
             raise errors.ResourceExhausted(
                 f"spawn refused: {record.name!r} would be at depth {record.depth}; the most is {limits.max_depth}",
                 reason="SPAWN_DEPTH", metadata={"depth": str(record.depth), "max_depth": str(limits.max_depth)})
-        counter = f"active.{kvh.token(record.parent_id)}"
+        slots = f"active.{kvh.token(record.parent_id)}"
         refused: list[int] = []
 
         def take(current):
-            active = current or 0
-            if active >= limits.max_active_children:
-                refused.append(active)
+            active = current or []
+            if record.agent_id in active:
+                return None  # taken by an earlier attempt
+            if len(active) >= limits.max_active_children:
+                refused.append(len(active))
                 return None
-            return active + 1
+            return [*active, record.agent_id]
 
-        if await kvh.cas(self.misc, counter, take) is None:
+        await kvh.cas(self.misc, slots, take)
+        if refused:
             raise errors.ResourceExhausted(
                 f"spawn refused: {record.parent_id} already has {refused[-1]} running children; the most is"
                 f" {limits.max_active_children} (wait for one to finish)",
                 reason="TOO_MANY_CHILDREN", metadata={"active": str(refused[-1]),
                                                       "max": str(limits.max_active_children)})
-        try:
-            await self.create_agent(record)
-        except BaseException:
-            await kvh.cas(self.misc, counter, lambda cur: max(0, (cur or 1) - 1))
-            raise
-        await self.runs.create(self._run_key(run.run_id), run.SerializeToString())
+        if not resume:
+            try:
+                await self.create_agent(record)
+            except BaseException:
+                await self._release_slot(record.parent_id, record.agent_id)
+                raise
+            crash_point("child-stored")  # the agent is stored, its run not yet
+        created = await kvh.create(self.runs, self._run_key(run.run_id), run.SerializeToString(), raw=True)
         await self.kv["runwork"].put(kvh.token(run.run_id), b"")
         await kvh.cas(self.runs, f"c.{kvh.token(run.child_id)}", lambda cur: run.run_id if cur is None else None)
         await kvh.cas(self.runs, f"q.{kvh.token(run.requester_id)}",
-                      lambda cur: [*(cur or []), run.run_id])
-        rows: list[tuple] = []
-        run_event(rows, run, ev.EVENT_KIND_RUN_CREATED, run.created_at_us, detail=run.label or run.task[:200])
-        await self.emit(rows)
+                      lambda cur: None if cur and run.run_id in cur else [*(cur or []), run.run_id])
+        if created:
+            rows: list[tuple] = []
+            run_event(rows, run, ev.EVENT_KIND_RUN_CREATED, run.created_at_us, detail=run.label or run.task[:200])
+            await self.emit(rows)
         return record
+
+    async def _release_slot(self, parent_id: str, child_id: str) -> None:
+        await kvh.cas(self.misc, f"active.{kvh.token(parent_id)}",
+                      lambda cur: [c for c in cur if c != child_id] if cur and child_id in cur else None)
 
     async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None:
         self.require_open()
@@ -485,7 +500,7 @@ class JetStreamStore(base.Store):
         return [r for r in runs if include_archived or not r.archived_at_us][:limit]
 
     async def _ended(self, run: RunRecord) -> None:
-        await kvh.cas(self.misc, f"active.{kvh.token(run.requester_id)}", lambda cur: max(0, (cur or 1) - 1))
+        await self._release_slot(run.requester_id, run.child_id)
 
     async def end_run(self, run_id, status, result, at_us, traceparent=""):
         self.require_open()

@@ -48,10 +48,11 @@ async def get(kv: KeyValue, key: str) -> tuple[Any, int] | None:
     return json.loads(entry.value), entry.revision
 
 
-async def create(kv: KeyValue, key: str, value: Any) -> int:
-    """Create the key: its revision, or 0 when it exists (somebody else won)."""
+async def create(kv: KeyValue, key: str, value: Any, *, raw: bool = False) -> int:
+    """Create the key (value as JSON, or bytes with raw): its revision, or 0
+    when it exists (somebody else won)."""
     try:
-        return await kv.create(key, json.dumps(value).encode())
+        return await kv.create(key, value if raw else json.dumps(value).encode())
     except KeyWrongLastSequenceError:
         return 0
 

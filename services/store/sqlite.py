@@ -153,7 +153,9 @@ class SqliteStore(base.Store):
                                                                               credential_hash))
 
     # -- subagent runs ------------------------------------------------------
-    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits) -> AgentRecord:
+    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits, *,
+                           resume: bool = False) -> AgentRecord:
+        # one transaction: an agent that exists has its run, so `resume` never reaches here
         return await self.writer.run(lambda conn, events: runs.create_child(conn, events, record, run, limits))
 
     async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None:

@@ -73,7 +73,7 @@ class Agent(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., name: _Optional[str] = ..., mode: _Optional[_Union[AgentMode, str]] = ..., parent_id: _Optional[str] = ..., scope_id: _Optional[str] = ..., state: _Optional[_Union[AgentState, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_at_us: _Optional[int] = ..., closed_at_us: _Optional[int] = ..., close_reason: _Optional[str] = ..., inbox_capacity: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("name", "mode", "parent_id", "metadata", "inbox_capacity", "run")
+    __slots__ = ("name", "mode", "parent_id", "metadata", "inbox_capacity", "run", "request_id")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,13 +87,15 @@ class RegisterAgentRequest(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INBOX_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     mode: AgentMode
     parent_id: str
     metadata: _containers.ScalarMap[str, str]
     inbox_capacity: int
     run: RunSpec
-    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[AgentMode, str]] = ..., parent_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., inbox_capacity: _Optional[int] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, name: _Optional[str] = ..., mode: _Optional[_Union[AgentMode, str]] = ..., parent_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., inbox_capacity: _Optional[int] = ..., run: _Optional[_Union[RunSpec, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RunSpec(_message.Message):
     __slots__ = ("task", "task_message_id", "cleanup", "label", "run_timeout_s", "agent_config_id", "conversation_id")
