@@ -80,6 +80,7 @@ class AgentRunner:
         self._items = None
         self._tasks: list[asyncio.Task] = []
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._recording: set[asyncio.Future] = set()
         self._stream_down = False
         """An ack failed because the inbox stream was lost; cleared when it attaches again."""
 
@@ -116,6 +117,8 @@ class AgentRunner:
                 await task
             except (asyncio.CancelledError, Exception):  # already reported by the task itself
                 pass
+        if self._recording:  # runtime events already on their way (a stop right after a finish)
+            await asyncio.wait(self._recording, timeout=self.host.config.call_timeout_s)
         for _, future in self.awaiting.values():
             if not future.done():
                 future.set_exception(ChildGone("the waiting agent stopped"))
@@ -461,9 +464,14 @@ class AgentRunner:
     async def event(self, kind: int, **fields: Any) -> None:
         """Record a runtime event about this agent in the mesh's event record."""
         request = ev.RecordEventsRequest(events=[ev.Event(kind=kind, **fields)])
+        call = asyncio.ensure_future(self.handle.client.events.RecordEvents(
+            request, metadata=self.handle.metadata, timeout=self.host.config.call_timeout_s))
+        self._recording.add(call)  # a stop waits for it: the record keeps the last turn's end
+        call.add_done_callback(self._recording.discard)
         try:
-            await self.handle.client.events.RecordEvents(request, metadata=self.handle.metadata,
-                                                          timeout=self.host.config.call_timeout_s)
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # evidence must not take the agent down; say so loudly
             log.error("%s: could not record %s: %s", self, ev.EventKind.Name(kind), exc)
         self.host.observe(self, ev.EventKind.Name(kind).removeprefix("EVENT_KIND_").lower(),

@@ -232,3 +232,15 @@ async def test_a_restarted_host_recovers_messages_consumed_but_not_yet_in_the_co
         assert any("consumed while you were away" in (m["content"] or "") for m in resumed.conversation.messages)
         assert any(e.kind == "recovered" for e in host.log)
         await eventually(lambda: len(tool_results(resumed, "reply")) == 1, message="and it answers it")
+
+
+async def test_a_host_stopped_right_after_a_finish_keeps_the_last_turn_in_the_record(mesh, client, tmp_path):
+    """The host stops the moment the task is done: the runtime events already
+    on their way (the last TURN_ENDED) still reach the record."""
+    async with scripted_host(mesh.address, tmp_path, {"lead": finisher}) as host:
+        lead = await host.start_task("lead", "finish at once")
+        await host.outcome(lead.agent_id, timeout=30)
+    record = await Record.read(client)
+    started = record.of(K.EVENT_KIND_TURN_STARTED, agent_id=lead.agent_id)
+    ended = record.of(K.EVENT_KIND_TURN_ENDED, agent_id=lead.agent_id)
+    assert started and [e.turn for e in ended] == [e.turn for e in started], "every started turn ended in the record"
