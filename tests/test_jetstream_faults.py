@@ -298,3 +298,45 @@ async def test_a_spawn_whose_replica_died_midway_is_retried_into_one_child_with_
                 assert run.run_id == child.run_id and run.status == runs.RUN_STATUS_RUNNING
                 assert [r.run_id for r in await parent.list_runs()] == [child.run_id]
                 assert (await client.agent(child.info, child.credential).get()).name == "worker", "its credential"
+
+
+async def test_a_close_whose_replica_died_midway_is_finished_by_another(tmp_path):
+    """The replica marks a child closed and dies before anything that follows
+    (a crash point): no dead letters, notices, run end or event yet. The
+    keeper of the other replica finishes the close: the queued messages are
+    dead-lettered and their sender told, the child's run ends CLOSED, and
+    the record has the close once."""
+    with NatsNode(tmp_path / "nats") as node:
+        with replica(tmp_path, [node.url], "r1", env={"INBOXMESH_CRASH_AT": "closed-unfinished"}) as r1:
+            async with MeshClient(r1.address) as client:
+                lead = await client.register("lead")
+                sender = await lead.spawn("sender")
+                child = await lead.spawn("child", run=reg.RunSpec(task="t"))
+                receipts = [await sender.send(child.agent_id, f"m{i}", message_id=f"q-{i}") for i in range(3)]
+            with replica(tmp_path, [node.url], "r2") as r2:
+                async with MeshClient(r1.address) as client:
+                    with pytest.raises(errors.MeshError):
+                        await client.agent(lead.info, lead.credential).close(child.agent_id, "enough")
+                assert r1.proc.wait(10) == 137, "r1 died right after marking the child closed"
+                async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
+                    view = admin.agent(sender.info, sender.credential)
+
+                    async def finished():
+                        states = [(await view.status(r.message_id)).state for r in receipts]
+                        return all(s == pb.MESSAGE_STATE_DEAD_LETTERED for s in states)
+
+                    await eventually(finished, timeout=30, interval=0.2, message="the queued messages dead-lettered")
+                    run = await eventually(lambda: _run_ended(admin, lead, child), timeout=30, interval=0.2,
+                                           message="the child's run ended")
+                    assert run.status == runs.RUN_STATUS_CLOSED
+                    closed = await eventually(lambda: _events(admin, child.agent_id, ev.EVENT_KIND_AGENT_CLOSED),
+                                              timeout=30, interval=0.2, message="the close in the record")
+                    assert len(closed) == 1
+                    notices = await eventually(lambda: _events(admin, sender.agent_id, ev.EVENT_KIND_MESSAGE_STORED),
+                                               timeout=30, interval=0.2, message="notices to the sender")
+                    assert sorted(e.in_reply_to for e in notices) == [r.message_id for r in receipts]
+
+
+async def _run_ended(admin: MeshClient, lead, child):
+    run = await admin.agent(lead.info, lead.credential).get_run(child_id=child.agent_id)
+    return run if run.status != runs.RUN_STATUS_RUNNING else None

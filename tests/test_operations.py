@@ -185,7 +185,8 @@ def test_cli_run_shows_the_exchange_live_and_summarises_it(tmp_path):
     assert "B            agent_woken" in out and "consumed" in out
     assert "A -> B [text] 'Hello B, the code is SEC-777777.': consumed" in out
     assert "-> parent [completion" in out
-    assert "result: A: B confirmed SEC-777777" in out
+    result_line = next(line for line in out.splitlines() if "result:" in line)
+    assert "A: B confirmed SEC-777777" in result_line, "both reports, in whichever order they came"
 
 
 def test_cli_run_without_a_model_endpoint_says_what_to_set(tmp_path, monkeypatch):

@@ -1,20 +1,24 @@
-"""The event keeper of the JetStream store: no message event is lost when a
-mesh process dies between a state change and the event that records it.
+"""The keeper of the JetStream store: an operation that a mesh process
+started and did not finish (it was killed between two writes) is finished
+by another, and no event is lost.
 
-On JetStream a state change (a message's state entry in the `msgs` bucket)
-and its event (on the events stream) are two writes. A process killed
-between them leaves the state right and the event record short. So:
+On JetStream an operation is several writes: a message's state change and
+its event; an agent record, its index entries and its event; a close and
+the dead letters, run end and closes of descendants that follow it; a run
+record, its index entries and its events. So:
 
-- every message event has a deterministic identity (`dedup_id`: kind,
-  recipient, inbox sequence, and the attempt for deliveries), published as
-  its `Nats-Msg-Id`; the events stream drops a second copy within its
-  duplicate window;
+- every event of a state change has a deterministic identity (`dedup_id`:
+  kind, and the message (recipient, inbox sequence, attempt), agent or run
+  it is about), published as its `Nats-Msg-Id`; the events stream drops a
+  second copy within its duplicate window;
 - one mesh process at a time (a lease in the `misc` bucket, taken over when
-  its holder stops renewing it) reads every write to message state entries,
-  in stream order, and publishes the events that write implies (stored,
-  each delivery attempt, consumed or dead-lettered). Where the process that
-  made the change published them already, JetStream drops the copies; where
-  it died first, the keeper's copy is the event.
+  its holder stops renewing it) reads every write to message state
+  entries, agent records and run records, in stream order, and rolls each
+  forward: it repeats the steps that follow that write (each one can be
+  repeated: compare-and-set, create-if-absent, de-duplicated publishes) and
+  publishes the events it implies. Where the process that made the change
+  finished it, the repeats change nothing and JetStream drops the copies;
+  where it died first, the keeper finishes it.
 
 The keeper reads a write only once it is `LAG_S` old, so the event the
 changing process publishes normally lands first and keeps its place in
@@ -39,7 +43,7 @@ from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.store import base
 from services.store import jetstream_kv as kvh
-from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, event_row
+from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, RunRecord, event_row
 from services.telemetry import trace_id_of
 
 log = logging.getLogger(__name__)
@@ -56,10 +60,21 @@ _DELIVERED, _CONSUMED = ev.EVENT_KIND_MESSAGE_DELIVERED, ev.EVENT_KIND_MESSAGE_C
 _DEAD = ev.EVENT_KIND_MESSAGE_DEAD_LETTERED
 
 
+_ONCE_PER_AGENT = (ev.EVENT_KIND_AGENT_REGISTERED, ev.EVENT_KIND_AGENT_CLOSED)
+_ONCE_PER_RUN = (ev.EVENT_KIND_RUN_CREATED, ev.EVENT_KIND_RUN_STARTED, ev.EVENT_KIND_RUN_ENDED,
+                 ev.EVENT_KIND_RUN_ANNOUNCED, ev.EVENT_KIND_RUN_REQUESTER_GONE, ev.EVENT_KIND_RUN_CLEANED_UP,
+                 ev.EVENT_KIND_RUN_ARCHIVED)
+
+
 def dedup_id(row: tuple) -> str | None:
-    """The identity of a message event (None for events that have none):
-    the same event published twice gets the same id."""
+    """The identity of an event that happens once per message state, agent
+    or run (None for events that have none): the same event published twice
+    gets the same id."""
     kind, recipient, seq, detail = row[1], row[5], row[6], row[7]
+    if kind in _ONCE_PER_AGENT:
+        return f"ev:{kind}:{row[2]}"
+    if kind in _ONCE_PER_RUN:
+        return f"ev:{kind}:{row[3]}"  # run events carry the run id as message_id
     if seq <= 0 or not recipient:
         return None
     if kind in (_STORED, _CONSUMED, _DEAD):
@@ -97,73 +112,90 @@ def implied_events(state: dict, recipient: str, seq: int) -> list[tuple]:
     return rows
 
 
-class EventKeeper:
-    def __init__(self, store):
-        self.store = store
-        self.instance = secrets.token_hex(8)
-        self.replayed = 0
-        """Writes whose events this process replayed (most are dropped as copies)."""
-        self.restored = 0
-        """Events the keeper published that were not there yet."""
-        self.too_old = 0
-        self._task: asyncio.Task | None = None
-        self._pull = None
-        self._next_seq = 0  # the stream sequence self._pull reads from next
-        self._held: list = []  # fetched writes younger than LAG_S
+class _Source:
+    """One bucket's writes the keeper follows."""
 
-    @property
-    def stream(self) -> str:
-        return f"KV_{self.store.ns}_msgs"
+    def __init__(self, name: str, prefix: str, handle):
+        self.name, self.prefix, self.handle = name, prefix, handle
+        self.pull = None
+        self.next_seq = 0  # the stream sequence `pull` reads from next
+        self.held: list = []  # fetched writes younger than LAG_S
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="event-keeper")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        await self._drop_pull()
-
-    async def _drop_pull(self) -> None:
-        pull, self._pull = self._pull, None
-        self._held = []
+    async def drop(self) -> None:
+        pull, self.pull = self.pull, None
+        self.held = []
         if pull is not None:
             try:
                 await pull.unsubscribe()
             except Exception:
                 pass
 
+
+class EventKeeper:
+    def __init__(self, store):
+        self.store = store
+        self.instance = secrets.token_hex(8)
+        self.replayed = 0
+        """Writes this process rolled forward (most needed nothing)."""
+        self.restored = 0
+        """Events the keeper published that were not there yet."""
+        self.too_old = 0
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._sources = [_Source("msgs", "m.", self._message_written),
+                         _Source("agents", "a.", self._agent_written),
+                         _Source("runs", "r.", self._run_written)]
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="event-keeper")
+
+    async def stop(self) -> None:
+        """Stop the loop. It also ends by a flag: on Python 3.11 a cancel that
+        meets a nats-py request finishing at the same moment is lost inside
+        asyncio.wait_for, and the loop would go on."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=TICK_S + 5)
+        for source in self._sources:
+            await source.drop()
+
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
-                cursor = await self._lease(None)
-                if cursor is None:
-                    await self._drop_pull()  # another process keeps the events
+                cursors = await self._lease(None)
+                if cursors is None:
+                    for source in self._sources:
+                        await source.drop()  # another process keeps the store
                 else:
-                    done = await self._replay(cursor)
-                    if done != cursor:
+                    done = {s.name: await self._replay(s, cursors[s.name]) for s in self._sources}
+                    if done != cursors:
                         await self._lease(done)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("event keeper: %r; trying again", exc)
-                await self._drop_pull()
+                log.warning("keeper: %r; trying again", exc)
+                for source in self._sources:
+                    await source.drop()
             await asyncio.sleep(TICK_S)
 
-    async def _lease(self, cursor: int | None) -> int | None:
-        """Take or renew the lease (saving `cursor` when given); the cursor to
-        go on from, or None when another live process holds the lease."""
+    def _stream(self, source: _Source) -> str:
+        return f"KV_{self.store.ns}_{source.name}"
+
+    async def _lease(self, cursors: dict[str, int] | None) -> dict[str, int] | None:
+        """Take or renew the lease (saving `cursors` when given); the cursors
+        to go on from, or None when another live process holds the lease."""
         now = time.time()
         found = await kvh.get(self.store.misc, _KEY)
         current, revision = found if found else (None, 0)
         if current is not None and current["owner"] != self.instance and current["until"] > now:
             return None
-        if cursor is None:
-            cursor = current["cursor"] if current else (await self.store.js.stream_info(self.stream)).state.last_seq
-        value = json.dumps({"owner": self.instance, "until": now + LEASE_S, "cursor": cursor}).encode()
+        if cursors is None:
+            cursors = dict((current or {}).get("cursors") or {})
+            for source in self._sources:  # a bucket never followed before: from its newest write on
+                if source.name not in cursors:
+                    cursors[source.name] = (await self.store.js.stream_info(self._stream(source))).state.last_seq
+        value = json.dumps({"owner": self.instance, "until": now + LEASE_S, "cursors": cursors}).encode()
         try:
             if current is None:
                 await self.store.misc.create(_KEY, value)
@@ -171,20 +203,20 @@ class EventKeeper:
                 await self.store.misc.update(_KEY, value, last=revision)
         except Exception:
             return None  # another process took it just now
-        return cursor
+        return cursors
 
-    async def _replay(self, cursor: int) -> int:
-        """Replay the writes after `cursor` that are old enough; the new cursor."""
-        if self._pull is None or self._next_seq != cursor + 1:
-            await self._drop_pull()
-            self._pull = await self.store.js.pull_subscribe(
-                f"$KV.{self.store.ns}_msgs.m.>", stream=self.stream, config=ConsumerConfig(
-                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=cursor + 1,
-                    ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True))
-            self._next_seq = cursor + 1
-        if len(self._held) < _BATCH:
+    async def _replay(self, source: _Source, cursor: int) -> int:
+        """Roll forward the writes after `cursor` that are old enough; the new cursor."""
+        if source.pull is None or source.next_seq != cursor + 1:
+            await source.drop()
+            source.pull = await self.store.js.pull_subscribe(
+                f"$KV.{self.store.ns}_{source.name}.{source.prefix}>", stream=self._stream(source),
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=cursor + 1,
+                                      ack_policy=AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True))
+            source.next_seq = cursor + 1
+        if len(source.held) < _BATCH:
             try:
-                self._held += await self._pull.fetch(_BATCH - len(self._held), timeout=0.2)
+                source.held += await source.pull.fetch(_BATCH - len(source.held), timeout=0.2)
             except asyncio.TimeoutError:
                 pass
             except Exception as exc:
@@ -193,30 +225,44 @@ class EventKeeper:
         now = time.time()
         done = cursor
         rows: list[tuple] = []
-        while self._held:
-            msg = self._held[0]
+        while source.held:
+            msg = source.held[0]
             meta = msg.metadata
             written = meta.timestamp.timestamp() if hasattr(meta.timestamp, "timestamp") else float(meta.timestamp)
             if now - written < LAG_S:
                 break
-            self._held.pop(0)
-            done = meta.sequence.stream
-            self._next_seq = done + 1
-            if (msg.headers or {}).get("KV-Operation") or not msg.data:
-                continue
             if now - written > EVENT_DEDUP_WINDOW_S - 30:
                 self.too_old += 1
-                continue
-            try:
-                state = json.loads(msg.data)
-                env = envelope_pb2.Envelope.FromString(base64.b64decode(state["env"])) if "env" in state else None
-            except (ValueError, TypeError):
-                continue
-            if env is None:
-                continue
-            seq = msg.subject.rpartition(".")[2]
-            rows += implied_events(state, env.recipient, int(seq))
-            self.replayed += 1
+            elif not (msg.headers or {}).get("KV-Operation") and msg.data:
+                rows += await source.handle(msg)
+                self.replayed += 1
+            source.held.pop(0)
+            done = meta.sequence.stream
+            source.next_seq = done + 1
         if rows:
             self.restored += sum(not ack.duplicate for ack in await self.store.publish_events(rows))
         return done
+
+    async def _message_written(self, msg) -> list[tuple]:
+        try:
+            state = json.loads(msg.data)
+            env = envelope_pb2.Envelope.FromString(base64.b64decode(state["env"])) if "env" in state else None
+        except (ValueError, TypeError):
+            return []
+        if env is None:
+            return []
+        return implied_events(state, env.recipient, int(msg.subject.rpartition(".")[2]))
+
+    async def _agent_written(self, msg) -> list[tuple]:
+        try:
+            agent_id = json.loads(msg.data)["agent_id"]
+        except (ValueError, TypeError, KeyError):
+            return []
+        return await self.store.roll_forward_agent(agent_id)
+
+    async def _run_written(self, msg) -> list[tuple]:
+        try:
+            run_id = RunRecord.FromString(msg.data).run_id
+        except Exception:
+            return []
+        return await self.store.roll_forward_run(run_id)
