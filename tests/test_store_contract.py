@@ -173,3 +173,40 @@ async def test_duplicates_are_found_after_jetstream_forgot_them(nats_node, tmp_p
         finally:
             await inbox.stop()
         assert [m.message_id for m in got] == ["late-1"]
+
+
+async def test_the_keeper_finds_nothing_to_restore_after_operations_that_finished(nats_node, tmp_path):
+    """Every event the JetStream keeper derives from a write has the identity
+    of the event the writing process published: after sends, deliveries,
+    acks, a close with dead letters and a run announced, its replay adds
+    no event (each is dropped as a copy) and the record holds each once."""
+    config = replace(make_config(tmp_path), store=StoreConfig(
+        backend="jetstream", nats_urls=(nats_node.url,), nats_namespace=f"k{uuid.uuid4().hex[:12]}"))
+    async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+        lead = await client.register("lead")
+        a, b = await lead.spawn("a"), await lead.spawn("b")
+        child = await lead.spawn("worker", run=reg.RunSpec(task="job", task_message_id="task-job"))
+        receipts = [await a.send(b.agent_id, f"m{i}") for i in range(3)]
+        inbox = Collector(b)
+        try:
+            got = await inbox.wait_for(3)
+            await b.ack([got[0].sequence])
+        finally:
+            await inbox.stop()
+        await lead.close(b.agent_id, "enough")  # two messages dead-lettered, notices to a
+        await child.end_run("done")
+        await eventually(lambda: announced_run(client, child.run_id), message="announced")
+        keeper = mesh.store.keeper
+        # at least the final write of each key: 4 agents, 1 run, 3 message states (earlier ones may be
+        # overwritten before the keeper, one second behind, reads them)
+        await eventually(lambda: keeper.replayed >= 4 + 1 + len(receipts), timeout=30, interval=0.2,
+                         message="the keeper replayed the writes")
+        await asyncio.sleep(2.5)  # and whatever came last
+        assert keeper.restored == 0, "the keeper's events were all copies of published ones"
+        record = await Record.read(client)
+        once = {}
+        for event in record.events:
+            key = (event.kind, event.agent_id, event.message_id, event.sequence, event.detail)
+            once[key] = once.get(key, 0) + 1
+        assert [k for k, n in once.items() if n > 1] == [], "no event recorded twice"
+        assert len(record.of(ev.EVENT_KIND_MESSAGE_DEAD_LETTERED, agent_id=b.agent_id)) == 2
