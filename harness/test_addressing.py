@@ -111,11 +111,14 @@ def filler(view):
 
 
 async def test_a_full_inbox_is_reported_and_nothing_is_evicted(mesh, client, tmp_path):
-    gate = asyncio.Event()
+    gate, sending = asyncio.Event(), asyncio.Event()
     sink = GatedModel(lambda v: say("busy"), {1: gate})
-    async with scripted_host(mesh.address, tmp_path, {"lead": filler, "sink": sink},
+    lead_model = GatedModel(filler, {2: sending})  # its sends wait until the sink's turn 1 has begun
+    async with scripted_host(mesh.address, tmp_path, {"lead": lead_model, "sink": sink},
                              child_inbox_capacity=2) as host:
         lead = await host.start_task("lead", "fill the sink")
+        await asyncio.wait_for(sink.waiting.wait(), 30)  # the sink consumed its task, and holds its first call
+        sending.set()
         await eventually(lambda: len(tool_results(lead, "send_message")) == 3)
         statuses = [r["status"] for _, r in tool_results(lead, "send_message")]
         # the task message was consumed when sink's turn 1 began; then two fit, the third does not
