@@ -42,6 +42,7 @@ from services.store.base import (
     SendOutcome,
     event_row,
 )
+from services.store.jetstream_keeper import stored_events
 from services.store.sqlite_ops import RECEIPT_NAME
 from services.telemetry import trace_id_of
 
@@ -309,12 +310,16 @@ class InboxLog:
                 if written is None:
                     continue
             env.delivery_attempt = written["attempts"]
+            if env.delivery_attempt == 1:
+                # the sent and stored events first (copies of the sender's, dropped as such): the record
+                # stays in causal order even when this feed is faster than the sender's replica
+                rows += stored_events(env, recipient, env.sequence)
             rows.append(event_row(now_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=env.message_id,
                                   sender=env.sender, recipient=recipient, seq=env.sequence,
                                   detail=f"attempt={env.delivery_attempt}",
                                   trace_id=trace_id_of(env.trace.traceparent)))
             envelopes.append(env)
-        self.store.emit_later(rows)
+        await self.store.emit(rows)  # before the subscriber can ack: consumed always follows delivered
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices)
 
     # -- acks -----------------------------------------------------------------------

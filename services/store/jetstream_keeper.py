@@ -58,6 +58,8 @@ _NOTICE_PREFIX = base.RESERVED_ID_PREFIX + "notice:"
 _SENT, _STORED = ev.EVENT_KIND_MESSAGE_SENT, ev.EVENT_KIND_MESSAGE_STORED
 _DELIVERED, _CONSUMED = ev.EVENT_KIND_MESSAGE_DELIVERED, ev.EVENT_KIND_MESSAGE_CONSUMED
 _DEAD = ev.EVENT_KIND_MESSAGE_DEAD_LETTERED
+ACCEPTED_NAME = "accepted"
+"""The detail of the sent event of an accepted message (the receipt's name)."""
 
 
 _ONCE_PER_AGENT = (ev.EVENT_KIND_AGENT_REGISTERED, ev.EVENT_KIND_AGENT_CLOSED)
@@ -77,28 +79,38 @@ def dedup_id(row: tuple) -> str | None:
         return f"ev:{kind}:{row[3]}"  # run events carry the run id as message_id
     if seq <= 0 or not recipient:
         return None
-    if kind in (_STORED, _CONSUMED, _DEAD):
-        return f"ev:{kind}:{recipient}:{seq}"
+    if kind in (_STORED, _CONSUMED, _DEAD) or (kind == _SENT and detail == ACCEPTED_NAME):
+        return f"ev:{kind}:{recipient}:{seq}"  # one accepted send per stored message
     if kind == _DELIVERED:
         return f"ev:{kind}:{recipient}:{seq}:{detail}"
     return None
 
 
+def stored_events(env: envelope_pb2.Envelope, recipient: str, seq: int) -> list[tuple]:
+    """The sent and stored events of a message accepted into `recipient`'s
+    inbox at `seq`, as the process that stored it recorded them (a
+    dead-letter notice has no sent event: the mesh sent it)."""
+    mid, sender, trace_id = env.message_id, env.sender, trace_id_of(env.trace.traceparent)
+    if mid.startswith(_NOTICE_PREFIX):
+        return [event_row(env.stored_at_us, _STORED, recipient, message_id=mid, sender=sender, recipient=recipient,
+                          seq=seq, trace_id=trace_id, detail="dead-letter notice", in_reply_to=env.in_reply_to)]
+    common = dict(message_id=mid, sender=sender, recipient=recipient, seq=seq, trace_id=trace_id,
+                  in_reply_to=env.in_reply_to, conversation_id=env.conversation_id)
+    return [event_row(env.stored_at_us, _SENT, recipient, detail=ACCEPTED_NAME, **common),
+            event_row(env.stored_at_us, _STORED, recipient, **common)]
+
+
 def implied_events(state: dict, recipient: str, seq: int) -> list[tuple]:
-    """The events a message state entry stands for: stored, each delivery
-    attempt, then consumed or dead-lettered, as the process that wrote it
-    would have recorded them."""
+    """The events a message state entry stands for: sent and stored, each
+    delivery attempt, then consumed or dead-lettered, as the process that
+    wrote it would have recorded them."""
     if state.get("state") not in (DELIVERED, CONSUMED, DEAD_LETTERED) or "env" not in state:
         return []
     env = envelope_pb2.Envelope.FromString(base64.b64decode(state["env"]))
+    env.stored_at_us = env.stored_at_us or state["stored"]
     trace_id = trace_id_of(env.trace.traceparent)
     mid, sender = env.message_id, env.sender
-    rows = []
-    if not mid.startswith(base.ANNOUNCE_ID_PREFIX):  # an announce has no stored event of its own
-        notice = mid.startswith(_NOTICE_PREFIX)
-        rows.append(event_row(state["stored"], _STORED, recipient, message_id=mid, sender=sender, recipient=recipient,
-                              seq=seq, trace_id=trace_id, detail="dead-letter notice" if notice else "",
-                              in_reply_to=env.in_reply_to, conversation_id="" if notice else env.conversation_id))
+    rows = stored_events(env, recipient, seq)
     delivered_at = state.get("delivered") or state["stored"]
     for attempt in range(1, state.get("attempts", 0) + 1):
         rows.append(event_row(delivered_at, _DELIVERED, recipient, message_id=mid, sender=sender, recipient=recipient,
