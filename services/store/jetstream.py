@@ -152,7 +152,7 @@ class JetStreamStore(base.Store):
             raise errors.Unavailable("the store is not running", reason="STORE_CLOSED")
 
     # -- events ---------------------------------------------------------------
-    async def emit(self, rows: list[tuple], *, wait: bool = True) -> list[int]:
+    async def emit(self, rows: list[tuple]) -> list[int]:
         """Publish event rows, in order; ids (stream sequences) once stored."""
         return [ack.seq for ack in await self.publish_events(rows)]
 
@@ -306,11 +306,7 @@ class JetStreamStore(base.Store):
         run = await self.get_run(run_id=run_id)
         if run is None:
             return []
-        await kvh.cas(self.runs, f"c.{kvh.token(run.child_id)}", lambda cur: run.run_id if cur is None else None)
-        await kvh.cas(self.runs, f"q.{kvh.token(run.requester_id)}",
-                      lambda cur: None if cur and run.run_id in cur else [*(cur or []), run.run_id])
-        if not run.archived_at_us:
-            await self.kv["runwork"].put(kvh.token(run.run_id), b"")
+        await self._index_run(run)
         rows: list[tuple] = []
         run_event(rows, run, ev.EVENT_KIND_RUN_CREATED, run.created_at_us, detail=run.label or run.task[:200])
         if run.started_at_us:
@@ -528,15 +524,21 @@ class JetStreamStore(base.Store):
                 raise
             crash_point("child-stored")  # the agent is stored, its run not yet
         created = await kvh.create(self.runs, self._run_key(run.run_id), run.SerializeToString(), raw=True)
-        await self.kv["runwork"].put(kvh.token(run.run_id), b"")
-        await kvh.cas(self.runs, f"c.{kvh.token(run.child_id)}", lambda cur: run.run_id if cur is None else None)
-        await kvh.cas(self.runs, f"q.{kvh.token(run.requester_id)}",
-                      lambda cur: None if cur and run.run_id in cur else [*(cur or []), run.run_id])
+        await self._index_run(run)
         if created:
             rows: list[tuple] = []
             run_event(rows, run, ev.EVENT_KIND_RUN_CREATED, run.created_at_us, detail=run.label or run.task[:200])
             await self.emit(rows)
         return record
+
+    async def _index_run(self, run: RunRecord) -> None:
+        """The run's index entries (by child, by requester) and, until it is
+        archived, its place among the sweeper's work; each can be repeated."""
+        await kvh.cas(self.runs, f"c.{kvh.token(run.child_id)}", lambda cur: run.run_id if cur is None else None)
+        await kvh.cas(self.runs, f"q.{kvh.token(run.requester_id)}",
+                      lambda cur: None if cur and run.run_id in cur else [*(cur or []), run.run_id])
+        if not run.archived_at_us:
+            await self.kv["runwork"].put(kvh.token(run.run_id), b"")
 
     async def _release_slot(self, parent_id: str, child_id: str) -> None:
         await kvh.cas(self.misc, f"active.{kvh.token(parent_id)}",

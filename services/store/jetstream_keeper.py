@@ -100,13 +100,14 @@ def stored_events(env: envelope_pb2.Envelope, recipient: str, seq: int) -> list[
             event_row(env.stored_at_us, _STORED, recipient, **common)]
 
 
-def implied_events(state: dict, recipient: str, seq: int) -> list[tuple]:
-    """The events a message state entry stands for: sent and stored, each
-    delivery attempt, then consumed or dead-lettered, as the process that
-    wrote it would have recorded them."""
+def implied_events(state: dict, seq: int) -> list[tuple]:
+    """The events a message state entry (of the message at `seq`) stands for:
+    sent and stored, each delivery attempt, then consumed or dead-lettered,
+    as the process that wrote it would have recorded them."""
     if state.get("state") not in (DELIVERED, CONSUMED, DEAD_LETTERED) or "env" not in state:
         return []
     env = envelope_pb2.Envelope.FromString(base64.b64decode(state["env"]))
+    recipient = env.recipient
     env.stored_at_us = env.stored_at_us or state["stored"]
     trace_id = trace_id_of(env.trace.traceparent)
     mid, sender = env.message_id, env.sender
@@ -240,7 +241,7 @@ class EventKeeper:
         while source.held:
             msg = source.held[0]
             meta = msg.metadata
-            written = meta.timestamp.timestamp() if hasattr(meta.timestamp, "timestamp") else float(meta.timestamp)
+            written = meta.timestamp.timestamp()
             if now - written < LAG_S:
                 break
             if now - written > EVENT_DEDUP_WINDOW_S - 30:
@@ -257,13 +258,9 @@ class EventKeeper:
 
     async def _message_written(self, msg) -> list[tuple]:
         try:
-            state = json.loads(msg.data)
-            env = envelope_pb2.Envelope.FromString(base64.b64decode(state["env"])) if "env" in state else None
-        except (ValueError, TypeError):
+            return implied_events(json.loads(msg.data), int(msg.subject.rpartition(".")[2]))
+        except (ValueError, TypeError, KeyError):
             return []
-        if env is None:
-            return []
-        return implied_events(state, env.recipient, int(msg.subject.rpartition(".")[2]))
 
     async def _agent_written(self, msg) -> list[tuple]:
         try:
