@@ -171,9 +171,9 @@ class AgentRunner:
         self.pending.append(message)
         self.wake.set()
 
-    async def _consume(self, messages: list[env_pb.Envelope]) -> list[env_pb.Envelope]:
+    async def _consume(self, messages: list[env_pb.Envelope]) -> list[env_pb.Envelope] | None:
         """Ack on the stream for this turn; keep what this ack won. On a lost
-        stream the messages stay pending (they come again)."""
+        stream the messages stay pending (they come again) and the answer is None."""
         try:
             taken = {(m.sender, m.message_id) for m in self.received.values()}
             won = await self.stream.consume(self.agent_id, messages, turn=self.record.turn, taken=taken)
@@ -182,7 +182,7 @@ class AgentRunner:
                         " back", self, len(messages), exc)
             self.pending = messages + self.pending
             self._stream_down = True
-            return []
+            return None
         for message in won:
             self.received[message.message_id] = message
             with tracer.start_as_current_span("consume", context=context_of(message), attributes={
@@ -200,7 +200,7 @@ class AgentRunner:
             return True
         batch, self.pending = self.pending, []
         won = await self._consume(batch)
-        if not won and self._stream_down:
+        if won is None:
             return False
         if won:
             names = {m.sender: await self.host.name_of(m.sender) for m in won}
