@@ -4,6 +4,7 @@ caller, and limiting the damage of an unexpected exception."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import grpc
@@ -62,3 +63,100 @@ async def caller_of(context: grpc.aio.ServicerContext, directory: Directory) -> 
     caller = await directory.authenticate(bearer(context))
     assert caller is not None
     return caller
+
+
+class _Undecodable:
+    """What the safe deserializer hands on in place of a request whose bytes are not its message."""
+
+    __slots__ = ("type_name", "size", "error")
+
+    def __init__(self, type_name: str, size: int, error: Exception):
+        self.type_name, self.size, self.error = type_name, size, error
+
+    def mesh_error(self) -> errors.InvalidArgument:
+        return errors.InvalidArgument(
+            f"the request is not a valid {self.type_name} ({self.size} bytes could not be decoded: "
+            f"{errors.clip(str(self.error), 120)})", reason="UNDECODABLE_REQUEST",
+            metadata={"message_type": self.type_name})
+
+
+def _safe_deserializer(deserializer):
+    if deserializer is None:
+        return None
+    type_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    type_name = type_name.full_name if type_name is not None else "request message"
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, or anything a parser raises on garbage
+            return _Undecodable(type_name, len(data), exc)
+
+    return deserialize
+
+
+async def _checked_stream(requests):
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise request.mesh_error()
+        yield request
+
+
+def _guard_unary_request(behavior):
+    async def guarded(request, context):
+        if isinstance(request, _Undecodable):
+            code, details, trailers = to_grpc(request.mesh_error())
+            await context.abort(code, details, trailers)
+        return await behavior(request, context)
+
+    return guarded
+
+
+def _guard_unary_request_stream(behavior):
+    if not inspect.isasyncgenfunction(behavior):  # a handler that writes with context.write
+        return _guard_unary_request(behavior)
+
+    async def guarded(request, context):
+        if isinstance(request, _Undecodable):
+            code, details, trailers = to_grpc(request.mesh_error())
+            await context.abort(code, details, trailers)
+        async for response in behavior(request, context):
+            yield response
+
+    return guarded
+
+
+def _guard_streaming_request(behavior):
+    if inspect.isasyncgenfunction(behavior):
+        async def guarded_stream(request_iterator, context):
+            async for response in behavior(_checked_stream(request_iterator), context):
+                yield response
+
+        return guarded_stream
+
+    async def guarded(request_iterator, context):  # unary response, or one that writes with context.write
+        return await behavior(_checked_stream(request_iterator), context)
+
+    return guarded
+
+
+class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
+    """Request bytes that are not the method's message are refused with INVALID_ARGUMENT and the reason
+    UNDECODABLE_REQUEST (grpc's own handling answers UNKNOWN with a Python traceback text). A streaming
+    RPC gets the refusal when it reaches the undecodable message; what came before it was handled."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        safe = _safe_deserializer(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            return handler._replace(request_deserializer=safe, unary_unary=_guard_unary_request(handler.unary_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(request_deserializer=safe,
+                                    unary_stream=_guard_unary_request_stream(handler.unary_stream))
+        if handler.stream_unary is not None:
+            return handler._replace(request_deserializer=safe,
+                                    stream_unary=_guard_streaming_request(handler.stream_unary))
+        return handler._replace(request_deserializer=safe,
+                                stream_stream=_guard_streaming_request(handler.stream_stream))

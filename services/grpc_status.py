@@ -40,11 +40,13 @@ def status_code_of(exc: errors.MeshError) -> grpc.StatusCode:
 def to_grpc(exc: errors.MeshError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
     """(code, details, trailing metadata) for aborting a call with exc."""
     code = status_code_of(exc)
-    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=DOMAIN, metadata=exc.metadata)
+    message = errors.clip(exc.message, errors.MAX_MESSAGE_BYTES)
+    info = error_details_pb2.ErrorInfo(reason=errors.clip(exc.reason, 63), domain=DOMAIN,
+                                       metadata=errors.bounded_metadata(exc.metadata))
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=code.value[0], message=exc.message, details=[detail])
-    return code, exc.message, ((_DETAILS_KEY, status.SerializeToString()),)
+    status = status_pb2.Status(code=code.value[0], message=message, details=[detail])
+    return code, message, ((_DETAILS_KEY, status.SerializeToString()),)
 
 
 def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:

@@ -58,7 +58,7 @@ class InboxService:
                 reason="BATCH_TOO_LARGE",
             )
         for index, env in enumerate(envelopes):
-            where = f"message {index} ({env.message_id or 'no id'})"
+            where = f"message {index} ({errors.clip(env.message_id) or 'no id'})"
             for field, value in (("message_id", env.message_id), ("recipient", env.recipient)):
                 if not value:
                     raise errors.InvalidArgument(f"{where}: {field} is required", reason="MISSING_FIELD",

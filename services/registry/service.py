@@ -53,6 +53,10 @@ class RegistryService:
                 f"request_id has {len(request_id)} characters; at least 16 (it is the secret the credential is"
                 " derived from: use a random value such as a uuid4)", reason="REQUEST_ID_TOO_SHORT")
         check_map("metadata", metadata)
+        if mode not in pb.AgentMode.values():
+            raise errors.InvalidArgument(
+                f"unknown mode {mode}; one of {', '.join(pb.AgentMode.keys())}", reason="BAD_MODE",
+                metadata={"field": "mode"})
         if inbox_capacity > self._limits.max_capacity:
             raise errors.InvalidArgument(
                 f"inbox_capacity {inbox_capacity} is above the mesh maximum {self._limits.max_capacity}",
