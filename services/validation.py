@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from services import errors
 
@@ -43,3 +44,19 @@ def check_map(field: str, values: dict[str, str], *, max_entries: int = 64, max_
 
 def page_size(requested: int, *, default: int = 100, maximum: int = 1000) -> int:
     return min(requested or default, maximum)
+
+
+PAGE_BYTES = 2 * 1024 * 1024
+"""A list page holds at most this many bytes of items (and at least one item), so that it fits every gRPC
+client's default 4 MiB receive limit and the mesh's own send limit, however large the items are."""
+
+
+def fitting(sizes: Iterable[int], max_bytes: int = PAGE_BYTES) -> int:
+    """How many of the leading items (of these sizes) fit in max_bytes; at least one if there is one."""
+    total = count = 0
+    for size in sizes:
+        total += size + 16  # a repeated field's tag and length, generously
+        if total > max_bytes and count:
+            break
+        count += 1
+    return count

@@ -109,3 +109,58 @@ async def test_an_undecodable_message_on_a_stream_ends_it_with_invalid_argument(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
     assert error_info(caught.value).reason == "UNDECODABLE_REQUEST"
     await still_serving(lead)
+
+
+async def pages(call, request, metadata, items_field: str) -> list:
+    """Every item of a paged list RPC, read by a client with gRPC's default 4 MiB receive limit."""
+    found, seen_tokens = [], set()
+    while True:
+        response = await call(request, metadata=metadata, timeout=30)
+        found += getattr(response, items_field)
+        if not response.next_page_token:
+            return found
+        assert response.next_page_token not in seen_tokens, "a page token came twice"
+        seen_tokens.add(response.next_page_token)
+        request.page_token = response.next_page_token
+
+
+async def test_large_dead_letters_list_in_pages_a_default_client_can_receive(channel, lead):
+    sink = await lead.spawn("sink")
+    big = "x" * (250 * 1024)
+    for batch in range(4):
+        envelopes = [env_pb.Envelope(message_id=f"big-{batch}-{i}", recipient=sink.agent_id,
+                                     content=env_pb.Content(text=big)) for i in range(10)]
+        receipts = await lead.send_batch(envelopes, timeout=30)
+        assert all(r.status == pb.RECEIPT_STATUS_ACCEPTED for r in receipts)
+    await lead.close(sink.agent_id)  # dead-letters all 40 (reason: closed)
+    listing = channel.unary_unary("/inboxmesh.inbox.v1.InboxService/ListDeadLetters",
+                                  request_serializer=pb.ListDeadLettersRequest.SerializeToString,
+                                  response_deserializer=pb.ListDeadLettersResponse.FromString)
+    dead = await pages(listing, pb.ListDeadLettersRequest(sender=lead.agent_id), auth(lead), "messages")
+    assert sorted(m.envelope.message_id for m in dead) == sorted(f"big-{b}-{i}" for b in range(4) for i in range(10))
+
+
+async def test_agents_with_large_metadata_list_in_pages_a_default_client_can_receive(channel, lead):
+    metadata = {f"k{i}": "v" * 4000 for i in range(64)}  # the most metadata an agent may carry (256 KB)
+    children = [await lead.spawn(f"c{i}", metadata=metadata) for i in range(8)]  # 8 running children at most
+    children += [await c.spawn(f"{c.info.name}-{j}", metadata=metadata) for c in children for j in range(2)]
+    listing = channel.unary_unary("/inboxmesh.registry.v1.RegistryService/ListAgents",
+                                  request_serializer=reg.ListAgentsRequest.SerializeToString,
+                                  response_deserializer=reg.ListAgentsResponse.FromString)
+    agents = await pages(listing, reg.ListAgentsRequest(scope_id=lead.info.scope_id), auth(lead), "agents")
+    assert sorted(a.agent_id for a in agents if a.metadata) == sorted(c.agent_id for c in children)
+
+
+async def test_runs_with_large_results_list_in_pages_a_default_client_can_receive(channel, lead):
+    from inboxmesh.runs.v1 import runs_pb2 as runs
+
+    ended = []
+    for i in range(40):  # 40 results of 128 KB: 5 MB in all
+        child = await lead.spawn(f"w{i}")
+        await child.end_run("r" * (128 * 1024))
+        ended.append(child.run_id)
+    listing = channel.unary_unary("/inboxmesh.runs.v1.SubagentRunService/ListRuns",
+                                  request_serializer=runs.ListRunsRequest.SerializeToString,
+                                  response_deserializer=runs.ListRunsResponse.FromString)
+    found = await pages(listing, runs.ListRunsRequest(requester_id=lead.agent_id), auth(lead), "runs")
+    assert sorted(r.run_id for r in found) == sorted(ended)

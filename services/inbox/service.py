@@ -32,7 +32,7 @@ from services.store.base import (
     Store,
 )
 from services.telemetry import context_of, inject, message_attributes, tracer
-from services.validation import check_text, page_size
+from services.validation import check_text, fitting, page_size
 
 log = logging.getLogger(__name__)
 _LOCAL = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_LOCAL)
@@ -307,9 +307,14 @@ class InboxService:
             recipient = caller.require_agent("naming no agent").agent_id
         subject = await self._directory.require(recipient or sender)
         self._directory.check_reach(caller, subject, "list the dead letters of")
-        return await self._store.list_dead_letters(
-            recipient=recipient, sender=sender, after_key=page_token, limit=page_size(size)
-        )
+        limit = page_size(size)
+        while True:
+            records, token = await self._store.list_dead_letters(
+                recipient=recipient, sender=sender, after_key=page_token, limit=limit)
+            fit = fitting(r.envelope.ByteSize() + 64 for r in records)
+            if fit == len(records):
+                return records, token
+            limit = fit  # too many bytes: ask again for the ones that fit, so the store's token follows them
 
     async def _check_may_see(self, caller: Caller, sender: str, recipient: str, name: str) -> None:
         for agent_id in (sender, recipient):

@@ -14,7 +14,7 @@ from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Caller, Directory
 from services.store.base import AGENT_OPEN, AgentRecord, CloseOutcome, Store
-from services.validation import check_map, check_text, page_size
+from services.validation import check_map, check_text, fitting, page_size
 
 log = logging.getLogger(__name__)
 CHILD_MODES = (pb.AGENT_MODE_SYNC, pb.AGENT_MODE_ASYNC, pb.AGENT_MODE_FORK)
@@ -205,6 +205,9 @@ class RegistryService:
             found = await self._store.list_agents(
                 scope_id=scope_id, include_closed=include_closed, after_key=page_token, limit=limit
             )
+        fit = fitting(_agent_bytes(a) for a in found)
+        if fit < len(found):  # cut by bytes: the next page starts after the last agent shown
+            return found[:fit], found[fit - 1].agent_id
         return found, (found[-1].agent_id if len(found) == limit else "")
 
     async def close(self, caller: Caller, agent_id: str, reason: str) -> CloseOutcome:
@@ -243,3 +246,8 @@ class RegistryService:
             )
         self._directory.check_reach(caller, root, "look into scope")
         return scope_id
+
+
+def _agent_bytes(agent: AgentRecord) -> int:
+    """About the size of the Agent message (ids, name, reason and metadata dominate)."""
+    return 256 + len(agent.name) + len(agent.close_reason) + sum(len(k) + len(v) + 8 for k, v in agent.metadata.items())

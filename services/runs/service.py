@@ -37,7 +37,7 @@ from services.store.base import (
     Store,
 )
 from services.telemetry import context_of, traceparent, tracer
-from services.validation import check_text, page_size
+from services.validation import check_text, fitting, page_size
 
 log = logging.getLogger(__name__)
 AGENT_KEY = "inboxmesh-agent"
@@ -254,4 +254,7 @@ class RunService:
         self._directory.check_reach(caller, requester, "list the runs of")
         limit = page_size(size)
         found = await self._store.list_runs(requester_id, include_archived, page_token, limit)
+        fit = fitting(r.ByteSize() for r in found)
+        if fit < len(found):  # cut by bytes: the next page starts after the last run shown
+            return found[:fit], found[fit - 1].run_id
         return found, (found[-1].run_id if len(found) == limit else "")
