@@ -41,6 +41,7 @@ from agent_host.hoststore import AgentRecord
 from agent_host.models.base import Model
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
+from harness.prepare import SCENARIO_MODEL, log_progress, prepare, prepared, scenario_endpoint
 from services.client import MeshClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ ROLES = {
     "B": "You answer A.",
 }
 K = ev.EventKind
-LOCAL_MODEL = "qwen2.5-coder-1.5b"
+LOCAL_MODEL = SCENARIO_MODEL
 """The local model the scenario runs on (INBOXMESH_SCENARIO_LOCAL_MODEL picks another of harness.llm's)."""
 NODE = "scenario"
 """The IOA node id of the scenario's mesh."""
@@ -264,10 +265,12 @@ async def scenario_mesh(tmp: Path, via_ioa: bool):
 async def scenario_model():
     """The model the scenario uses: INBOXMESH_SCENARIO_LLM (any OpenAI-compatible
     endpoint; INBOXMESH_SCENARIO_MODEL names the model, OPENAI_API_KEY the key),
-    else the local model server (harness.llm) with LOCAL_MODEL."""
+    else the local model server (harness.llm) with LOCAL_MODEL, which must be
+    prepared already (harness.prepare; NotPrepared names the command): nothing
+    is built or downloaded here."""
     from agent_host.models.openai_chat import OpenAIChatModel
 
-    endpoint = os.environ.get("INBOXMESH_SCENARIO_LLM")
+    endpoint = scenario_endpoint()
     if endpoint:
         model = OpenAIChatModel(base_url=endpoint, api_key=os.environ.get("OPENAI_API_KEY", ""),
                                 model=os.environ.get("INBOXMESH_SCENARIO_MODEL", "default"), timeout_s=60,
@@ -277,13 +280,11 @@ async def scenario_model():
         finally:
             await model.close()
         return
-    from harness.llm.server import LlamaServer, default_cache_dir, ensure_llama_server, ensure_model
+    from harness.llm.server import LlamaServer
 
-    cache = default_cache_dir()
-    name = os.environ.get("INBOXMESH_SCENARIO_LOCAL_MODEL", LOCAL_MODEL)
-    binary, weights = ensure_llama_server(cache), ensure_model(cache, name)
-    async with LlamaServer(binary, weights) as server:
-        model = OpenAIChatModel(base_url=server.base_url, api_key="local", model=name, timeout_s=120,
+    local = prepared()
+    async with LlamaServer(local.binary, local.weights) as server:
+        model = OpenAIChatModel(base_url=server.base_url, api_key="local", model=local.name, timeout_s=120,
                                 tool_choice="required")
         try:
             yield model
@@ -313,6 +314,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--via-ioa", action="store_true")
     args = parser.parse_args()
+    log_progress("prepare")
+    prepare()  # run by hand, so it makes what is missing (first run: minutes), unlike the test
     raise SystemExit(asyncio.run(reliability(args.runs, args.via_ioa)))
 
 

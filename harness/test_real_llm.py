@@ -1,19 +1,28 @@
 """The sibling scenario with a real language model making every decision,
 once with local delivery and once over an IOA network. The model server is
-built and started by the harness (harness/llm); INBOXMESH_SCENARIO_LLM points
-the same scenario at any other OpenAI-compatible endpoint. Each run writes a
-report under results/real-llm/."""
+started by the harness (harness/llm) from the binary and weights that the
+suite's set-up prepared before pytest started (scripts/test.sh runs
+harness.prepare); when they are missing the test fails at once naming that
+command, and nothing is built here. INBOXMESH_SCENARIO_LLM points the same
+scenario at any other OpenAI-compatible endpoint. Each run writes a report
+under results/real-llm/."""
 
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from harness.prepare import NotPrepared, prepared, scenario_endpoint
 from harness.real_llm import run_once, scenario_mesh, scenario_model
 
 
 @pytest.fixture
 async def model():
+    if not scenario_endpoint():
+        try:
+            prepared()
+        except NotPrepared as exc:  # a failure, not a skip: a skip would hide a broken set-up
+            pytest.fail(str(exc), pytrace=False)
     async with scenario_model() as m:
         yield m
 

