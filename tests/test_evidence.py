@@ -118,3 +118,35 @@ async def test_consumption_records_the_turn_and_replies_record_what_they_answer(
     assert [e.turn for e in consumed] == [3]
     stored = await lead.events(message_id=answer.message_id, sender=b.agent_id, kinds=[ev.EVENT_KIND_MESSAGE_STORED])
     assert [(e.in_reply_to, e.conversation_id) for e in stored] == [(question.message_id, "c-7")]
+
+
+async def test_every_message_event_carries_the_conversation_and_what_it_answers(client):
+    """events.proto: message events carry conversation_id and in_reply_to, delivered and consumed too
+    (by both delivery paths: from memory and from the store)."""
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    question = await a.send(b.agent_id, "question?", conversation_id="c-9")
+    early = Collector(b)
+    try:  # delivered straight after the append
+        got = (await early.wait_for(1))[0]
+    finally:
+        await early.stop()
+    answer = await b.reply(got, "answer!", conversation_id="c-9")
+    late = Collector(a)  # subscribes after the append: delivered from the store
+    try:
+        reply = (await late.wait_for(1))[0]
+        await a.ack([reply.sequence])
+    finally:
+        await late.stop()
+    await b.ack([got.sequence])
+    wanted = {ev.EVENT_KIND_MESSAGE_DELIVERED, ev.EVENT_KIND_MESSAGE_CONSUMED}
+
+    async def recorded(message_id, sender, expected):
+        found = await lead.events(message_id=message_id, sender=sender, kinds=sorted(wanted))
+        return {(e.kind, e.conversation_id, e.in_reply_to) for e in found} == expected
+
+    await eventually(lambda: recorded(question.message_id, a.agent_id, {(k, "c-9", "") for k in wanted}),
+                     message="the question's delivered and consumed events with its conversation")
+    await eventually(lambda: recorded(answer.message_id, b.agent_id, {(k, "c-9", question.message_id)
+                                                                      for k in wanted}),
+                     message="the answer's delivered and consumed events with its conversation and question")

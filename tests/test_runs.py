@@ -286,27 +286,29 @@ async def test_spawn_depth_and_active_children_limits(tmp_path):
 
 
 async def test_the_loop_guard_stops_chains_not_only_pairs(tmp_path):
-    """A -> B -> C -> A -> ...: each hop carries the chain's trail (as hosts
-    do); the mesh refuses the hop that would visit an agent a sixth time."""
+    """A -> B -> C -> A -> ...: each agent consumes what it got, then sends on; the mesh derives every
+    hop's trail from what the sender consumed (a client's own trail is ignored) and refuses the hop that
+    would visit an agent a sixth time."""
     async with Mesh(make_config(tmp_path)) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
         lead = await client.register("lead")
         a, b, c = [await lead.spawn(n, run=spec(n)) for n in "abc"]
         ring = [a, b, c]
-        trail: list[str] = []
         receipts = []
         for hop in range(30):
             sender, target = ring[hop % 3], ring[(hop + 1) % 3]
-            receipt = await sender.send(target.agent_id, f"hop {hop}", trail=trail, conversation_id="ring")
+            receipt = await sender.send(target.agent_id, f"hop {hop}", trail=["made-up"], hop_count=0)
             receipts.append(receipt)
             if receipt.status != pb.RECEIPT_STATUS_ACCEPTED:
                 break
-            trail = trail + [sender.agent_id]
+            assert [r.status for r in await target.ack([receipt.sequence])] == [pb.ACK_STATUS_CONSUMED]
         last = receipts[-1]
         assert last.status == pb.RECEIPT_STATUS_NOT_PERMITTED and "loop guard" in last.detail
         assert len(receipts) == 15, "a already in the trail 5 times: the 15th hop is refused"
-        # the mesh appends the real sender: a host cannot leave itself out of the trail
-        stored = await b.inbox_status(1)
-        assert list(stored.envelope.trail) == [a.agent_id]
+        first = await b.inbox_status(receipts[0].sequence)
+        assert list(first.envelope.trail) == [a.agent_id], "the client's trail is not the mesh's"
+        fourth = await b.inbox_status(receipts[3].sequence)
+        assert list(fourth.envelope.trail) == [a.agent_id, b.agent_id, c.agent_id, a.agent_id]
+        assert fourth.envelope.hop_count == 3
 
 
 async def test_the_conversation_budget_caps_a_conversation(tmp_path):

@@ -4,6 +4,7 @@ Knows nothing of gRPC; delivery streams live in services.inbox.delivery."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 
@@ -27,6 +28,7 @@ from services.store.base import (
     UNKNOWN_TARGET,
     AckOutcome,
     AppendItem,
+    Frontier,
     MessageRecord,
     SendOutcome,
     Store,
@@ -36,6 +38,8 @@ from services.validation import check_text, fitting, page_size
 
 log = logging.getLogger(__name__)
 _LOCAL = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_LOCAL)
+_FRONTIERS_KEPT = 4096
+"""Frontiers kept in memory; older ones are read from the store again when their agent sends."""
 
 
 class InboxService:
@@ -46,6 +50,8 @@ class InboxService:
         self.hub = hub
         self.relay = None
         """The IOA relay (services.ioa.relay.IoaRelay) when the mesh has one."""
+        self._frontiers: collections.OrderedDict[str, Frontier | None] = collections.OrderedDict()
+        """Recently used agents' Frontiers (loop guard), most recent last; bounded by _FRONTIERS_KEPT."""
 
     # -- send ---------------------------------------------------------------
     def _validate(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
@@ -99,6 +105,7 @@ class InboxService:
         anything is stored."""
         sender = caller.require_agent("sending")
         self._validate(sender.agent_id, envelopes)
+        await self._continue_chains(sender.agent_id, envelopes)
         if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
             return await self._send_local(caller, sender, envelopes)
         outcomes: list[SendOutcome] = []
@@ -127,7 +134,6 @@ class InboxService:
             env.origin.CopyFrom(_LOCAL)
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
             rejection = await self._precheck(sender.agent_id, caller, env)
-            env.trail.append(sender.agent_id)
             items.append(AppendItem(env, rejection, conversation_budget=budget))
         return await self._store_items([items], now)
 
@@ -152,10 +158,8 @@ class InboxService:
             if not env.sender.startswith(IOA_PREFIX) or env.origin.kind != envelope_pb2.ORIGIN_KIND_IOA:
                 raise errors.Internal(f"relay delivered {env.message_id} without an IOA sender and origin")
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
-            rejection = None
-            if env.hop_count > self._limits.max_hops:
-                rejection = (NOT_PERMITTED, f"hop_count {env.hop_count} is over the limit of {self._limits.max_hops}")
-            elif await self._directory.get(env.recipient) is None:
+            rejection = self._loop_rejection(env)
+            if rejection is None and await self._directory.get(env.recipient) is None:
                 rejection = (UNKNOWN_TARGET, f"no agent {env.recipient}")
             item = AppendItem(env, rejection)
             if groups and groups[-1][0].envelope.sender == env.sender:
@@ -204,11 +208,45 @@ class InboxService:
             self.hub.on_appended(accepted)
         return outcomes
 
-    async def _precheck(self, sender_id: str, caller: Caller, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
-        """Rejections decided from facts that never change (existence, scope, hops)."""
+    # -- loop guard -------------------------------------------------------------
+    async def _continue_chains(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
+        """Set each message's hop_count and trail from what the mesh knows, whatever the client wrote: a
+        message continues the causal chain of the message it answers (in_reply_to, when the sender
+        received it) or else of what the sender consumed last (its Frontier). The trail is that chain's
+        plus the sender; hop_count is one more than the chain's (a client may only claim more)."""
+        frontier = await self._frontier(sender_id)
+        for env in envelopes:
+            cause = frontier
+            if env.in_reply_to:
+                answered = await self._store.get_message_by_sender(env.recipient, env.in_reply_to)
+                if answered is not None and answered.envelope.recipient == sender_id and (
+                        cause is None or answered.envelope.hop_count >= cause.hop_count):
+                    cause = Frontier(answered.envelope.hop_count, tuple(answered.envelope.trail))
+            del env.trail[:]
+            if cause is not None:
+                env.hop_count = max(env.hop_count, cause.hop_count + 1)
+                env.trail.extend(cause.trail)
+            env.trail.append(sender_id)
+
+    async def _frontier(self, agent_id: str) -> Frontier | None:
+        if agent_id in self._frontiers:
+            self._frontiers.move_to_end(agent_id)
+            return self._frontiers[agent_id]
+        frontier = await self._store.get_frontier(agent_id)
+        if self._store.fresh_delivery:  # this process sees every ack of this store: the copy stays true
+            self._remember_frontier(agent_id, frontier)
+        return frontier
+
+    def _remember_frontier(self, agent_id: str, frontier: Frontier | None) -> None:
+        self._frontiers[agent_id] = frontier
+        self._frontiers.move_to_end(agent_id)
+        while len(self._frontiers) > _FRONTIERS_KEPT:
+            self._frontiers.popitem(last=False)
+
+    def _loop_rejection(self, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
         if env.hop_count > self._limits.max_hops:
-            return NOT_PERMITTED, f"hop_count {env.hop_count} is over the limit of {self._limits.max_hops}"
-        if len(env.trail) >= self._limits.max_hops:
+            return NOT_PERMITTED, f"loop guard: hop_count {env.hop_count} is over the limit of {self._limits.max_hops}"
+        if len(env.trail) > self._limits.max_hops:
             return NOT_PERMITTED, f"loop guard: the message's trail is {len(env.trail)} agents long; at most" \
                                   f" {self._limits.max_hops}"
         visits = list(env.trail).count(env.recipient)
@@ -216,6 +254,13 @@ class InboxService:
             return NOT_PERMITTED, (f"loop guard: {env.recipient} already appears {visits} times in this message's"
                                    f" chain (at most {self._limits.max_trail_visits}): the agents are going round"
                                    " in a loop")
+        return None
+
+    async def _precheck(self, sender_id: str, caller: Caller, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
+        """Rejections decided from facts that never change (existence, scope, hops)."""
+        rejection = self._loop_rejection(env)
+        if rejection is not None:
+            return rejection
         target = await self._directory.get(env.recipient)
         if target is None:
             return UNKNOWN_TARGET, f"no agent {env.recipient}"
@@ -266,6 +311,9 @@ class InboxService:
                                          f"{10 * self._limits.max_batch_messages}", reason="BATCH_TOO_LARGE")
         outcomes = await self._store.ack(agent.agent_id, sequences, now_us(), turn)
         crash_point("ack-stored")
+        frontier = Frontier.of(o.envelope for o in outcomes if o.envelope is not None)
+        if frontier is not None:
+            self._remember_frontier(agent.agent_id, frontier)
         for outcome in outcomes:
             if outcome.status == pb.ACK_STATUS_CONSUMED:
                 if outcome.traceparent:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from inboxmesh.common.v1 import envelope_pb2
@@ -109,6 +109,25 @@ class AckOutcome:
     message_id: str
     status: int
     traceparent: str = ""
+    envelope: envelope_pb2.Envelope | None = None
+    """The consumed envelope when this ack consumed it (status CONSUMED)."""
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Where an agent stands in a causal chain (loop guard): the hop count and trail of the message it
+    consumed most recently (the longest chain among those of one ack). What it sends next continues it."""
+
+    hop_count: int
+    trail: tuple[str, ...]
+
+    @staticmethod
+    def of(envelopes: Iterable[envelope_pb2.Envelope]) -> Frontier | None:
+        best: envelope_pb2.Envelope | None = None
+        for env in envelopes:
+            if best is None or env.hop_count >= best.hop_count:
+                best = env
+        return None if best is None else Frontier(best.hop_count, tuple(best.trail))
 
 
 @dataclass(frozen=True)
@@ -343,7 +362,13 @@ class Store(abc.ABC):
         future resolves when it is durable."""
 
     @abc.abstractmethod
-    async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int = 0) -> list[AckOutcome]: ...
+    async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int = 0) -> list[AckOutcome]:
+        """Consume; in the same write, the recipient's Frontier becomes that of the messages this ack
+        consumed (if it consumed any)."""
+
+    @abc.abstractmethod
+    async def get_frontier(self, agent_id: str) -> Frontier | None:
+        """The agent's Frontier as its last consuming ack left it (None: it never consumed anything)."""
 
     @abc.abstractmethod
     async def get_message_by_sender(self, sender: str, message_id: str) -> MessageRecord | None: ...

@@ -443,6 +443,10 @@ class JetStreamStore(base.Store):
             await self._mark_started(recipient, consumed, at_us)
         return outcomes
 
+    async def get_frontier(self, agent_id):
+        self.require_open()
+        return await self.inbox.frontier(agent_id)
+
     async def get_message_by_sender(self, sender, message_id):
         self.require_open()
         return await self.inbox.by_sender(sender, message_id)

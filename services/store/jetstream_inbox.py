@@ -37,6 +37,7 @@ from services.store.base import (
     AckOutcome,
     AppendItem,
     DeliveryBatch,
+    Frontier,
     MessageRecord,
     RunRecord,
     SendOutcome,
@@ -62,6 +63,11 @@ _REMEMBERED = 50_000
 
 def state_key(agent_id: str, seq: int) -> str:
     return f"m.{kvh.token(agent_id)}.{seq}"
+
+
+def frontier_key(agent_id: str) -> str:
+    """The agent's loop-guard Frontier: [hop_count, trail] of what it consumed last."""
+    return f"fr.{kvh.token(agent_id)}"
 
 
 class InboxLog:
@@ -317,7 +323,8 @@ class InboxLog:
             rows.append(event_row(now_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=env.message_id,
                                   sender=env.sender, recipient=recipient, seq=env.sequence,
                                   detail=f"attempt={env.delivery_attempt}",
-                                  trace_id=trace_id_of(env.trace.traceparent)))
+                                  trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
+                                  conversation_id=env.conversation_id))
             envelopes.append(env)
         await self.store.emit(rows)  # before the subscriber can ack: consumed always follows delivered
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices)
@@ -326,17 +333,29 @@ class InboxLog:
     async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int) -> list[AckOutcome]:
         outcomes = []
         rows = []
+        consumed = []
         for seq in sequences:
             outcome, env = await self._ack_one(recipient, seq, at_us, turn)
             if env is not None:
+                consumed.append(env)
                 rows.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_CONSUMED, recipient, message_id=env.message_id,
                                       sender=env.sender, recipient=recipient, seq=seq,
-                                      trace_id=trace_id_of(env.trace.traceparent), turn=turn))
+                                      trace_id=trace_id_of(env.trace.traceparent), turn=turn,
+                                      in_reply_to=env.in_reply_to, conversation_id=env.conversation_id))
             outcomes.append(outcome)
         if rows:
             crash_point("consumed-unrecorded")  # the consumption is stored, its event not yet
-        await self.store.emit(rows)
+        frontier = Frontier.of(consumed)
+        if frontier is None:
+            await self.store.emit(rows)
+        else:  # written beside the events (one round trip): it only guards the agent's next sends
+            value = json.dumps([frontier.hop_count, frontier.trail]).encode()
+            await asyncio.gather(self.msgs.put(frontier_key(recipient), value), self.store.emit(rows))
         return outcomes
+
+    async def frontier(self, agent_id: str) -> Frontier | None:
+        found = await kvh.get(self.msgs, frontier_key(agent_id))
+        return None if found is None else Frontier(found[0][0], tuple(found[0][1]))
 
     async def _ack_one(self, recipient: str, seq: int, at_us: int,
                        turn: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None]:
@@ -368,7 +387,7 @@ class InboxLog:
                 if not await kvh.create(self.msgs, key, new):
                     continue
             await self._delete(seq)
-            return AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent), env
+            return AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env
         raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason="CONTENTION")
 
     # -- dead letters ---------------------------------------------------------------

@@ -115,10 +115,12 @@ def implied_events(state: dict, seq: int) -> list[tuple]:
     delivered_at = state.get("delivered") or state["stored"]
     for attempt in range(1, state.get("attempts", 0) + 1):
         rows.append(event_row(delivered_at, _DELIVERED, recipient, message_id=mid, sender=sender, recipient=recipient,
-                              seq=seq, detail=f"attempt={attempt}", trace_id=trace_id))
+                              seq=seq, detail=f"attempt={attempt}", trace_id=trace_id, in_reply_to=env.in_reply_to,
+                              conversation_id=env.conversation_id))
     if state["state"] == CONSUMED:
         rows.append(event_row(state["consumed"], _CONSUMED, recipient, message_id=mid, sender=sender,
-                              recipient=recipient, seq=seq, trace_id=trace_id, turn=state.get("turn", 0)))
+                              recipient=recipient, seq=seq, trace_id=trace_id, turn=state.get("turn", 0),
+                              in_reply_to=env.in_reply_to, conversation_id=env.conversation_id))
     elif state["state"] == DEAD_LETTERED:
         rows.append(event_row(state["dead"], _DEAD, recipient, message_id=mid, sender=sender, recipient=recipient,
                               seq=seq, detail=state.get("reason", ""), trace_id=trace_id))

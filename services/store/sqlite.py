@@ -32,6 +32,7 @@ from services.store.base import (
     DeliveryBatch,
     AnnounceOutcome,
     EventQuery,
+    Frontier,
     MessageRecord,
     RunRecord,
     RunWork,
@@ -199,7 +200,8 @@ class SqliteStore(base.Store):
     async def mark_delivered(
         self, recipient: str, envelopes: list[envelope_pb2.Envelope], at_us: int
     ) -> asyncio.Future:
-        keys = [(e.sequence, e.message_id, e.sender, trace_id_of(e.trace.traceparent)) for e in envelopes]
+        keys = [(e.sequence, e.message_id, e.sender, trace_id_of(e.trace.traceparent), e.in_reply_to,
+                 e.conversation_id) for e in envelopes]
         return await self.writer.enqueue(
             lambda conn, events: ops.mark_delivered(conn, events, recipient, keys, at_us), lazy=True)
 
@@ -212,6 +214,9 @@ class SqliteStore(base.Store):
             return outcomes
 
         return await self.writer.run(op)
+
+    async def get_frontier(self, agent_id: str) -> Frontier | None:
+        return await self._read(lambda conn: ops.get_frontier(conn, agent_id))
 
     async def get_message_by_sender(self, sender: str, message_id: str) -> MessageRecord | None:
         sql = f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE sender = ? AND message_id = ?"

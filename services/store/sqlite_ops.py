@@ -14,6 +14,7 @@ from inboxmesh.inbox.v1 import inbox_pb2
 from services import errors
 from services.store import base
 from services.store.base import (
+    Frontier,
     ACCEPTED,
     AGENT_CLOSED,
     AGENT_OPEN,
@@ -335,7 +336,8 @@ def next_deliveries(conn: sqlite3.Connection, events: list[tuple], recipient: st
             (DELIVERED, attempt, now_us, recipient, env.sequence))
         events.append(event_row(now_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=env.message_id,
                                 sender=env.sender, recipient=recipient, seq=env.sequence, detail=f"attempt={attempt}",
-                                trace_id=trace_id_of(env.trace.traceparent)))
+                                trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
+                                conversation_id=env.conversation_id))
         env.delivery_attempt = attempt
         envelopes.append(env)
     return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices)
@@ -343,28 +345,30 @@ def next_deliveries(conn: sqlite3.Connection, events: list[tuple], recipient: st
 
 def mark_delivered(conn: sqlite3.Connection, events: list[tuple], recipient: str, keys: list[tuple],
                    at_us: int) -> None:
-    """keys: (sequence, message_id, sender, trace_id) of messages streamed from memory."""
-    for seq, mid, sender, trace_id in keys:
+    """keys: (sequence, message_id, sender, trace_id, in_reply_to, conversation_id) of messages streamed
+    from memory."""
+    for seq, mid, sender, trace_id, in_reply_to, conversation_id in keys:
         cur = conn.execute(
             "UPDATE messages SET state = ?, attempts = 1, delivered_at_us = ? WHERE recipient = ? AND seq = ?"
             " AND state = ?", (DELIVERED, at_us, recipient, seq, QUEUED))
         if cur.rowcount:
             events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=mid, sender=sender,
-                                    recipient=recipient, seq=seq, detail="attempt=1", trace_id=trace_id))
+                                    recipient=recipient, seq=seq, detail="attempt=1", trace_id=trace_id,
+                                    in_reply_to=in_reply_to, conversation_id=conversation_id))
 
 
 def ack(conn: sqlite3.Connection, events: list[tuple], recipient: str, sequences: list[int], at_us: int,
         turn: int) -> list[AckOutcome]:
     outcomes = []
-    consumed = 0
+    consumed: list[envelope_pb2.Envelope] = []
     for seq in sequences:
         row = conn.execute(
-            "SELECT state, message_id, sender, traceparent FROM messages WHERE recipient = ? AND seq = ?",
+            "SELECT state, message_id, sender, traceparent, envelope FROM messages WHERE recipient = ? AND seq = ?",
             (recipient, seq)).fetchone()
         if row is None:
             outcomes.append(AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND))
             continue
-        state, mid, sender, traceparent = row
+        state, mid, sender, traceparent, blob = row
         if state == CONSUMED:
             outcomes.append(AckOutcome(seq, mid, inbox_pb2.ACK_STATUS_ALREADY_CONSUMED))
         elif state == DEAD_LETTERED:
@@ -372,10 +376,20 @@ def ack(conn: sqlite3.Connection, events: list[tuple], recipient: str, sequences
         else:
             conn.execute("UPDATE messages SET state = ?, consumed_at_us = ? WHERE recipient = ? AND seq = ?",
                          (CONSUMED, at_us, recipient, seq))
-            consumed += 1
+            consumed.append(env := envelope_pb2.Envelope.FromString(blob))
             events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_CONSUMED, recipient, message_id=mid, sender=sender,
-                                    recipient=recipient, seq=seq, trace_id=trace_id_of(traceparent), turn=turn))
-            outcomes.append(AckOutcome(seq, mid, inbox_pb2.ACK_STATUS_CONSUMED, traceparent))
+                                    recipient=recipient, seq=seq, trace_id=trace_id_of(traceparent), turn=turn,
+                                    in_reply_to=env.in_reply_to, conversation_id=env.conversation_id))
+            outcomes.append(AckOutcome(seq, mid, inbox_pb2.ACK_STATUS_CONSUMED, traceparent, env))
     if consumed:
-        conn.execute("UPDATE agents SET unconsumed = unconsumed - ? WHERE agent_id = ?", (consumed, recipient))
+        conn.execute("UPDATE agents SET unconsumed = unconsumed - ? WHERE agent_id = ?", (len(consumed), recipient))
+        frontier = Frontier.of(consumed)
+        assert frontier is not None
+        conn.execute("INSERT OR REPLACE INTO frontiers (agent_id, hop_count, trail) VALUES (?, ?, ?)",
+                     (recipient, frontier.hop_count, json.dumps(frontier.trail)))
     return outcomes
+
+
+def get_frontier(conn: sqlite3.Connection, agent_id: str) -> Frontier | None:
+    row = conn.execute("SELECT hop_count, trail FROM frontiers WHERE agent_id = ?", (agent_id,)).fetchone()
+    return None if row is None else Frontier(row[0], tuple(json.loads(row[1])))

@@ -1,7 +1,7 @@
 """Schema of the SQLite store. Bump SCHEMA_VERSION with any change."""
 
-SCHEMA_VERSION = 3
-UPGRADABLE = {2}
+SCHEMA_VERSION = 4
+UPGRADABLE = {2, 3}
 """Versions that SCHEMA upgrades in place (it only adds tables)."""
 
 SCHEMA = """
@@ -102,6 +102,14 @@ CREATE INDEX IF NOT EXISTS runs_unfinished ON runs(row) WHERE archived = 0;
 CREATE TABLE IF NOT EXISTS sessions (
     session_key TEXT PRIMARY KEY,
     agent_id TEXT NOT NULL
+) WITHOUT ROWID;
+
+-- Loop guard: per agent, the hop count and trail of the causal chain it last
+-- consumed from (its sends continue that chain). trail: JSON list of ids.
+CREATE TABLE IF NOT EXISTS frontiers (
+    agent_id TEXT PRIMARY KEY,
+    hop_count INTEGER NOT NULL,
+    trail TEXT NOT NULL
 ) WITHOUT ROWID;
 
 -- Loop guard: messages stored per conversation.
