@@ -132,7 +132,8 @@ class Writer:
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            failure = errors.Unavailable(f"store could not start a transaction: {exc}; nothing was written")
+            failure = errors.Unavailable(f"store could not start a transaction: {exc}; nothing was written",
+                                         reason="STORE_UNAVAILABLE")
             return [(False, failure)] * len(ops), 0, []
         for op in ops:
             conn.execute("SAVEPOINT op")
