@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 from inboxmesh.common.v1 import envelope_pb2 as inboxmesh_dot_common_dot_v1_dot_envelope__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1einboxmesh/inbox/v1/inbox.proto\x12\x12inboxmesh.inbox.v1\x1a\"inboxmesh/common/v1/envelope.proto\"\x9b\x01\n\x07Receipt\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x11\n\trecipient\x18\x02 \x01(\t\x12\x31\n\x06status\x18\x03 \x01(\x0e\x32!.inboxmesh.inbox.v1.ReceiptStatus\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x14\n\x0cstored_at_us\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\">\n\x0bSendRequest\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.inboxmesh.common.v1.Envelope\"=\n\x0cSendResponse\x12-\n\x08receipts\x18\x01 \x03(\x0b\x32\x1b.inboxmesh.inbox.v1.Receipt\">\n\x10SubscribeRequest\x12\x13\n\x0b\x63redentials\x18\x01 \x03(\t\x12\x15\n\rmax_in_flight\x18\x02 \x01(\r\"=\n\nDeliveries\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.inboxmesh.common.v1.Envelope\"n\n\x11SubscriptionEvent\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x37\n\x04kind\x18\x02 \x01(\x0e\x32).inboxmesh.inbox.v1.SubscriptionEventKind\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x1a\n\tHeartbeat\x12\r\n\x05\x61t_us\x18\x01 \x01(\x03\"\xf7\x01\n\x11SubscribeResponse\x12\x34\n\ndeliveries\x18\x01 \x01(\x0b\x32\x1e.inboxmesh.inbox.v1.DeliveriesH\x00\x12=\n\x0csubscription\x18\x02 \x01(\x0b\x32%.inboxmesh.inbox.v1.SubscriptionEventH\x00\x12\x32\n\theartbeat\x18\x03 \x01(\x0b\x32\x1d.inboxmesh.inbox.v1.HeartbeatH\x00\x12\x30\n\x05\x61\x63ked\x18\x04 \x01(\x0b\x32\x1f.inboxmesh.inbox.v1.AckResponseH\x00\x42\x07\n\x05\x65vent\"\x85\x01\n\x0e\x43onsumeRequest\x12\x39\n\tsubscribe\x18\x01 \x01(\x0b\x32$.inboxmesh.inbox.v1.SubscribeRequestH\x00\x12-\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x1e.inboxmesh.inbox.v1.AckRequestH\x00\x42\t\n\x07request\"S\n\nAckRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x11\n\tsequences\x18\x02 \x03(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x0c\n\x04turn\x18\x04 \x01(\x04\"`\n\tAckResult\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12-\n\x06status\x18\x03 \x01(\x0e\x32\x1d.inboxmesh.inbox.v1.AckStatus\"c\n\x0b\x41\x63kResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.inboxmesh.inbox.v1.AckResult\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\"y\n\nMessageKey\x12\x32\n\tby_sender\x18\x01 \x01(\x0b\x32\x1d.inboxmesh.inbox.v1.SenderKeyH\x00\x12\x30\n\x08\x62y_inbox\x18\x02 \x01(\x0b\x32\x1c.inboxmesh.inbox.v1.InboxKeyH\x00\x42\x05\n\x03key\"/\n\tSenderKey\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\"/\n\x08InboxKey\x12\x11\n\trecipient\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\x8c\x02\n\rMessageStatus\x12/\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x1d.inboxmesh.common.v1.Envelope\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .inboxmesh.inbox.v1.MessageState\x12\x19\n\x11\x64\x65livery_attempts\x18\x03 \x01(\r\x12\x14\n\x0cstored_at_us\x18\x04 \x01(\x03\x12\x17\n\x0f\x64\x65livered_at_us\x18\x05 \x01(\x03\x12\x16\n\x0e\x63onsumed_at_us\x18\x06 \x01(\x03\x12\x1b\n\x13\x64\x65\x61\x64_lettered_at_us\x18\x07 \x01(\x03\x12\x1a\n\x12\x64\x65\x61\x64_letter_reason\x18\x08 \x01(\t\"F\n\x17GetMessageStatusRequest\x12+\n\x03key\x18\x01 \x01(\x0b\x32\x1e.inboxmesh.inbox.v1.MessageKey\"M\n\x18GetMessageStatusResponse\x12\x31\n\x06status\x18\x01 \x01(\x0b\x32!.inboxmesh.inbox.v1.MessageStatus\"b\n\x16ListDeadLettersRequest\x12\x11\n\trecipient\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"g\n\x17ListDeadLettersResponse\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.inboxmesh.inbox.v1.MessageStatus\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\xf0\x01\n\rReceiptStatus\x12\x1e\n\x1aRECEIPT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RECEIPT_STATUS_ACCEPTED\x10\x01\x12\x1c\n\x18RECEIPT_STATUS_DUPLICATE\x10\x02\x12!\n\x1dRECEIPT_STATUS_UNKNOWN_TARGET\x10\x03\x12 \n\x1cRECEIPT_STATUS_TARGET_CLOSED\x10\x04\x12 \n\x1cRECEIPT_STATUS_NOT_PERMITTED\x10\x05\x12\x1d\n\x19RECEIPT_STATUS_INBOX_FULL\x10\x06*\xb2\x01\n\x15SubscriptionEventKind\x12\'\n#SUBSCRIPTION_EVENT_KIND_UNSPECIFIED\x10\x00\x12$\n SUBSCRIPTION_EVENT_KIND_ATTACHED\x10\x01\x12&\n\"SUBSCRIPTION_EVENT_KIND_SUPERSEDED\x10\x02\x12\"\n\x1eSUBSCRIPTION_EVENT_KIND_CLOSED\x10\x03*\x99\x01\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x43K_STATUS_CONSUMED\x10\x01\x12\x1f\n\x1b\x41\x43K_STATUS_ALREADY_CONSUMED\x10\x02\x12\x18\n\x14\x41\x43K_STATUS_NOT_FOUND\x10\x03\x12\x1c\n\x18\x41\x43K_STATUS_DEAD_LETTERED\x10\x04*\xa1\x01\n\x0cMessageState\x12\x1d\n\x19MESSAGE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MESSAGE_STATE_QUEUED\x10\x01\x12\x1b\n\x17MESSAGE_STATE_DELIVERED\x10\x02\x12\x1a\n\x16MESSAGE_STATE_CONSUMED\x10\x03\x12\x1f\n\x1bMESSAGE_STATE_DEAD_LETTERED\x10\x04\x32\x87\x05\n\x0cInboxService\x12I\n\x04Send\x12\x1f.inboxmesh.inbox.v1.SendRequest\x1a .inboxmesh.inbox.v1.SendResponse\x12S\n\nSendStream\x12\x1f.inboxmesh.inbox.v1.SendRequest\x1a .inboxmesh.inbox.v1.SendResponse(\x01\x30\x01\x12Z\n\tSubscribe\x12$.inboxmesh.inbox.v1.SubscribeRequest\x1a%.inboxmesh.inbox.v1.SubscribeResponse0\x01\x12\x46\n\x03\x41\x63k\x12\x1e.inboxmesh.inbox.v1.AckRequest\x1a\x1f.inboxmesh.inbox.v1.AckResponse\x12X\n\x07\x43onsume\x12\".inboxmesh.inbox.v1.ConsumeRequest\x1a%.inboxmesh.inbox.v1.SubscribeResponse(\x01\x30\x01\x12m\n\x10GetMessageStatus\x12+.inboxmesh.inbox.v1.GetMessageStatusRequest\x1a,.inboxmesh.inbox.v1.GetMessageStatusResponse\x12j\n\x0fListDeadLetters\x12*.inboxmesh.inbox.v1.ListDeadLettersRequest\x1a+.inboxmesh.inbox.v1.ListDeadLettersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1einboxmesh/inbox/v1/inbox.proto\x12\x12inboxmesh.inbox.v1\x1a\"inboxmesh/common/v1/envelope.proto\"\x9b\x01\n\x07Receipt\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x11\n\trecipient\x18\x02 \x01(\t\x12\x31\n\x06status\x18\x03 \x01(\x0e\x32!.inboxmesh.inbox.v1.ReceiptStatus\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x14\n\x0cstored_at_us\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\">\n\x0bSendRequest\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.inboxmesh.common.v1.Envelope\"=\n\x0cSendResponse\x12-\n\x08receipts\x18\x01 \x03(\x0b\x32\x1b.inboxmesh.inbox.v1.Receipt\">\n\x10SubscribeRequest\x12\x13\n\x0b\x63redentials\x18\x01 \x03(\t\x12\x15\n\rmax_in_flight\x18\x02 \x01(\r\"=\n\nDeliveries\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.inboxmesh.common.v1.Envelope\"n\n\x11SubscriptionEvent\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x37\n\x04kind\x18\x02 \x01(\x0e\x32).inboxmesh.inbox.v1.SubscriptionEventKind\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x1a\n\tHeartbeat\x12\r\n\x05\x61t_us\x18\x01 \x01(\x03\"\xf7\x01\n\x11SubscribeResponse\x12\x34\n\ndeliveries\x18\x01 \x01(\x0b\x32\x1e.inboxmesh.inbox.v1.DeliveriesH\x00\x12=\n\x0csubscription\x18\x02 \x01(\x0b\x32%.inboxmesh.inbox.v1.SubscriptionEventH\x00\x12\x32\n\theartbeat\x18\x03 \x01(\x0b\x32\x1d.inboxmesh.inbox.v1.HeartbeatH\x00\x12\x30\n\x05\x61\x63ked\x18\x04 \x01(\x0b\x32\x1f.inboxmesh.inbox.v1.AckResponseH\x00\x42\x07\n\x05\x65vent\"\x85\x01\n\x0e\x43onsumeRequest\x12\x39\n\tsubscribe\x18\x01 \x01(\x0b\x32$.inboxmesh.inbox.v1.SubscribeRequestH\x00\x12-\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x1e.inboxmesh.inbox.v1.AckRequestH\x00\x42\t\n\x07request\"S\n\nAckRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x11\n\tsequences\x18\x02 \x03(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x0c\n\x04turn\x18\x04 \x01(\x04\"`\n\tAckResult\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12-\n\x06status\x18\x03 \x01(\x0e\x32\x1d.inboxmesh.inbox.v1.AckStatus\"\x90\x01\n\x0b\x41\x63kResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.inboxmesh.inbox.v1.AckResult\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12+\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1c.inboxmesh.inbox.v1.AckError\"\xa8\x01\n\x08\x41\x63kError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12<\n\x08metadata\x18\x04 \x03(\x0b\x32*.inboxmesh.inbox.v1.AckError.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"y\n\nMessageKey\x12\x32\n\tby_sender\x18\x01 \x01(\x0b\x32\x1d.inboxmesh.inbox.v1.SenderKeyH\x00\x12\x30\n\x08\x62y_inbox\x18\x02 \x01(\x0b\x32\x1c.inboxmesh.inbox.v1.InboxKeyH\x00\x42\x05\n\x03key\"/\n\tSenderKey\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\"/\n\x08InboxKey\x12\x11\n\trecipient\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\x8c\x02\n\rMessageStatus\x12/\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x1d.inboxmesh.common.v1.Envelope\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .inboxmesh.inbox.v1.MessageState\x12\x19\n\x11\x64\x65livery_attempts\x18\x03 \x01(\r\x12\x14\n\x0cstored_at_us\x18\x04 \x01(\x03\x12\x17\n\x0f\x64\x65livered_at_us\x18\x05 \x01(\x03\x12\x16\n\x0e\x63onsumed_at_us\x18\x06 \x01(\x03\x12\x1b\n\x13\x64\x65\x61\x64_lettered_at_us\x18\x07 \x01(\x03\x12\x1a\n\x12\x64\x65\x61\x64_letter_reason\x18\x08 \x01(\t\"F\n\x17GetMessageStatusRequest\x12+\n\x03key\x18\x01 \x01(\x0b\x32\x1e.inboxmesh.inbox.v1.MessageKey\"M\n\x18GetMessageStatusResponse\x12\x31\n\x06status\x18\x01 \x01(\x0b\x32!.inboxmesh.inbox.v1.MessageStatus\"b\n\x16ListDeadLettersRequest\x12\x11\n\trecipient\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\npage_token\x18\x04 \x01(\t\"g\n\x17ListDeadLettersResponse\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.inboxmesh.inbox.v1.MessageStatus\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\xf0\x01\n\rReceiptStatus\x12\x1e\n\x1aRECEIPT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RECEIPT_STATUS_ACCEPTED\x10\x01\x12\x1c\n\x18RECEIPT_STATUS_DUPLICATE\x10\x02\x12!\n\x1dRECEIPT_STATUS_UNKNOWN_TARGET\x10\x03\x12 \n\x1cRECEIPT_STATUS_TARGET_CLOSED\x10\x04\x12 \n\x1cRECEIPT_STATUS_NOT_PERMITTED\x10\x05\x12\x1d\n\x19RECEIPT_STATUS_INBOX_FULL\x10\x06*\xb2\x01\n\x15SubscriptionEventKind\x12\'\n#SUBSCRIPTION_EVENT_KIND_UNSPECIFIED\x10\x00\x12$\n SUBSCRIPTION_EVENT_KIND_ATTACHED\x10\x01\x12&\n\"SUBSCRIPTION_EVENT_KIND_SUPERSEDED\x10\x02\x12\"\n\x1eSUBSCRIPTION_EVENT_KIND_CLOSED\x10\x03*\x99\x01\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x43K_STATUS_CONSUMED\x10\x01\x12\x1f\n\x1b\x41\x43K_STATUS_ALREADY_CONSUMED\x10\x02\x12\x18\n\x14\x41\x43K_STATUS_NOT_FOUND\x10\x03\x12\x1c\n\x18\x41\x43K_STATUS_DEAD_LETTERED\x10\x04*\xa1\x01\n\x0cMessageState\x12\x1d\n\x19MESSAGE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MESSAGE_STATE_QUEUED\x10\x01\x12\x1b\n\x17MESSAGE_STATE_DELIVERED\x10\x02\x12\x1a\n\x16MESSAGE_STATE_CONSUMED\x10\x03\x12\x1f\n\x1bMESSAGE_STATE_DEAD_LETTERED\x10\x04\x32\x87\x05\n\x0cInboxService\x12I\n\x04Send\x12\x1f.inboxmesh.inbox.v1.SendRequest\x1a .inboxmesh.inbox.v1.SendResponse\x12S\n\nSendStream\x12\x1f.inboxmesh.inbox.v1.SendRequest\x1a .inboxmesh.inbox.v1.SendResponse(\x01\x30\x01\x12Z\n\tSubscribe\x12$.inboxmesh.inbox.v1.SubscribeRequest\x1a%.inboxmesh.inbox.v1.SubscribeResponse0\x01\x12\x46\n\x03\x41\x63k\x12\x1e.inboxmesh.inbox.v1.AckRequest\x1a\x1f.inboxmesh.inbox.v1.AckResponse\x12X\n\x07\x43onsume\x12\".inboxmesh.inbox.v1.ConsumeRequest\x1a%.inboxmesh.inbox.v1.SubscribeResponse(\x01\x30\x01\x12m\n\x10GetMessageStatus\x12+.inboxmesh.inbox.v1.GetMessageStatusRequest\x1a,.inboxmesh.inbox.v1.GetMessageStatusResponse\x12j\n\x0fListDeadLetters\x12*.inboxmesh.inbox.v1.ListDeadLettersRequest\x1a+.inboxmesh.inbox.v1.ListDeadLettersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inboxmesh.inbox.v1.inbox_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RECEIPTSTATUS']._serialized_start=2161
-  _globals['_RECEIPTSTATUS']._serialized_end=2401
-  _globals['_SUBSCRIPTIONEVENTKIND']._serialized_start=2404
-  _globals['_SUBSCRIPTIONEVENTKIND']._serialized_end=2582
-  _globals['_ACKSTATUS']._serialized_start=2585
-  _globals['_ACKSTATUS']._serialized_end=2738
-  _globals['_MESSAGESTATE']._serialized_start=2741
-  _globals['_MESSAGESTATE']._serialized_end=2902
+  _globals['_ACKERROR_METADATAENTRY']._loaded_options = None
+  _globals['_ACKERROR_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_RECEIPTSTATUS']._serialized_start=2378
+  _globals['_RECEIPTSTATUS']._serialized_end=2618
+  _globals['_SUBSCRIPTIONEVENTKIND']._serialized_start=2621
+  _globals['_SUBSCRIPTIONEVENTKIND']._serialized_end=2799
+  _globals['_ACKSTATUS']._serialized_start=2802
+  _globals['_ACKSTATUS']._serialized_end=2955
+  _globals['_MESSAGESTATE']._serialized_start=2958
+  _globals['_MESSAGESTATE']._serialized_end=3119
   _globals['_RECEIPT']._serialized_start=91
   _globals['_RECEIPT']._serialized_end=246
   _globals['_SENDREQUEST']._serialized_start=248
@@ -62,24 +64,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACKREQUEST']._serialized_end=1111
   _globals['_ACKRESULT']._serialized_start=1113
   _globals['_ACKRESULT']._serialized_end=1209
-  _globals['_ACKRESPONSE']._serialized_start=1211
-  _globals['_ACKRESPONSE']._serialized_end=1310
-  _globals['_MESSAGEKEY']._serialized_start=1312
-  _globals['_MESSAGEKEY']._serialized_end=1433
-  _globals['_SENDERKEY']._serialized_start=1435
-  _globals['_SENDERKEY']._serialized_end=1482
-  _globals['_INBOXKEY']._serialized_start=1484
-  _globals['_INBOXKEY']._serialized_end=1531
-  _globals['_MESSAGESTATUS']._serialized_start=1534
-  _globals['_MESSAGESTATUS']._serialized_end=1802
-  _globals['_GETMESSAGESTATUSREQUEST']._serialized_start=1804
-  _globals['_GETMESSAGESTATUSREQUEST']._serialized_end=1874
-  _globals['_GETMESSAGESTATUSRESPONSE']._serialized_start=1876
-  _globals['_GETMESSAGESTATUSRESPONSE']._serialized_end=1953
-  _globals['_LISTDEADLETTERSREQUEST']._serialized_start=1955
-  _globals['_LISTDEADLETTERSREQUEST']._serialized_end=2053
-  _globals['_LISTDEADLETTERSRESPONSE']._serialized_start=2055
-  _globals['_LISTDEADLETTERSRESPONSE']._serialized_end=2158
-  _globals['_INBOXSERVICE']._serialized_start=2905
-  _globals['_INBOXSERVICE']._serialized_end=3552
+  _globals['_ACKRESPONSE']._serialized_start=1212
+  _globals['_ACKRESPONSE']._serialized_end=1356
+  _globals['_ACKERROR']._serialized_start=1359
+  _globals['_ACKERROR']._serialized_end=1527
+  _globals['_ACKERROR_METADATAENTRY']._serialized_start=1480
+  _globals['_ACKERROR_METADATAENTRY']._serialized_end=1527
+  _globals['_MESSAGEKEY']._serialized_start=1529
+  _globals['_MESSAGEKEY']._serialized_end=1650
+  _globals['_SENDERKEY']._serialized_start=1652
+  _globals['_SENDERKEY']._serialized_end=1699
+  _globals['_INBOXKEY']._serialized_start=1701
+  _globals['_INBOXKEY']._serialized_end=1748
+  _globals['_MESSAGESTATUS']._serialized_start=1751
+  _globals['_MESSAGESTATUS']._serialized_end=2019
+  _globals['_GETMESSAGESTATUSREQUEST']._serialized_start=2021
+  _globals['_GETMESSAGESTATUSREQUEST']._serialized_end=2091
+  _globals['_GETMESSAGESTATUSRESPONSE']._serialized_start=2093
+  _globals['_GETMESSAGESTATUSRESPONSE']._serialized_end=2170
+  _globals['_LISTDEADLETTERSREQUEST']._serialized_start=2172
+  _globals['_LISTDEADLETTERSREQUEST']._serialized_end=2270
+  _globals['_LISTDEADLETTERSRESPONSE']._serialized_start=2272
+  _globals['_LISTDEADLETTERSRESPONSE']._serialized_end=2375
+  _globals['_INBOXSERVICE']._serialized_start=3122
+  _globals['_INBOXSERVICE']._serialized_end=3769
 # @@protoc_insertion_point(module_scope)

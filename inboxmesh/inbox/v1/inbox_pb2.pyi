@@ -162,14 +162,35 @@ class AckResult(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., message_id: _Optional[str] = ..., status: _Optional[_Union[AckStatus, str]] = ...) -> None: ...
 
 class AckResponse(_message.Message):
-    __slots__ = ("results", "agent_id", "request_id")
+    __slots__ = ("results", "agent_id", "request_id", "error")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[AckResult]
     agent_id: str
     request_id: int
-    def __init__(self, results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ..., agent_id: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+    error: AckError
+    def __init__(self, results: _Optional[_Iterable[_Union[AckResult, _Mapping]]] = ..., agent_id: _Optional[str] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[AckError, _Mapping]] = ...) -> None: ...
+
+class AckError(_message.Message):
+    __slots__ = ("code", "reason", "message", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    message: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class MessageKey(_message.Message):
     __slots__ = ("by_sender", "by_inbox")

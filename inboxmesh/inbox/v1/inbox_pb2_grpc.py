@@ -109,7 +109,12 @@ class InboxServiceServicer(object):
         """Subscribe and ack on one stream (for hosts that consume at a high rate
         or want the lowest latency): the first request subscribes, later ones
         ack; acks are authorised by the subscription's credentials. Responses
-        are those of Subscribe plus one `acked` per AckRequest.
+        are those of Subscribe plus one `acked` per AckRequest, also for acks
+        that were refused (AckResponse.error). When the last of the stream's
+        agents is closed or superseded the mesh sends that event, answers every
+        ack it reads, and ends the call with OK once the client half-closes
+        (or after a few seconds without that): a client half-closes when it
+        has no agents left, so none of its acks races the end of the call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
