@@ -6,6 +6,8 @@ The mesh redelivers everything not yet acked when a stream is opened again,
 and exactly one ack of a message ever reports CONSUMED. `consume` returns
 only the messages whose ack this host won, so a host that injects exactly
 what `consume` returns never takes a message into an agent's context twice.
+An ack the mesh refuses (it named the wrong agent, no or too many sequences)
+fails that `consume` alone with the matching MeshError; the stream goes on.
 
 Bounds: deliveries wait in an in-memory queue until the host takes them;
 the mesh never has more than `max_in_flight` unacked messages out per agent,
@@ -27,12 +29,13 @@ from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2
 from services import errors
 from services.client import AgentHandle
-from services.grpc_status import from_rpc_error
+from services.grpc_status import ERROR_OF, from_rpc_error
 
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 _ENDED = object()
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass
@@ -141,9 +144,7 @@ class InboxStream:
                 if which == "deliveries":
                     items.put_nowait(StreamItem(messages=list(response.deliveries.messages)))
                 elif which == "acked":
-                    future = self._acks.pop(response.acked.request_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(list(response.acked.results))
+                    self._answer(response.acked)
                 elif which == "subscription":
                     event = response.subscription
                     if event.kind in (inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED,
@@ -159,6 +160,16 @@ class InboxStream:
             log.warning("inbox stream read failed: %r", exc)
             items.put_nowait(_ENDED)
 
+    def _answer(self, acked: inbox_pb2.AckResponse) -> None:
+        """Hand the answer of one ack to the consume() waiting for it."""
+        future = self._acks.pop(acked.request_id, None)
+        if future is None or future.done():
+            return
+        if acked.HasField("error"):
+            future.set_exception(ack_error(acked))
+        else:
+            future.set_result(list(acked.results))
+
     async def _write(self, request: inbox_pb2.ConsumeRequest) -> None:
         async with self._write_lock:
             await self._call.write(request)
@@ -171,7 +182,9 @@ class InboxStream:
 
     async def ack(self, agent_id: str, sequences: list[int], turn: int = 0) -> list[inbox_pb2.AckResult]:
         """Ack on the stream; raises Unavailable when the stream is lost first
-        (the messages then come again and can be acked again)."""
+        (the messages then come again and can be acked again), and the
+        MeshError of the refusal when the mesh refused this ack (the stream
+        goes on)."""
         if self._call is None:
             raise errors.Unavailable("the inbox stream is not connected")
         request_id = next(self._ack_ids)
@@ -207,6 +220,15 @@ class InboxStream:
             won |= {r.sequence for r in results if r.status == inbox_pb2.ACK_STATUS_ALREADY_CONSUMED}
             return [m for m in mine if m.sequence in won and (m.sender, m.message_id) not in taken]
         return [m for m in mine if m.sequence in won]
+
+
+def ack_error(acked: inbox_pb2.AckResponse) -> errors.MeshError:
+    """The MeshError for an ack the mesh refused on a Consume stream, as the
+    unary Ack would have raised it."""
+    error = acked.error
+    code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    return ERROR_OF.get(code, errors.MeshError)(error.message or code.name, reason=error.reason or code.name,
+                                                metadata=dict(error.metadata))
 
 
 async def consume(agent: AgentHandle, messages: list[envelope_pb2.Envelope]) -> list[envelope_pb2.Envelope]:

@@ -12,7 +12,7 @@ from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from services import errors
 from services.directory import Caller, Directory
 from services.grpc_common import bearer, caller_of, streaming, unary
-from services.grpc_status import to_grpc
+from services.grpc_status import status_code_of, to_grpc
 from services.inbox.delivery import Subscription
 from services.inbox.service import InboxService
 from services.store.base import AckOutcome, MessageRecord, SendOutcome
@@ -20,6 +20,12 @@ from services.store.base import AckOutcome, MessageRecord, SendOutcome
 log = logging.getLogger(__name__)
 _ACKS_IN_FLIGHT = 8
 """Acks of one Consume stream being processed at once (they group-commit)."""
+_REFUSALS = (errors.InvalidArgument, errors.PermissionDenied, errors.FailedPrecondition, errors.NotFound,
+             errors.ResourceExhausted, errors.Unauthenticated)
+"""Errors that say an ack on a Consume stream was wrong: answered on the
+stream for that ack alone. Others (the mesh could not process it) end the
+stream, and the host subscribes again."""
+_SHOWN_ID = 64
 
 
 def receipt_pb(outcome: SendOutcome) -> pb.Receipt:
@@ -35,6 +41,19 @@ def receipt_pb(outcome: SendOutcome) -> pb.Receipt:
 
 def ack_result_pb(outcome: AckOutcome) -> pb.AckResult:
     return pb.AckResult(sequence=outcome.sequence, message_id=outcome.message_id, status=outcome.status)
+
+
+def ack_error_pb(request: pb.AckRequest, agent_id: str, exc: errors.MeshError) -> pb.SubscribeResponse:
+    """The answer to a refused ack on a Consume stream."""
+    return pb.SubscribeResponse(acked=pb.AckResponse(
+        agent_id=agent_id, request_id=request.request_id,
+        error=pb.AckError(code=status_code_of(exc).value[0], reason=exc.reason, message=exc.message,
+                          metadata=exc.metadata)))
+
+
+def _shown(value: str) -> str:
+    """A caller's string as an error may quote it: bounded."""
+    return value if len(value) <= _SHOWN_ID else f"{value[:_SHOWN_ID]}... ({len(value)} characters)"
 
 
 def status_pb(record: MessageRecord) -> pb.MessageStatus:
@@ -134,15 +153,19 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 await _write(context, response)
 
         async def ack_one(request: pb.AckRequest) -> None:
+            agent_id = ""
             try:
-                caller = callers.get(request.agent_id)
-                if caller is None:
-                    raise errors.PermissionDenied(
-                        f"ack names agent {request.agent_id!r}, which this stream did not subscribe",
-                        reason="AGENT_MISMATCH")
-                outcomes = await self._service.ack(caller, request.agent_id, list(request.sequences), request.turn)
+                try:
+                    agent_id, caller = self._ack_caller(request, callers)
+                    sequences = list(request.sequences)
+                    outcomes = await self._service.ack(caller, agent_id, sequences, request.turn)
+                except _REFUSALS as exc:  # this ack was wrong; the stream and its other agents carry on
+                    log.info("Consume on %r: ack %d refused: %s (%s)", subscription, request.request_id,
+                             exc.reason, exc.message)
+                    await write(ack_error_pb(request, agent_id, exc))
+                    return
                 await write(pb.SubscribeResponse(acked=pb.AckResponse(
-                    results=[ack_result_pb(o) for o in outcomes], agent_id=request.agent_id,
+                    results=[ack_result_pb(o) for o in outcomes], agent_id=agent_id,
                     request_id=request.request_id)))
             except BaseException:
                 subscription.stop()  # the stream ends with this error
@@ -182,6 +205,25 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
             await self._service.unsubscribed(subscription, f"subscriber gone ({type(exc).__name__})")
             raise
         await self._finish(subscription, context)
+
+    @staticmethod
+    def _ack_caller(request: pb.AckRequest, callers: dict[str, Caller]) -> tuple[str, Caller]:
+        """Which of the stream's agents an ack is for. An empty agent_id
+        means the stream's one agent; on a stream of several it names none."""
+        if not request.agent_id:
+            if len(callers) == 1:
+                return next(iter(callers.items()))
+            raise errors.InvalidArgument(
+                f"the ack names no agent, and this stream delivers for {len(callers)}: set agent_id",
+                reason="MISSING_FIELD", metadata={"field": "agent_id"})
+        caller = callers.get(request.agent_id)
+        if caller is None:
+            shown = _shown(request.agent_id)
+            raise errors.PermissionDenied(
+                f"ack names agent {shown!r}, which this stream did not subscribe: ack on the stream that"
+                " delivers for it, or with that agent's own credential",
+                reason="AGENT_MISMATCH", metadata={"agent_id": shown})
+        return request.agent_id, caller
 
     @unary
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:

@@ -1,0 +1,209 @@
+"""Errors on the Consume stream: a refused ack is answered on the stream for
+that ack alone (the stream and its other agents carry on)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from agent_host.inbox_stream import InboxStream
+from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services import errors
+from services.config import InboxLimits
+
+TOO_MANY = 10 * InboxLimits().max_batch_messages + 1
+
+
+class ConsumeCall:
+    """A raw Consume call and a task that sorts what it receives: deliveries
+    per agent, subscription events, ack answers by request_id."""
+
+    def __init__(self, owner, agents):
+        self.call = owner.client.inbox.Consume()
+        self.agents = agents
+        self.delivered: dict[str, list] = {a.agent_id: [] for a in agents}
+        self.events: list[pb.SubscriptionEvent] = []
+        self.answers: dict[int, pb.AckResponse] = {}
+        self.changed = asyncio.Event()
+        self.error: grpc.aio.AioRpcError | None = None
+        self.ended = asyncio.Event()
+        self._ids = iter(range(1, 1 << 30))
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> ConsumeCall:
+        await self.call.write(pb.ConsumeRequest(subscribe=pb.SubscribeRequest(
+            credentials=[a.credential for a in self.agents])))
+        self.task = asyncio.create_task(self._read())
+        await self.until(lambda: len(self.events) >= len(self.agents))
+        return self
+
+    async def _read(self) -> None:
+        try:
+            async for response in self.call:
+                which = response.WhichOneof("event")
+                if which == "deliveries":
+                    for message in response.deliveries.messages:
+                        self.delivered[message.recipient].append(message)
+                elif which == "subscription":
+                    self.events.append(response.subscription)
+                elif which == "acked":
+                    self.answers[response.acked.request_id] = response.acked
+                self.changed.set()
+        except grpc.aio.AioRpcError as exc:
+            self.error = exc
+        finally:
+            self.ended.set()
+            self.changed.set()
+
+    async def until(self, predicate, timeout: float = 10.0):
+        """Wait for what the call received to satisfy predicate (or the call to end)."""
+        async with asyncio.timeout(timeout):
+            while not (value := predicate()):
+                if self.ended.is_set():
+                    raise AssertionError(f"the Consume call ended ({self.error!r}) before the awaited"
+                                         " response")
+                self.changed.clear()
+                await self.changed.wait()
+        return value
+
+    async def ack(self, agent_id: str, sequences, **fields) -> pb.AckResponse:
+        request_id = next(self._ids)
+        await self.call.write(pb.ConsumeRequest(ack=pb.AckRequest(
+            agent_id=agent_id, sequences=list(sequences), request_id=request_id, **fields)))
+        return await self.until(lambda: self.answers.get(request_id))
+
+    async def receive(self, agent, count: int) -> list:
+        return (await self.until(lambda: len(self.delivered[agent.agent_id]) >= count and self.delivered[
+            agent.agent_id]))[:count]
+
+    async def stop(self) -> None:
+        self.call.cancel()
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+
+@pytest.fixture
+async def family(client):
+    lead = await client.register("lead")
+    return lead, await lead.spawn("a"), await lead.spawn("b")
+
+
+def _refusal(answer: pb.AckResponse, code: grpc.StatusCode, reason: str) -> pb.AckError:
+    assert answer.HasField("error"), answer
+    assert (answer.error.code, answer.error.reason) == (code.value[0], reason), answer.error
+    assert not answer.results
+    return answer.error
+
+
+async def test_a_refused_ack_is_answered_alone_and_the_other_agent_goes_on(family):
+    lead, a, b = family
+    stream = await ConsumeCall(a, [a, b]).start()
+    try:
+        await lead.send(a.agent_id, "for a")
+        (for_a,) = await stream.receive(a, 1)
+        sent_to_b = 0
+
+        async def b_keeps_going():
+            """A message to b is delivered and acked on the same stream."""
+            nonlocal sent_to_b
+            sent_to_b += 1
+            await lead.send(b.agent_id, f"for b {sent_to_b}")
+            message = (await stream.receive(b, sent_to_b))[-1]
+            answer = await stream.ack(b.agent_id, [message.sequence])
+            assert not answer.HasField("error")
+            assert answer.agent_id == b.agent_id
+            assert [r.status for r in answer.results] == [pb.ACK_STATUS_CONSUMED]
+
+        # no agent, on a stream of two: which one is meant is not said
+        answer = await stream.ack("", [for_a.sequence])
+        error = _refusal(answer, grpc.StatusCode.INVALID_ARGUMENT, "MISSING_FIELD")
+        assert error.metadata["field"] == "agent_id"
+        await b_keeps_going()
+        # an agent this stream did not subscribe (its parent, in the same scope)
+        answer = await stream.ack(lead.agent_id, [for_a.sequence])
+        error = _refusal(answer, grpc.StatusCode.PERMISSION_DENIED, "AGENT_MISMATCH")
+        assert answer.agent_id == "" and lead.agent_id in error.message
+        assert error.metadata["agent_id"] == lead.agent_id
+        await b_keeps_going()
+        # a huge agent id is refused the same way, and not echoed whole
+        answer = await stream.ack("agt_" + "f" * 100_000, [for_a.sequence])
+        error = _refusal(answer, grpc.StatusCode.PERMISSION_DENIED, "AGENT_MISMATCH")
+        assert len(error.message) < 500 and len(error.metadata["agent_id"]) < 200
+        # no sequences, too many sequences
+        answer = await stream.ack(a.agent_id, [])
+        _refusal(answer, grpc.StatusCode.INVALID_ARGUMENT, "MISSING_FIELD")
+        assert answer.agent_id == a.agent_id
+        await b_keeps_going()
+        _refusal(await stream.ack(a.agent_id, range(1, TOO_MANY + 1)), grpc.StatusCode.INVALID_ARGUMENT,
+                 "BATCH_TOO_LARGE")
+        await b_keeps_going()
+        # nothing of the refused acks was recorded: a's message is still a's to consume
+        assert (await a.inbox_status(for_a.sequence)).state == pb.MESSAGE_STATE_DELIVERED
+        answer = await stream.ack(a.agent_id, [for_a.sequence], turn=3)
+        assert [r.status for r in answer.results] == [pb.ACK_STATUS_CONSUMED]
+        await lead.send(a.agent_id, "for a again")
+        await stream.receive(a, 2)
+        assert not stream.ended.is_set()
+        assert [e.kind for e in stream.events] == [pb.SUBSCRIPTION_EVENT_KIND_ATTACHED] * 2
+    finally:
+        await stream.stop()
+
+
+async def test_on_a_stream_of_one_agent_an_empty_agent_id_means_that_agent(family):
+    lead, a, _ = family
+    stream = await ConsumeCall(a, [a]).start()
+    try:
+        await lead.send(a.agent_id, "hello")
+        (message,) = await stream.receive(a, 1)
+        answer = await stream.ack("", [message.sequence])
+        assert (answer.agent_id, [r.status for r in answer.results]) == (a.agent_id, [pb.ACK_STATUS_CONSUMED])
+    finally:
+        await stream.stop()
+
+
+async def test_a_request_other_than_an_ack_after_the_first_still_ends_the_stream(family):
+    _, a, b = family
+    stream = await ConsumeCall(a, [a, b]).start()
+    try:
+        await stream.call.write(pb.ConsumeRequest(subscribe=pb.SubscribeRequest(credentials=[a.credential])))
+        await asyncio.wait_for(stream.ended.wait(), 10)
+        assert stream.error is not None and stream.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await stream.stop()
+
+
+async def test_the_host_stream_raises_a_refusal_for_that_ack_and_keeps_delivering(family):
+    lead, a, b = family
+    stream = InboxStream([a, b], max_failures=0)
+    items = stream.__aiter__()
+    try:
+        attached = [await items.__anext__(), await items.__anext__()]
+        assert {i.agent_event.kind for i in attached} == {pb.SUBSCRIPTION_EVENT_KIND_ATTACHED}
+        await lead.send(a.agent_id, "for a")
+        (for_a,) = (await items.__anext__()).messages
+        with pytest.raises(errors.InvalidArgument) as refused:
+            await stream.ack("", [for_a.sequence])
+        assert (refused.value.reason, refused.value.metadata) == ("MISSING_FIELD", {"field": "agent_id"})
+        with pytest.raises(errors.InvalidArgument) as refused:
+            await stream.ack(a.agent_id, list(range(1, TOO_MANY + 1)))
+        assert refused.value.reason == "BATCH_TOO_LARGE"
+        not_mine = envelope_pb2.Envelope()
+        not_mine.CopyFrom(for_a)
+        not_mine.recipient = lead.agent_id
+        with pytest.raises(errors.PermissionDenied) as refused:
+            await stream.consume(lead.agent_id, [not_mine])
+        assert refused.value.reason == "AGENT_MISMATCH" and lead.agent_id in refused.value.message
+        # the same stream goes on for both agents
+        await lead.send(b.agent_id, "for b")
+        (for_b,) = (await items.__anext__()).messages
+        assert [m.message_id for m in await stream.consume(b.agent_id, [for_b])] == [for_b.message_id]
+        assert [m.message_id for m in await stream.consume(a.agent_id, [for_a])] == [for_a.message_id]
+        assert stream.reconnects == 0
+    finally:
+        stream.stop()
+        await items.aclose()
