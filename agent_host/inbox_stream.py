@@ -9,6 +9,10 @@ what `consume` returns never takes a message into an agent's context twice.
 An ack the mesh refuses (it named the wrong agent, no or too many sequences)
 fails that `consume` alone with the matching MeshError; the stream goes on.
 
+When the last of its agents is closed or superseded the stream half-closes
+its side, so that no ack of it races the end of the call: the mesh answers
+every ack it was sent and then ends the call cleanly.
+
 Bounds: deliveries wait in an in-memory queue until the host takes them;
 the mesh never has more than `max_in_flight` unacked messages out per agent,
 so that queue cannot outgrow agents x max_in_flight.
@@ -77,6 +81,7 @@ class InboxStream:
         self._acks: dict[int, asyncio.Future] = {}
         self._ack_ids = itertools.count(1)
         self._stopped = False
+        self._half_close: asyncio.Task | None = None
 
     def stop(self) -> None:
         self._stopped = True
@@ -117,6 +122,9 @@ class InboxStream:
             finally:
                 call.cancel()
                 reader.cancel()
+                if self._half_close is not None:
+                    self._half_close.cancel()
+                    self._half_close = None
                 self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered"))
             failures += 1
             if self.max_failures is not None and failures > self.max_failures:
@@ -150,6 +158,9 @@ class InboxStream:
                     if event.kind in (inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED,
                                       inbox_pb2.SUBSCRIPTION_EVENT_KIND_SUPERSEDED):
                         self.agents.pop(event.agent_id, None)
+                        if not self.agents and self._half_close is None:
+                            # not awaited here: the reader must go on reading while acks wait to be written
+                            self._half_close = asyncio.create_task(self._done_writing(call))
                     items.put_nowait(StreamItem(agent_event=event))
             items.put_nowait(_ENDED)
         except grpc.aio.AioRpcError as exc:
@@ -174,6 +185,16 @@ class InboxStream:
         async with self._write_lock:
             await self._call.write(request)
 
+    async def _done_writing(self, call) -> None:
+        """No agent is left on the stream: half-close it after the acks
+        already being written, so the mesh can end the call once it answered
+        them. Later acks are refused here (Unavailable), never written."""
+        try:
+            async with self._write_lock:
+                await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            log.debug("inbox stream for %s: half-close after its last agent left failed: %r", call, exc)
+
     def _fail_acks(self, failure: errors.MeshError) -> None:
         for future in self._acks.values():
             if not future.done():
@@ -194,12 +215,21 @@ class InboxStream:
             await self._write(inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest(
                 agent_id=agent_id, sequences=sequences, request_id=request_id, turn=turn)))
         except grpc.aio.AioRpcError as exc:
-            self._acks.pop(request_id, None)
+            self._forget(request_id, future)
             raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}") from None
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call ended just now
-            self._acks.pop(request_id, None)
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call ended or was half-closed
+            self._forget(request_id, future)
             raise errors.Unavailable(f"could not ack on the inbox stream: {exc}") from None
         return await asyncio.wait_for(future, self.ack_timeout)
+
+    def _forget(self, request_id: int, future: asyncio.Future) -> None:
+        """An ack that was never written: nobody will await its future (the
+        stream's end may already have failed it)."""
+        self._acks.pop(request_id, None)
+        if not future.done():
+            future.cancel()
+        elif not future.cancelled():
+            future.exception()  # retrieved: it is reported as the write's failure instead
 
     async def consume(self, agent_id: str, messages: list[envelope_pb2.Envelope], turn: int = 0,
                       taken: set[tuple[str, str]] | None = None) -> list[envelope_pb2.Envelope]:

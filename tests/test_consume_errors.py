@@ -1,5 +1,7 @@
 """Errors on the Consume stream: a refused ack is answered on the stream for
-that ack alone (the stream and its other agents carry on)."""
+that ack alone (the stream and its other agents carry on), and the close of a
+stream's last agent while acks are in flight ends the call cleanly, with
+every recorded ack answered."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from agent_host.inbox_stream import InboxStream
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services import errors
+from services.client import envelope
 from services.config import InboxLimits
 
 TOO_MANY = 10 * InboxLimits().max_batch_messages + 1
@@ -207,3 +210,83 @@ async def test_the_host_stream_raises_a_refusal_for_that_ack_and_keeps_deliverin
     finally:
         stream.stop()
         await items.aclose()
+
+
+async def test_acks_sent_after_the_last_agent_closed_are_answered_before_a_clean_end(family):
+    """The mesh keeps the call open after the CLOSED event until the client
+    half-closes, answering the acks still on their way."""
+    lead, a, _ = family
+    stream = await ConsumeCall(a, [a]).start()
+    try:
+        await lead.send(a.agent_id, "never consumed")
+        (message,) = await stream.receive(a, 1)
+        await lead.close(a.agent_id, reason="done")
+        await stream.until(lambda: any(e.kind == pb.SUBSCRIPTION_EVENT_KIND_CLOSED for e in stream.events))
+        answer = await stream.ack(a.agent_id, [message.sequence])
+        assert [r.status for r in answer.results] == [pb.ACK_STATUS_DEAD_LETTERED]
+        await stream.call.done_writing()
+        await asyncio.wait_for(stream.ended.wait(), 10)
+        assert stream.error is None
+        assert await stream.call.code() == grpc.StatusCode.OK
+    finally:
+        await stream.stop()
+
+
+ROUNDS = 40
+MESSAGES = 40
+
+
+async def _close_while_acking(lead, index: int) -> list[str]:
+    """One round: the stream's only agent is closed while a host has one ack
+    per message in flight. Returns what went wrong."""
+    agent = await lead.spawn(f"x{index}")
+    await lead.send_batch([envelope(agent.agent_id, f"m{k}") for k in range(MESSAGES)])
+    stream = InboxStream([agent], max_in_flight=MESSAGES, max_failures=0)
+    acking: set[asyncio.Task] = set()
+    won, events, delivered = [], [], []
+    first_acks = asyncio.Event()
+
+    async def consume(message):
+        with contextlib.suppress(errors.Unavailable):  # not written (the stream had ended), so not recorded
+            won.extend(await stream.consume(agent.agent_id, [message]))
+
+    async def host():
+        async for item in stream:
+            if item.agent_event is not None:
+                events.append(item.agent_event.kind)
+            delivered.extend(item.messages)
+            acking.update(asyncio.create_task(consume(m)) for m in item.messages)
+            if item.messages:
+                first_acks.set()
+
+    hosting = asyncio.create_task(host())
+    problems = []
+    try:
+        await asyncio.wait_for(first_acks.wait(), 10)
+        await lead.close(agent.agent_id, reason="round over")
+        await asyncio.wait_for(hosting, 10)
+    except errors.MeshError as exc:
+        problems.append(f"the stream ended with {exc.reason}: {exc.message}")
+    finally:
+        stream.stop()
+        hosting.cancel()
+        await asyncio.gather(*acking, return_exceptions=True)
+    if events[-1:] != [pb.SUBSCRIPTION_EVENT_KIND_CLOSED]:
+        problems.append(f"no CLOSED event at the end: {events}")
+    if stream.reconnects:
+        problems.append("the stream was resubscribed")
+    answered = {m.sequence for m in won}
+    unanswered = [m.sequence for m in delivered if m.sequence not in answered]
+    states = await asyncio.gather(*(lead.inbox_status(s, recipient=agent.agent_id) for s in unanswered))
+    lost = [s for s, status in zip(unanswered, states) if status.state == pb.MESSAGE_STATE_CONSUMED]
+    if lost:
+        problems.append(f"recorded CONSUMED, never answered CONSUMED: {lost}")
+    return problems
+
+
+async def test_closing_the_agent_while_acks_are_in_flight_ends_the_stream_cleanly(client):
+    lead = await client.register("lead")
+    problems = []
+    for index in range(ROUNDS):
+        problems += [f"round {index}: {p}" for p in await _close_while_acking(lead, index)]
+    assert not problems, problems

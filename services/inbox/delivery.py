@@ -210,6 +210,8 @@ class DeliveryHub:
         self.limits = limits
         self.heartbeat_interval_s = heartbeat_interval_s
         self.closing = False
+        self.shut = asyncio.Event()
+        """Set with `closing`: for streams that wait on something other than their feeds."""
         self._owners: dict[str, tuple[Subscription, Feed]] = {}
         self._heartbeat: asyncio.TimerHandle | None = None
 
@@ -283,6 +285,7 @@ class DeliveryHub:
 
     def shutdown(self) -> None:
         self.closing = True
+        self.shut.set()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             self._heartbeat = None

@@ -13,13 +13,16 @@ from services import errors
 from services.directory import Caller, Directory
 from services.grpc_common import bearer, caller_of, streaming, unary
 from services.grpc_status import status_code_of, to_grpc
-from services.inbox.delivery import Subscription
+from services.inbox.delivery import DeliveryHub, Subscription
 from services.inbox.service import InboxService
 from services.store.base import AckOutcome, MessageRecord, SendOutcome
 
 log = logging.getLogger(__name__)
 _ACKS_IN_FLIGHT = 8
 """Acks of one Consume stream being processed at once (they group-commit)."""
+_HALF_CLOSE_WAIT_S = 5.0
+"""How long a Consume stream whose agents all left stays open for acks still
+on the wire, waiting for the client to half-close (a host does so at once)."""
 _REFUSALS = (errors.InvalidArgument, errors.PermissionDenied, errors.FailedPrecondition, errors.NotFound,
              errors.ResourceExhausted, errors.Unauthenticated)
 """Errors that say an ack on a Consume stream was wrong: answered on the
@@ -190,6 +193,8 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 reader = group.create_task(read_acks(group))
                 async for response in subscription.responses():
                     await write(response)
+                if not subscription.stopped and not self._service.hub.closing:
+                    await self._await_half_close(reader, self._service.hub)
                 reader.cancel()
         except BaseExceptionGroup as failed:  # a task of the stream failed
             first = failed.exceptions[0]
@@ -224,6 +229,21 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 " delivers for it, or with that agent's own credential",
                 reason="AGENT_MISMATCH", metadata={"agent_id": shown})
         return request.agent_id, caller
+
+    @staticmethod
+    async def _await_half_close(reader: asyncio.Task, hub: DeliveryHub) -> None:
+        """Every agent of the stream left (closed or superseded, the event is
+        written). The client may still have acks on the wire: ending the call
+        now would fail its writes, and grpc then reports the call as INTERNAL
+        on the client side, dropping the answers and events it had not read
+        yet. So keep answering acks until the client half-closes, bounded for
+        clients that never do, and not past the start of a mesh shutdown."""
+        shutting_down = asyncio.create_task(hub.shut.wait())
+        try:
+            await asyncio.wait({reader, shutting_down}, timeout=_HALF_CLOSE_WAIT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            shutting_down.cancel()
 
     @unary
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
