@@ -1,5 +1,6 @@
 """A Python client for the mesh: typed calls with deadlines, declared
-retries for idempotent calls, trace context on every message, and failures
+retries for idempotent calls, calls that wait within their deadline for a
+mesh that is restarting, trace context on every message, and failures
 turned back into MeshError subclasses."""
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from inboxmesh.routing.v1 import routing_pb2 as route_pb
 from inboxmesh.routing.v1 import routing_pb2_grpc
 from inboxmesh.runs.v1 import runs_pb2 as runs_pb
 from inboxmesh.runs.v1 import runs_pb2_grpc
-from services import auth
-from services.grpc_status import from_rpc_error
+from services import auth, errors
+from services.grpc_status import error_info, from_rpc_error
 from services.telemetry import inject, tracer
 
 _IDEMPOTENT = {
@@ -35,34 +36,75 @@ _IDEMPOTENT = {
     "inboxmesh.events.v1.EventService": ["ListEvents"],
     "inboxmesh.runs.v1.SubagentRunService": ["EndRun", "GetRun", "ListRuns"],
 }
-SERVICE_CONFIG = json.dumps(
-    {
-        "methodConfig": [
-            {
-                "name": [{"service": s, "method": m} for s, methods in _IDEMPOTENT.items() for m in methods],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.05s",
-                    "maxBackoff": "1s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ]
-    }
-)
+RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.05s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+
+
+def unary_methods() -> list[tuple[str, str]]:
+    """(service, method) of every unary RPC of the services this client calls."""
+    return [(service.full_name, method.name)
+            for module in (reg_pb, inbox_pb, ev_pb, runs_pb, route_pb)
+            for service in module.DESCRIPTOR.services_by_name.values()
+            for method in service.methods if not (method.client_streaming or method.server_streaming)]
+
+
+def service_config(*, wait_for_ready: bool = True) -> str:
+    """The channel's declared call policy: retries on UNAVAILABLE for the
+    idempotent calls, and (by default) wait-for-ready for every unary call.
+
+    Wait-for-ready holds a call, within its deadline, until the channel has
+    a connection instead of failing it at once while the mesh is away (a
+    restart). It only delays the moment the request is first sent, so it
+    cannot duplicate anything, idempotent or not; every unary call this
+    client makes carries a deadline. Streams (Subscribe, Consume,
+    SendStream, WatchEvents) have no deadline and keep failing fast: their
+    owners resubscribe with their own backoff."""
+    def names(methods):
+        return [{"service": s, "method": m} for s, m in methods]
+
+    idempotent = [(s, m) for s, methods in _IDEMPOTENT.items() for m in methods]
+    ready = {"waitForReady": True} if wait_for_ready else {}
+    configs = [{"name": names(idempotent), "retryPolicy": RETRY_POLICY, **ready}]
+    others = [method for method in unary_methods() if method not in idempotent]
+    if ready and others:  # a method may be named in one entry only
+        configs.append({"name": names(others), **ready})
+    return json.dumps({"methodConfig": configs})
+
+
+SERVICE_CONFIG = service_config()
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
-def channel_options() -> list[tuple[str, object]]:
+def channel_options(*, wait_for_ready: bool = True) -> list[tuple[str, object]]:
     return [
         ("grpc.enable_retries", 1),
-        ("grpc.service_config", SERVICE_CONFIG),
+        ("grpc.service_config", service_config(wait_for_ready=wait_for_ready)),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Reconnecting after the mesh went away. gRPC's defaults (first retry
+        # after 1 s, x1.6 per failure, up to 120 s) leave a client that saw a
+        # few refused connections during a restart unable to reach the mesh
+        # for seconds to minutes after it is back. Here the delay between
+        # attempts starts at 100 ms (gRPC's floor) and stops growing at 1 s,
+        # so a client connects within about 1.2 s (20% jitter) of the mesh
+        # being back, at the cost of about one connection attempt per second
+        # per client while it is away.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+        # Despite its name, the least time one connection attempt (TCP and
+        # HTTP/2 handshake) is given before it is abandoned (default 20 s).
+        # 5 s is ample for a mesh that is busy starting up on a loaded
+        # machine, and bounds how long an attempt whose packets are dropped
+        # (a host that vanished) holds up the next one.
+        ("grpc.min_reconnect_backoff_ms", 5_000),
     ]
 
 
@@ -103,21 +145,21 @@ def _request_id() -> str:
     return secrets.token_hex(16)
 
 
-async def _call(awaitable):
-    try:
-        return await awaitable
-    except grpc.aio.AioRpcError as exc:
-        raise from_rpc_error(exc) from None
-
-
 class MeshClient:
     """Connection to a mesh. `async with MeshClient("127.0.0.1:7400") as mesh:`."""
 
-    def __init__(self, target: str, *, timeout: float = 10.0, admin_token: str | None = None):
+    def __init__(self, target: str, *, timeout: float = 10.0, admin_token: str | None = None,
+                 wait_for_ready: bool = True):
+        """`timeout` is the deadline of each unary call, in seconds. With
+        `wait_for_ready` (the default) a call made while there is no
+        connection to the mesh (it is restarting) waits for one within its
+        deadline; False makes such calls fail at once with UNAVAILABLE (for
+        a caller that would rather try another mesh)."""
         self.target = target
         self.timeout = timeout
         self.admin_token = admin_token
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
+        options = channel_options(wait_for_ready=wait_for_ready)
+        self.channel = grpc.aio.insecure_channel(target, options=options)
         self.registry = registry_pb2_grpc.RegistryServiceStub(self.channel)
         self.inbox = inbox_pb2_grpc.InboxServiceStub(self.channel)
         self.events = events_pb2_grpc.EventServiceStub(self.channel)
@@ -133,6 +175,18 @@ class MeshClient:
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
+    async def _call(self, awaitable):
+        try:
+            return await awaitable
+        except grpc.aio.AioRpcError as exc:
+            if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and error_info(exc) is None
+                    and self.channel.get_state() != grpc.ChannelConnectivity.READY):
+                # a wait-for-ready call whose deadline passed before there was a connection
+                raise errors.DeadlineExceeded(
+                    f"no connection to the mesh at {self.target} within the call's deadline (is it running?):"
+                    f" {exc.details()}", reason="MESH_UNREACHABLE") from None
+            raise from_rpc_error(exc) from None
+
     def _admin_metadata(self):
         return auth.metadata_for(self.admin_token) if self.admin_token else None
 
@@ -146,7 +200,7 @@ class MeshClient:
     ) -> AgentHandle:
         """Register a top-level agent (retried on UNAVAILABLE with the same
         request_id, a fresh random one unless given)."""
-        response = await _call(
+        response = await self._call(
             self.registry.RegisterAgent(
                 reg_pb.RegisterAgentRequest(name=name, mode=reg_pb.AGENT_MODE_MAIN, metadata=metadata or {},
                                             inbox_capacity=inbox_capacity, request_id=request_id or _request_id()),
@@ -169,34 +223,34 @@ class MeshClient:
             filter=ev_pb.EventFilter(message_id=message_id, sender=sender, agent_id=agent_id),
             after_event_id=after, limit=limit,
         )
-        response = await _call(self.events.ListEvents(request, timeout=self.timeout, metadata=self._admin_metadata()))
+        response = await self._call(self.events.ListEvents(request, timeout=self.timeout, metadata=self._admin_metadata()))
         return list(response.events)
 
     async def sweep_runs(self) -> runs_pb.SweepRunsResponse:
         """Run the subagent-run sweeper now (admin token)."""
-        return await _call(self.runs.SweepRuns(runs_pb.SweepRunsRequest(), timeout=self.timeout,
+        return await self._call(self.runs.SweepRuns(runs_pb.SweepRunsRequest(), timeout=self.timeout,
                                                metadata=self._admin_metadata()))
 
     async def admin_run(self, *, run_id: str = "", child_id: str = "") -> runs_pb.SubagentRun:
-        return await _call(self.runs.GetRun(runs_pb.GetRunRequest(run_id=run_id, child_id=child_id),
+        return await self._call(self.runs.GetRun(runs_pb.GetRunRequest(run_id=run_id, child_id=child_id),
                                             timeout=self.timeout, metadata=self._admin_metadata()))
 
     # -- routing (ingress token) -------------------------------------------
     async def ingress(self, token: str, source: route_pb.RouteInput, message_id: str, text: str,
                       **fields) -> route_pb.IngressResponse:
         request = route_pb.IngressRequest(source=source, message_id=message_id, text=text, **fields)
-        return await _call(self.routing.Ingress(request, timeout=self.timeout, metadata=auth.metadata_for(token)))
+        return await self._call(self.routing.Ingress(request, timeout=self.timeout, metadata=auth.metadata_for(token)))
 
     async def resolve_route(self, source: route_pb.RouteInput) -> route_pb.ResolvedRoute:
-        return await _call(self.routing.ResolveRoute(route_pb.ResolveRouteRequest(source=source),
+        return await self._call(self.routing.ResolveRoute(route_pb.ResolveRouteRequest(source=source),
                                                      timeout=self.timeout))
 
     async def configured_agents(self) -> route_pb.ListConfiguredAgentsResponse:
-        return await _call(self.routing.ListConfiguredAgents(route_pb.ListConfiguredAgentsRequest(),
+        return await self._call(self.routing.ListConfiguredAgents(route_pb.ListConfiguredAgentsRequest(),
                                                              timeout=self.timeout))
 
     async def claim_session(self, token: str, session_key: str) -> AgentHandle:
-        response = await _call(self.routing.ClaimSession(route_pb.ClaimSessionRequest(session_key=session_key),
+        response = await self._call(self.routing.ClaimSession(route_pb.ClaimSessionRequest(session_key=session_key),
                                                          timeout=self.timeout, metadata=auth.metadata_for(token)))
         return self.agent(response.session_agent_id, response.credential)
 
@@ -228,7 +282,7 @@ class AgentHandle:
         inbox_capacity: int = 0, run: reg_pb.RunSpec | None = None, request_id: str = "",
     ) -> AgentHandle:
         """Register a child of this agent (and its run); retried like register."""
-        response = await _call(
+        response = await self.client._call(
             self.client.registry.RegisterAgent(
                 reg_pb.RegisterAgentRequest(name=name, mode=mode, parent_id=self.agent_id, metadata=metadata or {},
                                             inbox_capacity=inbox_capacity, run=run,
@@ -240,19 +294,19 @@ class AgentHandle:
 
     async def end_run(self, result: str, *, failed: bool = False, run_id: str = "") -> runs_pb.EndRunResponse:
         """End this agent's run (or, as an ancestor, the run `run_id`)."""
-        return await _call(self.client.runs.EndRun(
+        return await self.client._call(self.client.runs.EndRun(
             runs_pb.EndRunRequest(run_id=run_id, failed=failed, result=result), **self._opts()))
 
     async def get_run(self, *, run_id: str = "", child_id: str = "") -> runs_pb.SubagentRun:
         if not run_id and not child_id:
             child_id = self.agent_id
-        return await _call(self.client.runs.GetRun(runs_pb.GetRunRequest(run_id=run_id, child_id=child_id),
+        return await self.client._call(self.client.runs.GetRun(runs_pb.GetRunRequest(run_id=run_id, child_id=child_id),
                                                    **self._opts()))
 
     async def list_runs(self, *, requester_id: str = "", include_archived: bool = False) -> list[runs_pb.SubagentRun]:
         runs, token = [], ""
         while True:
-            response = await _call(self.client.runs.ListRuns(runs_pb.ListRunsRequest(
+            response = await self.client._call(self.client.runs.ListRuns(runs_pb.ListRunsRequest(
                 requester_id=requester_id, include_archived=include_archived, page_token=token), **self._opts()))
             runs += response.runs
             token = response.next_page_token
@@ -260,13 +314,13 @@ class AgentHandle:
                 return runs
 
     async def get(self, agent_id: str | None = None) -> reg_pb.Agent:
-        response = await _call(
+        response = await self.client._call(
             self.client.registry.GetAgent(reg_pb.GetAgentRequest(agent_id=agent_id or self.agent_id), **self._opts())
         )
         return response.agent
 
     async def resolve(self, name: str, *, scope_id: str = "", include_closed: bool = False) -> reg_pb.Agent:
-        response = await _call(
+        response = await self.client._call(
             self.client.registry.ResolveAgent(
                 reg_pb.ResolveAgentRequest(name=name, scope_id=scope_id, include_closed=include_closed),
                 **self._opts(),
@@ -279,7 +333,7 @@ class AgentHandle:
     ) -> list[reg_pb.Agent]:
         agents, token = [], ""
         while True:
-            response = await _call(
+            response = await self.client._call(
                 self.client.registry.ListAgents(
                     reg_pb.ListAgentsRequest(scope_id=scope_id, parent_id=parent_id, include_closed=include_closed,
                                              page_size=1000, page_token=token),
@@ -292,7 +346,7 @@ class AgentHandle:
                 return agents
 
     async def close(self, agent_id: str | None = None, reason: str = "") -> reg_pb.CloseAgentResponse:
-        return await _call(
+        return await self.client._call(
             self.client.registry.CloseAgent(
                 reg_pb.CloseAgentRequest(agent_id=agent_id or self.agent_id, reason=reason), **self._opts()
             )
@@ -313,7 +367,7 @@ class AgentHandle:
     async def send_batch(self, envelopes: list[env_pb.Envelope], timeout: float | None = None) -> list[inbox_pb.Receipt]:
         spans = self._traced(envelopes)
         try:
-            response = await _call(self.client.inbox.Send(inbox_pb.SendRequest(messages=envelopes),
+            response = await self.client._call(self.client.inbox.Send(inbox_pb.SendRequest(messages=envelopes),
                                                           **self._opts(timeout)))
         finally:
             for span in spans:
@@ -340,7 +394,7 @@ class AgentHandle:
         )
 
     async def ack(self, sequences: Iterable[int]) -> list[inbox_pb.AckResult]:
-        response = await _call(
+        response = await self.client._call(
             self.client.inbox.Ack(inbox_pb.AckRequest(agent_id=self.agent_id, sequences=list(sequences)),
                                   **self._opts())
         )
@@ -348,14 +402,14 @@ class AgentHandle:
 
     async def status(self, message_id: str, *, sender: str = "") -> inbox_pb.MessageStatus:
         key = inbox_pb.MessageKey(by_sender=inbox_pb.SenderKey(sender=sender, message_id=message_id))
-        response = await _call(
+        response = await self.client._call(
             self.client.inbox.GetMessageStatus(inbox_pb.GetMessageStatusRequest(key=key), **self._opts())
         )
         return response.status
 
     async def inbox_status(self, sequence: int, *, recipient: str = "") -> inbox_pb.MessageStatus:
         key = inbox_pb.MessageKey(by_inbox=inbox_pb.InboxKey(recipient=recipient, sequence=sequence))
-        response = await _call(
+        response = await self.client._call(
             self.client.inbox.GetMessageStatus(inbox_pb.GetMessageStatusRequest(key=key), **self._opts())
         )
         return response.status
@@ -363,7 +417,7 @@ class AgentHandle:
     async def dead_letters(self, *, recipient: str = "", sender: str = "") -> list[inbox_pb.MessageStatus]:
         found, token = [], ""
         while True:
-            response = await _call(
+            response = await self.client._call(
                 self.client.inbox.ListDeadLetters(
                     inbox_pb.ListDeadLettersRequest(recipient=recipient, sender=sender, page_size=1000,
                                                     page_token=token),
@@ -384,7 +438,7 @@ class AgentHandle:
             filter=ev_pb.EventFilter(message_id=message_id, sender=sender, agent_id=agent_id, kinds=list(kinds)),
             after_event_id=after, limit=limit,
         )
-        response = await _call(self.client.events.ListEvents(request, **self._opts()))
+        response = await self.client._call(self.client.events.ListEvents(request, **self._opts()))
         return list(response.events)
 
     async def watch_events(
