@@ -301,11 +301,13 @@ class InboxService:
         agent = caller.require_agent("acking")
         if agent_id and agent_id != agent.agent_id:
             raise errors.PermissionDenied(
-                f"ack names agent {agent_id} but the credential is {agent.agent_id}'s: an agent acks only its own inbox",
+                f"ack names agent {errors.clip(agent_id)} but the credential is {agent.agent_id}'s: an agent acks only"
+                " its own inbox",
                 reason="AGENT_MISMATCH",
             )
         if not sequences:
-            raise errors.InvalidArgument("ack names no sequences", reason="MISSING_FIELD")
+            raise errors.InvalidArgument("ack names no sequences", reason="MISSING_FIELD",
+                                         metadata={"field": "sequences"})
         if len(sequences) > 10 * self._limits.max_batch_messages:
             raise errors.InvalidArgument(f"{len(sequences)} sequences in one ack; at most "
                                          f"{10 * self._limits.max_batch_messages}", reason="BATCH_TOO_LARGE")
