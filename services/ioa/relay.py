@@ -9,7 +9,13 @@ with the sender's real identity (N, X) and the envelope's fields in
 headers. The relay of node R stores it in Y's inbox by the ordinary Send
 path and answers with that Send's receipt, which becomes the sender's
 receipt here: unknown targets, closed agents, full inboxes look exactly as
-they do locally.
+they do locally. Each Send of a message is one attempt (a random token in
+the headers): when the connection drops or a receipt is lost on the way,
+the relay publishes the same attempt again until its receipt comes, and the
+receiving relay answers every copy of an attempt with the receipt of its
+first storage, so a first send reads ACCEPTED however often the network
+carried it; a Send of the same message again (a retry) is a new attempt and
+reads DUPLICATE.
 
 Inbound: a message addressed to (N, X) is stored in X's inbox through
 InboxService, as sender `ioa:<from>` with origin IOA; its message id is the
@@ -17,7 +23,7 @@ IOA message id, so a message the network delivers again after a reconnect
 comes back DUPLICATE and is never consumed twice. Nothing is filtered by
 node id: a message from a sibling on this same node is delivered like any
 other. A message that came from IOA is never published again, and hop
-counts stop loops between relays.
+counts and the trail (services.ioa.trail) stop loops between relays.
 """
 
 from __future__ import annotations
@@ -41,22 +47,39 @@ from inboxmesh.ioa.v1 import network_pb2_grpc
 from services import errors
 from services.clock import now_us
 from services.config import IoaConfig
-from services.store.base import IOA_PREFIX, NOT_PERMITTED, UNKNOWN_TARGET, SendOutcome, Store
-from services.telemetry import context_of, inject, trace_id_of, tracer
+from services.ioa import trail as trails
+from services.ioa.wire import H, Refused, address_of, context_of_headers, to_envelope, to_message, trace_id
+from services.store.base import DUPLICATE, IOA_PREFIX, NOT_PERMITTED, UNKNOWN_TARGET, SendOutcome, Store
+from services.telemetry import context_of, trace_id_of, tracer
 
 log = logging.getLogger(__name__)
 PREFIX = IOA_PREFIX
 RELAY_AGENT = "inboxmesh-relay"
 """The agent name relays use to talk to each other (receipts)."""
 RECEIPTS_MEDIA_TYPE = "application/vnd.inboxmesh.receipts+json"
-"""A relay's answer to another relay: [{for, status, sequence, stored_at_us, detail}, ...]."""
-H = "inboxmesh-"
+"""A relay's answer to another relay: [{for, attempt, status, sequence, stored_at_us, detail}, ...]."""
 _RECEIPT_STATUS = {inbox_pb2.ReceiptStatus.Name(v).removeprefix("RECEIPT_STATUS_").lower(): v
                    for v in inbox_pb2.ReceiptStatus.values()}
-
-
-def address_of(node: str, agent: str) -> str:
-    return f"{PREFIX}{node}/{agent}"
+NOTHING_SENT = "IOA_DISCONNECTED"
+"""Reason of the Unavailable a publish raises when nothing reached the network."""
+CONNECTION_LOST = "IOA_CONNECTION_LOST"
+"""Reason of the Unavailable a publish raises when the connection ended after the write: the network may
+have the message."""
+OFFLINE_GRACE_S = 0.5
+"""How long a send that has not reached the network yet waits for this relay's connection, or for a target
+node the network says is not connected, before it answers UNAVAILABLE (nothing delivered, safe to retry):
+a relay whose connection dropped is back well within this."""
+OFFLINE_RETRY_S = 0.05
+"""Pause between publishes to a node the network said is not connected."""
+RECEIPT_MEMORY = 10_000
+"""Receipts a receiving relay keeps (the latest, per sender and IOA id) with the attempt they answered: a
+copy of that attempt gets the same receipt and is not stored again. Older copies go to the store, which
+answers DUPLICATE."""
+MEMORY_KEY_CHARS = 1_024
+"""Longest sender address + IOA id + attempt the memory keeps (an inboxmesh relay's are far shorter)."""
+PARKED_ANSWERS = 1_000
+"""Answers (one IOA message of receipts each) kept while this relay is not connected, sent when it is
+again; beyond that the oldest are dropped (their senders publish again and get them from the memory)."""
 
 
 def parse_address(address: str) -> tuple[str, str]:
@@ -81,10 +104,19 @@ class IoaRelay:
         self.counts = collections.Counter()
         self.spaces: set[str] = set()
         self._call = None
+        self._lost: asyncio.Future | None = None
+        """Resolved when the current connection ends."""
         self._write_lock = asyncio.Lock()
         self._publish_ids = itertools.count(1)
         self._published: dict[int, asyncio.Future] = {}
-        self._receipts: dict[str, asyncio.Future] = {}
+        self._receipts: dict[tuple[str, str], tuple[str, asyncio.Future]] = {}
+        """(IOA id, attempt) of a message waiting for its receipt -> (the node that answers, the future)."""
+        self._answered: collections.OrderedDict[tuple[str, str], tuple[str, SendOutcome]] = \
+            collections.OrderedDict()
+        """(sender address, IOA id) -> (attempt, its receipt): the receipt memory (RECEIPT_MEMORY)."""
+        self._parked: collections.deque[net.IoaMessage] = collections.deque(maxlen=PARKED_ANSWERS)
+        self._resend_s = max(0.2, config.receipt_timeout_s / 2)
+        """A message whose receipt has not come this long after it was published is published again."""
         self._inbound: asyncio.Queue = asyncio.Queue(maxsize=config.inbound_queue)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -93,6 +125,7 @@ class IoaRelay:
     async def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.config.network)
         self._network = network_pb2_grpc.IoaNetworkStub(self._channel)
+        self._lost = asyncio.get_running_loop().create_future()
         self._tasks = [asyncio.create_task(self._connection(), name="ioa-connection"),
                        asyncio.create_task(self._store_inbound(), name="ioa-inbound")]
 
@@ -110,13 +143,17 @@ class IoaRelay:
 
     async def _connection(self) -> None:
         failures = 0
+        loop = asyncio.get_running_loop()
         while not self._stopping:
             call = self._network.Connect()
-            self._call = call
+            if self._lost.done():
+                self._lost = loop.create_future()
             try:
-                await call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id)))
-                for space in sorted(self.spaces):
-                    await call.write(net.NodeFrame(join=net.JoinSpace(space=space)))
+                async with self._write_lock:  # hello first: nothing may be written on the call before it
+                    await call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id)))
+                    for space in sorted(self.spaces):
+                        await call.write(net.NodeFrame(join=net.JoinSpace(space=space)))
+                    self._call = call
                 async for frame in call:
                     which = frame.WhichOneof("frame")
                     if which == "welcome":
@@ -124,44 +161,64 @@ class IoaRelay:
                         self.connected.set()
                         log.info("relay %s connected to %s (%d recent messages come again)", self.node_id,
                                  self.config.network, frame.welcome.redelivering)
+                        await self._send_parked()
                     elif which == "result":
                         future = self._published.pop(frame.result.publish_id, None)
                         if future is not None and not future.done():
                             future.set_result(frame.result)
                     elif which == "message":
                         await self._arrived(frame.message)
-            except grpc.aio.AioRpcError as exc:
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
                 if self._stopping:
                     return
-                log.warning("relay %s lost the IOA network: %s", self.node_id, exc.details())
+                log.warning("relay %s lost the IOA network: %s", self.node_id,
+                            exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
             finally:
                 self.connected.clear()
                 self._call = None
                 call.cancel()
                 for future in self._published.values():
                     if not future.done():
-                        future.set_exception(errors.Unavailable("the IOA connection was lost"))
+                        future.set_exception(errors.Unavailable("the IOA connection was lost; the network may or"
+                                                                " may not have the message", reason=CONNECTION_LOST))
                 self._published.clear()
+                if not self._lost.done():
+                    self._lost.set_result(None)
             if self._stopping:
                 return
             failures += 1
             self.reconnects += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)) * (0.5 + random.random() / 2))
 
-    async def _publish(self, message: net.IoaMessage) -> net.PublishResult:
-        if not self.connected.is_set() or self._call is None:
-            raise errors.Unavailable(f"relay {self.node_id} is not connected to the IOA network; nothing was sent",
-                                     reason="IOA_DISCONNECTED")
+    async def _publish(self, message: net.IoaMessage, *, timeout: float | None = None,
+                       wait: bool = True) -> net.PublishResult | None:
+        """Write one message on the connection; with `wait`, return the
+        network's PublishResult. Unavailable (NOTHING_SENT) when it could not
+        be written, (CONNECTION_LOST) when the connection ended before the
+        result came; TimeoutError when the result takes longer than timeout."""
         publish_id = next(self._publish_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._published[publish_id] = future
+        future = asyncio.get_running_loop().create_future() if wait else None
+        async with self._write_lock:
+            call = self._call
+            if not self.connected.is_set() or call is None:
+                raise errors.Unavailable(f"relay {self.node_id} is not connected to the IOA network; nothing was"
+                                         " sent", reason=NOTHING_SENT)
+            if future is not None:
+                self._published[publish_id] = future
+            try:
+                await call.write(net.NodeFrame(publish=net.Publish(message=message, publish_id=publish_id)))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                self._published.pop(publish_id, None)
+                self.connected.clear()  # the call is over: no publish may wait for it (the loop reconnects)
+                call.cancel()
+                raise errors.Unavailable(f"could not publish to the IOA network ({type(exc).__name__}); nothing"
+                                         " was sent", reason=NOTHING_SENT) from None
+        if future is None:
+            return None
         try:
-            async with self._write_lock:
-                await self._call.write(net.NodeFrame(publish=net.Publish(message=message, publish_id=publish_id)))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, AttributeError) as exc:
+            return await asyncio.wait_for(future, self.config.receipt_timeout_s if timeout is None else timeout)
+        finally:
             self._published.pop(publish_id, None)
-            raise errors.Unavailable(f"could not publish to the IOA network: {exc}", reason="IOA_DISCONNECTED") from None
-        return await asyncio.wait_for(future, self.config.receipt_timeout_s)
 
     # -- outbound -----------------------------------------------------------
     async def forward(self, sender_id: str, envelopes: list[env_pb.Envelope]) -> list[SendOutcome]:
@@ -170,51 +227,107 @@ class IoaRelay:
         before the next; return the receiving meshes' receipts."""
         outcomes: list[SendOutcome | None] = [None] * len(envelopes)
         pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]] = []
+        loop = asyncio.get_running_loop()
         for index, env in enumerate(envelopes):
             refused = self._refuse(env)
+            try:
+                trail = trails.encode(env.trail, node=self.node_id, sender=sender_id, max_entries=self._max_hops)
+            except trails.TrailRefused as exc:
+                refused = refused or SendOutcome(env.message_id, env.recipient, NOT_PERMITTED, detail=str(exc))
             if refused is not None:
                 outcomes[index] = refused
                 continue
             node, agent = parse_address(env.recipient)
             ioa_id = f"{self.node_id}:{sender_id}:{env.message_id}"
+            attempt = uuid.uuid4().hex[:16]
             span = tracer.start_span("ioa.publish", context=context_of(env),
                                      attributes={"inboxmesh.ioa.message_id": ioa_id, "inboxmesh.ioa.to": node})
-            future = asyncio.get_running_loop().create_future()
-            self._receipts[ioa_id] = future
-            pending.append((index, ioa_id, self._outbound(env, sender_id, ioa_id, node, agent, span), future, span))
-        await self._store.record_events([ev.Event(
-            kind=ev.EVENT_KIND_IOA_PUBLISHED, at_us=now_us(), agent_id=envelopes[i].recipient,
-            message_id=envelopes[i].message_id, sender=sender_id, recipient=envelopes[i].recipient, detail=ioa_id,
-            trace_id=trace_id_of(envelopes[i].trace.traceparent), in_reply_to=envelopes[i].in_reply_to,
-            conversation_id=envelopes[i].conversation_id) for i, ioa_id, *_ in pending])  # handed to the network
+            future = loop.create_future()
+            self._receipts[(ioa_id, attempt)] = (node, future)
+            message = to_message(env, node=self.node_id, relay_id=self.relay_id, sender_id=sender_id, ioa_id=ioa_id,
+                                 to=(node, agent), attempt=attempt, trail=trail, span=span)
+            pending.append((index, ioa_id, message, future, span))
+        if pending:
+            await self._store.record_events([ev.Event(
+                kind=ev.EVENT_KIND_IOA_PUBLISHED, at_us=now_us(), agent_id=envelopes[i].recipient,
+                message_id=envelopes[i].message_id, sender=sender_id, recipient=envelopes[i].recipient,
+                detail=ioa_id, trace_id=trace_id_of(envelopes[i].trace.traceparent),
+                in_reply_to=envelopes[i].in_reply_to, conversation_id=envelopes[i].conversation_id)
+                for i, ioa_id, *_ in pending])  # handed to the network
+        deadline = loop.time() + self.config.receipt_timeout_s
         try:
-            results = await asyncio.gather(*(self._publish(message) for _, _, message, _, _ in pending))
-            for (index, ioa_id, _, future, span), result in zip(pending, results):
-                env = envelopes[index]
-                if result.status == net.PUBLISH_STATUS_UNKNOWN_NODE:
-                    outcomes[index] = SendOutcome(env.message_id, env.recipient, UNKNOWN_TARGET,
-                                                  detail=f"no IOA node {env.recipient.removeprefix(PREFIX).split('/')[0]!r}")
-                elif result.status != net.PUBLISH_STATUS_OK:
-                    raise errors.Unavailable(f"the IOA network did not take the message for {env.recipient}:"
-                                             f" {result.detail}; nothing was delivered, retry with the same"
-                                             " message_id", reason="IOA_" + net.PublishStatus.Name(result.status))
-                else:
-                    self.counts["forwarded"] += 1
-            for index, ioa_id, _, future, span in pending:
-                if outcomes[index] is None:
-                    outcomes[index] = self._outcome_of(envelopes[index], await asyncio.wait_for(
-                        future, self.config.receipt_timeout_s))
-        except TimeoutError:
-            raise errors.Unavailable(
-                f"no receipt from the IOA network within {self.config.receipt_timeout_s:.0f}s; the message may or"
-                " may not have arrived: retry with the same message_id (duplicates are recognised)",
-                reason="IOA_NO_RECEIPT") from None
+            answers = await asyncio.gather(*(self._deliver(message, future, deadline)
+                                             for _, _, message, future, _ in pending), return_exceptions=True)
         finally:
-            for _, ioa_id, _, _, span in pending:
-                self._receipts.pop(ioa_id, None)
+            for _, _, message, _, span in pending:
+                self._receipts.pop((message.ioa_message_id, message.headers[H + "attempt"]), None)
                 span.end()
+        for (index, ioa_id, _, _, _), answer in zip(pending, answers):
+            env = envelopes[index]
+            if isinstance(answer, TimeoutError):
+                raise errors.Unavailable(
+                    f"no receipt from the IOA network within {self.config.receipt_timeout_s:.0f}s; the message may"
+                    " or may not have arrived: retry with the same message_id (duplicates are recognised)",
+                    reason="IOA_NO_RECEIPT")
+            if isinstance(answer, BaseException):
+                raise answer
+            if isinstance(answer, dict):
+                self.counts["forwarded"] += 1
+                outcomes[index] = self._outcome_of(env, answer)
+            elif answer.status == net.PUBLISH_STATUS_UNKNOWN_NODE:
+                outcomes[index] = SendOutcome(env.message_id, env.recipient, UNKNOWN_TARGET,
+                                              detail=f"no IOA node {env.recipient.removeprefix(PREFIX).split('/')[0]!r}")
+            else:
+                raise errors.Unavailable(f"the IOA network did not take the message for {env.recipient}:"
+                                         f" {answer.detail}; nothing was delivered, retry with the same"
+                                         " message_id", reason="IOA_" + net.PublishStatus.Name(answer.status))
         await self._record_outbound(sender_id, envelopes, outcomes)
         return outcomes
+
+    async def _deliver(self, message: net.IoaMessage, receipt: asyncio.Future,
+                       deadline: float) -> dict | net.PublishResult:
+        """Publish one message until its receipt (a dict) comes back, or the
+        network refuses it before any copy reached it (its PublishResult).
+        After a copy may have reached the network, connections lost on the
+        way, receipts lost on the way and a target node that is briefly
+        offline are this relay's business: it publishes the same attempt
+        again (after a reconnect, or when no receipt came within
+        `_resend_s`), and the receiving relay answers every copy of it with
+        the same receipt. TimeoutError at the deadline."""
+        loop = asyncio.get_running_loop()
+        reached = False  # a copy may be on the network: from then on only its receipt or the deadline ends this
+        patience = min(deadline, loop.time() + OFFLINE_GRACE_S)
+        while True:
+            if receipt.done():  # it came while this waited for a connection (the network redelivers receipts too)
+                return receipt.result()
+            lost = self._lost
+            try:
+                result = await self._publish(message, timeout=max(0.0, deadline - loop.time()))
+            except errors.Unavailable as exc:
+                reached = reached or exc.reason == CONNECTION_LOST
+                try:
+                    await asyncio.wait_for(self.connected.wait(), max(0.0, (deadline if reached else patience)
+                                                                      - loop.time()))
+                except TimeoutError:
+                    if reached:
+                        raise
+                    raise exc from None
+                continue
+            if result.status == net.PUBLISH_STATUS_NODE_OFFLINE and (reached or loop.time() < patience):
+                if loop.time() >= deadline:
+                    raise TimeoutError
+                await asyncio.sleep(OFFLINE_RETRY_S)  # a relay reconnecting, or one that is gone (the deadline)
+                continue
+            if result.status != net.PUBLISH_STATUS_OK:
+                return result
+            reached = True
+            await asyncio.wait({receipt, lost}, timeout=max(0.0, min(self._resend_s, deadline - loop.time())),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if receipt.done():
+                return receipt.result()
+            if loop.time() >= deadline:
+                raise TimeoutError
+            self.counts["republished"] += 1
 
     def _refuse(self, env: env_pb.Envelope) -> SendOutcome | None:
         if env.origin.kind == env_pb.ORIGIN_KIND_IOA:
@@ -225,34 +338,11 @@ class IoaRelay:
                                detail=f"hop_count {env.hop_count} reached the limit of {self._max_hops}")
         return None
 
-    def _outbound(self, env: env_pb.Envelope, sender_id: str, ioa_id: str, node: str, agent: str,
-                  span: trace.Span) -> net.IoaMessage:
-        headers = dict(env.headers)
-        headers.update({
-            H + "relay": f"{self.node_id}/{self.relay_id}",
-            H + "kind": env_pb.MessageKind.Name(env.kind or env_pb.MESSAGE_KIND_TEXT),
-            H + "message-id": env.message_id,
-            H + "hops": str(env.hop_count + 1),
-        })
-        for field in ("in_reply_to", "conversation_id"):
-            if getattr(env, field):
-                headers[H + field.replace("_", "-")] = getattr(env, field)
-        if env.expires_at_us:
-            headers[H + "expires-at-us"] = str(env.expires_at_us)
-        carrier = env_pb.Envelope()
-        inject(carrier, trace.set_span_in_context(span))
-        if carrier.trace.traceparent:
-            headers["traceparent"] = carrier.trace.traceparent
-        return net.IoaMessage(
-            ioa_message_id=ioa_id, direct=net.Address(node=node, agent=agent), text=env.content.text,
-            data=env.content.data, media_type=env.content.media_type, headers=headers,
-            **{"from": net.Address(node=self.node_id, agent=sender_id)})
-
     @staticmethod
     def _outcome_of(env: env_pb.Envelope, receipt: dict) -> SendOutcome:
         status = _RECEIPT_STATUS.get(receipt.get("status", ""), inbox_pb2.RECEIPT_STATUS_UNSPECIFIED)
         return SendOutcome(env.message_id, env.recipient, status, int(receipt.get("sequence", 0)),
-                           int(receipt.get("stored_at_us", 0)), receipt.get("detail", ""))
+                           int(receipt.get("stored_at_us", 0)), str(receipt.get("detail", ""))[:1000])
 
     async def _record_outbound(self, sender_id: str, envelopes, outcomes) -> None:
         at = now_us()
@@ -269,10 +359,7 @@ class IoaRelay:
     # -- inbound ------------------------------------------------------------
     async def _arrived(self, message: net.IoaMessage) -> None:
         if message.media_type == RECEIPTS_MEDIA_TYPE:
-            for receipt in json.loads(message.data):
-                future = self._receipts.get(receipt["for"])
-                if future is not None and not future.done():
-                    future.set_result(receipt)
+            self._receipts_arrived(message)
             return
         if message.WhichOneof("to") == "space":
             self.counts["space"] += 1  # spaces are read explicitly (SpaceRead), not pushed into inboxes
@@ -282,6 +369,27 @@ class IoaRelay:
             return
         await self._inbound.put(message)
 
+    def _receipts_arrived(self, message: net.IoaMessage) -> None:
+        """Resolve the sends waiting for these receipts; a receipt counts
+        only from the node the message went to, for its attempt, and in the
+        receipts' format."""
+        node = getattr(message, "from").node
+        try:
+            receipts = json.loads(message.data)
+            waiting = [(self._receipts.get((r["for"], r.get("attempt", ""))), r) for r in receipts]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            waiting = None
+        for entry, receipt in waiting or ():
+            if entry is None or entry[0] != node or entry[1].done():
+                continue
+            if receipt.get("status") in _RECEIPT_STATUS and all(
+                    type(receipt.get(f, 0)) is int for f in ("sequence", "stored_at_us")):
+                entry[1].set_result(receipt)
+            else:
+                waiting = None
+        if waiting is None:
+            log.warning("relay %s got receipts it cannot read from node %s; ignored", self.node_id, node)
+
     async def _store_inbound(self) -> None:
         while True:
             batch = [await self._inbound.get()]
@@ -289,94 +397,127 @@ class IoaRelay:
                 batch.append(self._inbound.get_nowait())
             try:
                 await self._store_batch(batch)
-            except Exception:  # a failure must not end inbound delivery; the network redelivers on reconnect
+            except Exception:  # a failure must not end inbound delivery; the senders publish again
                 log.exception("relay %s could not store %d inbound messages", self.node_id, len(batch))
 
     async def _store_batch(self, batch: list[net.IoaMessage]) -> None:
-        envelopes, spans = [], []
-        for message in batch:
+        """Store a batch of inbound messages and answer their senders. A
+        copy of an attempt this relay answered before gets that answer again
+        without being stored; a message whose headers are over their bounds
+        is refused (NOT_PERMITTED) without being stored."""
+        keys, attempts, spans = [], [], []
+        outcomes: list[SendOutcome | None] = [None] * len(batch)
+        copies = [False] * len(batch)
+        refused: list[int] = []
+        storing: list[tuple[int, env_pb.Envelope]] = []
+        for index, message in enumerate(batch):
             sender = getattr(message, "from")
-            span = tracer.start_span("ioa.receive", context=_context_of_headers(message.headers), attributes={
-                "inboxmesh.ioa.message_id": message.ioa_message_id, "inboxmesh.ioa.from": sender.node})
-            spans.append(span)
-            envelopes.append(self._envelope(message, span))
+            keys.append((address_of(sender.node, sender.agent), message.ioa_message_id))
+            attempts.append(message.headers.get(H + "attempt", ""))
+            spans.append(tracer.start_span("ioa.receive", context=context_of_headers(message.headers), attributes={
+                "inboxmesh.ioa.message_id": message.ioa_message_id, "inboxmesh.ioa.from": sender.node}))
+            known = self._answered_before(keys[index], attempts[index])
+            if known is not None:
+                outcomes[index], copies[index] = known, True
+                continue
+            try:
+                storing.append((index, to_envelope(message, node=self.node_id, max_hops=self._max_hops,
+                                                   span=spans[index])))
+            except (Refused, trails.TrailRefused) as exc:
+                outcomes[index] = SendOutcome(message.ioa_message_id, message.direct.agent, NOT_PERMITTED,
+                                              detail=str(exc))
+                refused.append(index)
         at = now_us()
         await self._store.record_events([ev.Event(
-            kind=ev.EVENT_KIND_IOA_RECEIVED, at_us=at, agent_id=e.recipient, message_id=e.message_id,
-            sender=e.sender, recipient=e.recipient, trace_id=trace_id_of(e.trace.traceparent),
-            detail=f"from node {e.origin.ioa_node}") for e in envelopes], lazy=False)
-        outcomes = await self.inbox.deliver_from_ioa(envelopes)
-        duplicates = []
+            kind=ev.EVENT_KIND_IOA_RECEIVED, at_us=at, agent_id=m.direct.agent, message_id=m.ioa_message_id,
+            sender=key[0], recipient=m.direct.agent, trace_id=trace_id(span), detail=f"from node {getattr(m, 'from').node}")
+            for m, key, span in zip(batch, keys, spans)], lazy=False)
+        if storing:
+            delivered = await self.inbox.deliver_from_ioa([env for _, env in storing])
+            for (index, _), outcome in zip(storing, delivered):
+                outcomes[index] = outcome
+        events = [ev.Event(kind=ev.EVENT_KIND_MESSAGE_SENT, at_us=at, agent_id=outcomes[i].recipient,
+                           message_id=outcomes[i].message_id, sender=keys[i][0], recipient=outcomes[i].recipient,
+                           detail="not_permitted") for i in refused]
         answers: dict[str, list[dict]] = collections.defaultdict(list)
-        for message, outcome, span in zip(batch, outcomes, spans):
+        for index, (message, span) in enumerate(zip(batch, spans)):
+            outcome, key, attempt = outcomes[index], keys[index], attempts[index]
+            if not copies[index] and outcome.status == DUPLICATE:
+                known = self._answered_before(key, attempt)  # an earlier copy in this same batch
+                if known is not None:
+                    outcome, copies[index] = known, True
+            elif not copies[index] and attempt:
+                self._remember(key, attempt, outcome)
             self.counts["received"] += 1
             span.set_attribute("inboxmesh.receipt", inbox_pb2.ReceiptStatus.Name(outcome.status))
             span.end()
-            sender = getattr(message, "from")
-            if outcome.status == inbox_pb2.RECEIPT_STATUS_DUPLICATE:
+            if copies[index] or outcome.status == DUPLICATE:
                 self.counts["duplicates"] += 1
-                duplicates.append(ev.Event(
+                status = inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower()
+                events.append(ev.Event(
                     kind=ev.EVENT_KIND_IOA_DUPLICATE, at_us=now_us(), agent_id=outcome.recipient,
-                    message_id=message.ioa_message_id, sender=address_of(sender.node, sender.agent),
-                    recipient=outcome.recipient, sequence=outcome.sequence, detail="recognised, not stored again"))
+                    message_id=message.ioa_message_id, sender=key[0], recipient=outcome.recipient,
+                    sequence=outcome.sequence, detail="recognised, not stored again" if not copies[index] else
+                    f"a copy of an attempt answered {status}; answered the same, not stored again"))
             if H + "relay" in message.headers:  # an inboxmesh relay waits for the receipt
-                answers[sender.node].append({
-                    "for": message.ioa_message_id,
+                answers[getattr(message, "from").node].append({
+                    "for": message.ioa_message_id, "attempt": attempt,
                     "status": inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower(),
                     "sequence": outcome.sequence, "stored_at_us": outcome.stored_at_us, "detail": outcome.detail})
-        if duplicates:
-            await self._store.record_events(duplicates)
-        await asyncio.gather(*(self._answer(node, receipts) for node, receipts in answers.items()))
+        if events:
+            await self._store.record_events(events)
+        for node, receipts in answers.items():
+            await self._answer(node, receipts)
 
-    def _envelope(self, message: net.IoaMessage, span: trace.Span) -> env_pb.Envelope:
-        h = message.headers
-        sender = getattr(message, "from")
-        kind = h.get(H + "kind", "MESSAGE_KIND_TEXT")
-        env = env_pb.Envelope(
-            message_id=message.ioa_message_id,
-            sender=address_of(sender.node, sender.agent),
-            recipient=message.direct.agent,
-            kind=env_pb.MessageKind.Value(kind) if kind in env_pb.MessageKind.keys() else env_pb.MESSAGE_KIND_TEXT,
-            content=env_pb.Content(text=message.text, data=message.data, media_type=message.media_type),
-            in_reply_to=self._local_id(h.get(H + "in-reply-to", "")),
-            conversation_id=h.get(H + "conversation-id", ""),
-            origin=env_pb.Origin(kind=env_pb.ORIGIN_KIND_IOA, ioa_node=sender.node,
-                                 ioa_message_id=message.ioa_message_id),
-            hop_count=int(h.get(H + "hops", "1") or 1),
-            expires_at_us=int(h.get(H + "expires-at-us", "0") or 0),
-            headers={k: v for k, v in h.items() if not k.startswith(H) and k != "traceparent"},
-            created_at_us=message.sent_at_us,
-        )
-        inject(env, trace.set_span_in_context(span))
-        return env
+    def _answered_before(self, key: tuple[str, str], attempt: str) -> SendOutcome | None:
+        known = self._answered.get(key)
+        return known[1] if known is not None and attempt and known[0] == attempt else None
 
-    def _local_id(self, ioa_id: str) -> str:
-        """An IOA id this node minted for one of its own messages is answered
-        with the original message id (correlation is kept both ways)."""
-        node, _, rest = ioa_id.partition(":")
-        if node == self.node_id and rest:
-            return rest.partition(":")[2] or ioa_id
-        return ioa_id
+    def _remember(self, key: tuple[str, str], attempt: str, outcome: SendOutcome) -> None:
+        if len(key[0]) + len(key[1]) + len(attempt) > MEMORY_KEY_CHARS:
+            return  # not an inboxmesh relay's: its copies are left to the store
+        self._answered[key] = (attempt, SendOutcome(outcome.message_id, outcome.recipient, outcome.status,
+                                                    outcome.sequence, outcome.stored_at_us, outcome.detail))
+        self._answered.move_to_end(key)
+        while len(self._answered) > RECEIPT_MEMORY:
+            self._answered.popitem(last=False)
 
     async def _answer(self, node: str, receipts: list[dict]) -> None:
         """Tell a sending relay what happened to its messages: the receipts
-        its senders get (one IOA message for a batch)."""
+        its senders get (one IOA message for a batch). Written without
+        waiting for the network's result (a receipt that is lost on the way
+        is asked for again: the sender publishes the attempt again); kept
+        for later while this relay is not connected."""
         message = net.IoaMessage(
             ioa_message_id=f"receipts:{self.node_id}:{uuid.uuid4().hex}",
             direct=net.Address(node=node, agent=RELAY_AGENT), media_type=RECEIPTS_MEDIA_TYPE,
             data=json.dumps(receipts).encode(), **{"from": net.Address(node=self.node_id, agent=RELAY_AGENT)})
         try:
-            await self._publish(message)
-        except (errors.MeshError, TimeoutError) as exc:
-            log.warning("relay %s could not answer %d messages from %s: %s", self.node_id, len(receipts), node, exc)
+            await self._publish(message, wait=False)
+        except errors.Unavailable:
+            self._parked.append(message)
+            log.info("relay %s is not connected: %d receipts for %s wait for the connection", self.node_id,
+                     len(receipts), node)
+
+    async def _send_parked(self) -> None:
+        while self._parked:
+            message = self._parked.popleft()
+            try:
+                await self._publish(message, wait=False)
+            except errors.Unavailable:
+                self._parked.appendleft(message)
+                return
 
     # -- spaces ---------------------------------------------------------------
     async def space_send(self, agent_id: str, space: str, text: str) -> net.PublishResult:
         if space not in self.spaces:
-            self.spaces.add(space)
-            if self._call is not None:
-                async with self._write_lock:
-                    await self._call.write(net.NodeFrame(join=net.JoinSpace(space=space)))
+            self.spaces.add(space)  # joined on every (re)connect from now on
+            async with self._write_lock:
+                if self._call is not None:
+                    try:
+                        await self._call.write(net.NodeFrame(join=net.JoinSpace(space=space)))
+                    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                        pass  # the connection is ending; the next one joins
         message = net.IoaMessage(ioa_message_id=f"{self.node_id}:{agent_id}:space:{uuid.uuid4().hex}", space=space,
                                  text=text, headers={H + "relay": f"{self.node_id}/{self.relay_id}"},
                                  **{"from": net.Address(node=self.node_id, agent=agent_id)})
@@ -389,9 +530,3 @@ class IoaRelay:
         except grpc.aio.AioRpcError as exc:
             raise errors.Unavailable(f"could not read space {space!r}: {exc.details()}") from None
         return list(response.messages)
-
-
-def _context_of_headers(headers) -> object:
-    if "traceparent" not in headers:
-        return None
-    return context_of(env_pb.Envelope(trace=env_pb.TraceContext(traceparent=headers["traceparent"])))
