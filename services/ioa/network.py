@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,10 +25,15 @@ from grpc_reflection.v1alpha import reflection
 
 from inboxmesh.ioa.v1 import network_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2_grpc
+from services import errors
 from services.clock import now_us
+from services.grpc_common import RequestDecodingInterceptor
+from services.grpc_status import to_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["IoaNetwork"].full_name
+_NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_MAX_SPACES_PER_NODE = 1024
 
 
 @dataclass(frozen=True)
@@ -72,10 +78,11 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
             first = await anext(frames)
         except StopAsyncIteration:
             return
-        if first.WhichOneof("frame") != "hello" or not first.hello.node_id or "/" in first.hello.node_id \
-                or ":" in first.hello.node_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first frame must be hello with a node_id (no '/' or ':')")
+        node_id = first.hello.node_id
+        if first.WhichOneof("frame") != "hello" or not _NODE_ID.fullmatch(node_id):
+            await context.abort(*to_grpc(errors.InvalidArgument(
+                "the first frame must be hello with a node_id of 1-128 letters, digits, '.', '_' or '-'",
+                reason="BAD_NODE_ID", metadata={"field": "hello.node_id"})))
             return
         node = self._attach(first.hello.node_id)
         queue, stop = node.queue, node.stop
@@ -114,8 +121,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
                 self._enqueue(node, pb.NetworkFrame(result=result))  # the publisher hears first, then fan-out
                 for target in targets:
                     self._deliver(target, frame.publish.message)
-            elif which == "join":
-                node.spaces.add(frame.join.space)
+            elif which == "join" and len(frame.join.space) <= 128 and len(node.spaces) < _MAX_SPACES_PER_NODE:
+                node.spaces.add(frame.join.space)  # a bad join is ignored: publishing to it says NOT_A_MEMBER
             elif which == "leave":
                 node.spaces.discard(frame.leave.space)
 
@@ -209,7 +216,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
     async def InjectFault(self, request: pb.InjectFaultRequest, context) -> pb.InjectFaultResponse:
         node = self.nodes.get(request.node_id)
         if node is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no node {request.node_id!r}")
+            await context.abort(*to_grpc(errors.NotFound(f"no node {errors.clip(request.node_id)!r}",
+                                                         reason="NODE_NOT_FOUND")))
         kind = request.kind
         if kind == pb.FAULT_KIND_DROP_CONNECTION:
             if node.stop is not None:
@@ -221,7 +229,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         elif kind == pb.FAULT_KIND_REORDER:
             node.reorder += request.count or 1
         else:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault kind {kind}")
+            await context.abort(*to_grpc(errors.InvalidArgument(f"unknown fault kind {kind}", reason="BAD_KIND",
+                                                                metadata={"field": "kind"})))
         log.info("fault %s injected for node %s", pb.FaultKind.Name(kind), node.node_id)
         return pb.InjectFaultResponse()
 
@@ -267,7 +276,7 @@ class NetworkServer:
 
 
 def create_network_server(config: NetworkConfig, network: IoaNetwork) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[RequestDecodingInterceptor()])
     network_pb2_grpc.add_IoaNetworkServicer_to_server(network, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

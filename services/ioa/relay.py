@@ -265,9 +265,9 @@ class IoaRelay:
         for (index, ioa_id, _, _, _), answer in zip(pending, answers):
             env = envelopes[index]
             if isinstance(answer, TimeoutError):
-                raise errors.Unavailable(
+                raise errors.DeadlineExceeded(  # not UNAVAILABLE: the outcome is unknown, so no automatic retry
                     f"no receipt from the IOA network within {self.config.receipt_timeout_s:.0f}s; the message may"
-                    " or may not have arrived: retry with the same message_id (duplicates are recognised)",
+                    " or may not have arrived: retry with the same message_id (DUPLICATE then means it had)",
                     reason="IOA_NO_RECEIPT")
             if isinstance(answer, BaseException):
                 raise answer
@@ -528,5 +528,6 @@ class IoaRelay:
             response = await self._network.ReadSpace(
                 net.ReadSpaceRequest(space=space, after_seq=after_seq, limit=limit), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            raise errors.Unavailable(f"could not read space {space!r}: {exc.details()}") from None
+            raise errors.Unavailable(f"could not read space {errors.clip(space)!r}: {errors.clip(exc.details() or '', 200)}",
+                                     reason="IOA_SPACE_UNREADABLE") from None
         return list(response.messages)

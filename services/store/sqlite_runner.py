@@ -167,7 +167,7 @@ class Writer:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            failure = errors.Unavailable(f"store commit failed: {exc}; nothing was written")
+            failure = errors.Unavailable(f"store commit failed: {exc}; nothing was written", reason="STORE_UNAVAILABLE")
             return [(False, failure)] * len(ops), 0, []
         self.commits += 1
         self.ops += len(ops)
