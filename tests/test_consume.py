@@ -88,16 +88,25 @@ async def test_inbox_stream_consumes_each_message_once_across_a_mesh_restart(tmp
                     seen.extend(item.messages)
                     consumed.extend(await stream.consume(b.agent_id, item.messages))
 
+            async def hosted(count: int, timeout: float) -> None:
+                """Until the host consumed `count`; what ended the host, if it ended, rather than a timeout."""
+                await eventually(lambda: task.done() or len(consumed) >= count, timeout, message=f"{count} consumed")
+                if task.done():
+                    await task
+
             task = asyncio.create_task(host())
             for i in range(10):
                 await lead.send(b.agent_id, f"before-{i}", message_id=f"before-{i}")
-            await eventually(lambda: len(consumed) == 10)
+            await hosted(10, timeout=10)
             await mesh.stop(grace=0.2)
             mesh = Mesh(config)
             await mesh.start()
+            # The client's channel failed to connect while the mesh was away; these sends wait for it to
+            # reconnect (services/client.py) instead of failing at once with UNAVAILABLE, as they did on a busy CI
+            # machine, where the reconnect backoff had grown past the sends' declared retries.
             for i in range(10):
                 await lead.send(b.agent_id, f"after-{i}", message_id=f"after-{i}")
-            await eventually(lambda: len(consumed) == 20, timeout=20)
+            await hosted(20, timeout=20)
             assert stream.reconnects >= 1
             assert [m.message_id for m in consumed] == [f"before-{i}" for i in range(10)] + [
                 f"after-{i}" for i in range(10)]
