@@ -1,0 +1,328 @@
+"""Fuzzing every RPC the project serves, generated from the descriptors: the
+mesh (with a routing config and an IOA network, so every one of its services
+is up) and the reference IOA network server.
+
+Each RPC gets generated requests (random values, huge and empty strings,
+unknown enum values, random bytes, long repeated fields and maps; with no
+credential, a garbage one, or a real one) and raw request bytes that are not
+a protobuf message. Every answer must pass `tests.fuzzing.check`: never
+INTERNAL or UNKNOWN, every refusal with a google.rpc.ErrorInfo, trailers
+under 8 KiB. After each RPC's batch both servers still answer health checks
+and ordinary calls, and a canary message sent before the batch is delivered
+and consumed exactly once.
+
+INBOXMESH_FUZZ_EXAMPLES sets the examples per RPC (generated requests; raw
+bytes get a third as many); INBOXMESH_FUZZ_SEED explores another seed
+(without it the run is derandomized: the same examples every time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import dataclass, replace
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from inboxmesh.ioa.v1 import network_pb2 as net
+from inboxmesh.ioa.v1 import network_pb2_grpc, relay_pb2, relay_pb2_grpc
+from inboxmesh.registry.v1 import registry_pb2 as reg
+from services.client import AgentHandle, MeshClient
+from services.config import IoaConfig
+from services.ioa.network import NetworkConfig, NetworkServer
+from services.server import Mesh
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config
+from tests.fuzz_messages import Pool, Rpc, all_rpcs
+from tests.fuzzing import Case, Findings, Timing, cases, check, invoke
+from tests.streams import Collector
+
+EXAMPLES = int(os.environ.get("INBOXMESH_FUZZ_EXAMPLES", "60"))
+"""Generated requests per RPC. 60 keeps the file near a minute per store on a
+2-core machine; a benchmark machine runs thousands."""
+RAW_EXAMPLES = max(3, EXAMPLES // 3)
+SEED = os.environ.get("INBOXMESH_FUZZ_SEED")
+"""Unset: derandomized (the same examples on every run with the same EXAMPLES)."""
+
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(max(120, 2 * EXAMPLES)),  # the streams' examples take up to a second or two each
+    # The servers run on the test's loop while hypothesis draws in its worker thread; their own use of the
+    # random module (OpenTelemetry span ids, the relay's backoff) is not the strategies' doing.
+    pytest.mark.filterwarnings("ignore:Do not use the `random` module inside strategies"),
+]
+NODE = "alpha"
+"""The mesh's IOA node."""
+INGRESS_TOKEN = "fuzz-ingress-token"
+ROUTING = f"""
+agents:
+  list:
+    - id: home
+      default: true
+      subagents: {{allowAgents: [work]}}
+    - id: work
+bindings:
+  - agentId: work
+    match: {{channel: slack, teamId: T1}}
+ingress:
+  tokens: [{INGRESS_TOKEN}]
+"""
+RPCS = all_rpcs()
+OWN_SERVICES = {health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name}
+"""Served beside ours by the gRPC libraries; not fuzzed here."""
+_CHANNEL_OPTIONS = [
+    # Receive trailers of any size, so an oversized one is measured instead of failing the call.
+    ("grpc.max_metadata_size", 4 * 1024 * 1024),
+    ("grpc.absolute_max_metadata_size", 4 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.enable_retries", 0),
+]
+
+
+@dataclass
+class World:
+    mesh: Mesh
+    network: NetworkServer
+    client: MeshClient
+    channels: dict[str, grpc.aio.Channel]
+    """Channel per served service name (from each server's reflection)."""
+    mesh_channel: grpc.aio.Channel
+    network_channel: grpc.aio.Channel
+    canary_sender: AgentHandle
+    canary_inbox: AgentHandle
+
+
+async def served_services(channel: grpc.aio.Channel) -> set[str]:
+    call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    async for response in call:
+        return {s.name for s in response.list_services_response.service}
+    raise AssertionError("no reflection answer")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("fuzz")
+    (tmp_path / "routing.yaml").write_text(ROUTING)
+    network = NetworkServer(NetworkConfig(history=20))
+    await network.start()
+    config = replace(make_config(tmp_path), routing=tmp_path / "routing.yaml",
+                     ioa=IoaConfig(node_id=NODE, network=network.address, receipt_timeout_s=2))
+    mesh = Mesh(config)
+    try:
+        await mesh.start()
+        await mesh.relay.wait_connected(10)
+        mesh_channel = grpc.aio.insecure_channel(mesh.address, options=_CHANNEL_OPTIONS)
+        network_channel = grpc.aio.insecure_channel(network.address, options=_CHANNEL_OPTIONS)
+        channels = {name: mesh_channel for name in await served_services(mesh_channel)}
+        channels |= {name: network_channel for name in await served_services(network_channel)}
+        async with MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+            sender = await client.register("canary-sender")
+            inbox = await sender.spawn("canary-inbox")
+            yield World(mesh, network, client, channels, mesh_channel, network_channel, sender, inbox)
+        await mesh_channel.close()
+        await network_channel.close()
+    finally:
+        await mesh.stop(grace=0.5)
+        await network.stop(grace=0.2)
+
+
+# -- what the fuzzer knows ---------------------------------------------------
+@dataclass
+class Actors:
+    """A fresh team per RPC batch, whose ids and credentials the fuzzer uses
+    (never the canary's)."""
+
+    lead: AgentHandle
+    child: AgentHandle
+    sibling: AgentHandle
+    sent_id: str
+
+    def credentials(self) -> dict[str, str]:
+        return {"agent": self.lead.credential, "child": self.child.credential, "admin": ADMIN_TOKEN,
+                "ingress": INGRESS_TOKEN}
+
+    def pool(self) -> Pool:
+        ids = [self.lead.agent_id, self.child.agent_id, self.sibling.agent_id]
+        return Pool(strings=(
+            *ids, self.lead.credential, self.child.credential, self.child.run_id, self.sent_id,
+            *(f"ioa:{NODE}/{i}" for i in ids), "ioa:nowhere/agt_0", "ioa:no-slash", NODE, "fuzz-space",
+            "slack", "T1", "agent:home:main", "agent:work:slack:group:g1", INGRESS_TOKEN, ADMIN_TOKEN,
+            "inboxmesh-notice", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ), integers=(0, 1, 2, 3, 5, 10, 100, 1000))
+
+
+async def actors(world: World) -> Actors:
+    lead = await world.client.register("fuzz-lead")
+    child = await lead.spawn("fuzz-child", reg.AGENT_MODE_ASYNC, run=reg.RunSpec(task="fuzz"))
+    sibling = await lead.spawn("fuzz-sibling")
+    receipt = await lead.send(child.agent_id, "something already sent")
+    back = await child.send(lead.agent_id, "something to consume")
+    assert receipt.status == back.status == pb.RECEIPT_STATUS_ACCEPTED
+    return Actors(lead, child, sibling, receipt.message_id)
+
+
+def openers(team: Actors) -> dict[str, st.SearchStrategy]:
+    """A valid first message for the streams whose protocol starts with one,
+    so that the generated messages after it reach the stream's later stages
+    (acks after a subscribe, publishes after a hello)."""
+    subscribe = pb.SubscribeRequest
+    return {
+        "inboxmesh.inbox.v1.InboxService.Consume": st.sampled_from([
+            pb.ConsumeRequest(subscribe=subscribe(credentials=[team.lead.credential])),
+            pb.ConsumeRequest(subscribe=subscribe(credentials=[team.lead.credential, team.child.credential],
+                                                        max_in_flight=1)),
+            pb.ConsumeRequest(subscribe=subscribe()),  # the call's credential
+        ]),
+        "inboxmesh.ioa.v1.IoaNetwork.Connect": st.integers(0, 3).map(
+            lambda n: net.NodeFrame(hello=net.Hello(node_id=f"fuzz-node-{n}"))),
+    }
+
+
+def keep_network_nodes_apart(message) -> None:
+    """The reference network has no authentication by design: a node that
+    says hello as another takes over its connection, and anyone may inject
+    faults for any node. So the fuzzer never says hello as the mesh's node
+    nor injects faults for it (it still sends to it)."""
+    fields = message.DESCRIPTOR.fields_by_name
+    if "hello" in fields and message.HasField("hello") and message.hello.node_id == NODE:
+        message.hello.node_id = "fuzz-" + NODE
+    if "node_id" in fields and message.node_id == NODE:
+        message.node_id = "fuzz-" + NODE
+
+
+# -- the batch ---------------------------------------------------------------
+def fuzz_settings(examples: int):
+    chosen = settings(max_examples=examples, deadline=None, derandomize=SEED is None, database=None,
+                      suppress_health_check=list(HealthCheck), print_blob=False,
+                      phases=(Phase.explicit, Phase.generate, Phase.shrink))
+    return (lambda test: seed(int(SEED))(chosen(test))) if SEED is not None else chosen
+
+
+async def fuzz(world: World, rpc: Rpc, strategy, examples: int) -> Findings:
+    """Run hypothesis over `strategy` against the server of `rpc`. Hypothesis
+    drives its examples synchronously, so it runs in a worker thread and each
+    call is made on this loop, where the servers live."""
+    assert rpc.service in world.channels, f"no server here serves {rpc.service}"
+    channel = world.channels[rpc.service]
+    loop = asyncio.get_running_loop()
+    findings = Findings()
+    timing = Timing()
+
+    @fuzz_settings(examples)
+    @given(case=strategy)
+    def run(case: Case) -> None:
+        outcome = asyncio.run_coroutine_threadsafe(invoke(channel, case, timing), loop).result(timeout=120)
+        if outcome.client_side:  # the server's status was lost to a write race: once more, slowly
+            outcome = asyncio.run_coroutine_threadsafe(invoke(channel, case, timing, careful=True),
+                                                       loop).result(timeout=120)
+        findings.seen[f"{case.credential}: {outcome.summary()}"] += 1
+        check(case, outcome, findings)
+
+    try:
+        await asyncio.to_thread(run)
+    finally:  # shown with -s, or -rA, and on failure
+        print(f"{rpc}: examples got {dict(findings.seen.most_common())}")
+        if findings.first:
+            again = f"INBOXMESH_FUZZ_EXAMPLES={EXAMPLES}" + (f" INBOXMESH_FUZZ_SEED={SEED}" if SEED else "")
+            print(f"distinct failures of {rpc} (again: {again} pytest 'tests/test_fuzz.py' -k '{rpc}'; the"
+                  f" shrunk examples are in the failure above, these are the first seen):\n{findings.summary()}")
+    return findings
+
+
+async def send_canary(world: World) -> pb.Receipt:
+    receipt = await world.canary_sender.send(world.canary_inbox.agent_id, f"canary {uuid.uuid4().hex}")
+    assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED, receipt
+    return receipt
+
+
+async def check_still_serving(world: World, reconnects: int) -> None:
+    """Health checks on both servers, ordinary calls, and the relay kept its
+    IOA connection (`reconnects` is its count before the batch)."""
+    for channel in (world.mesh_channel, world.network_channel):
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    agent = await world.canary_sender.get(world.canary_inbox.agent_id)
+    assert agent.state == reg.AGENT_STATE_OPEN
+    relay = relay_pb2_grpc.IoaRelayServiceStub(world.mesh_channel)
+
+    async def relay_connected() -> bool:
+        status = await relay.RelayStatus(relay_pb2.RelayStatusRequest(), timeout=10,
+                                         metadata=world.canary_sender.metadata)
+        return status.connected
+
+    await eventually(relay_connected, timeout=15, interval=0.1, message="the relay connected to the IOA network")
+    nodes = await network_pb2_grpc.IoaNetworkStub(world.network_channel).NetworkStatus(
+        net.NetworkStatusRequest(), timeout=10)
+    assert any(n.node_id == NODE and n.connected for n in nodes.nodes), nodes
+    assert world.mesh.relay.reconnects == reconnects, (
+        f"the relay lost its IOA connection during the batch ({world.mesh.relay.reconnects - reconnects} times)")
+
+
+async def check_canary(world: World, receipt: pb.Receipt) -> None:
+    """The canary is delivered, consumed by exactly one ack, and the record
+    shows it stored once and consumed once."""
+    inbox = world.canary_inbox
+    collector = Collector(inbox)
+    try:
+        await eventually(lambda: any(m.message_id == receipt.message_id for m in collector.messages) or
+                         collector.ended.is_set(), timeout=15, message="the canary's delivery")
+        assert collector.error is None, f"the canary's subscription failed: {collector.error!r}"
+        (canary,) = [m for m in collector.messages if m.message_id == receipt.message_id]
+        assert canary.sequence == receipt.sequence
+        first = await inbox.ack([canary.sequence])
+        again = await inbox.ack([canary.sequence])
+    finally:
+        await collector.stop()
+    assert [r.status for r in first] == [pb.ACK_STATUS_CONSUMED]
+    assert [r.status for r in again] == [pb.ACK_STATUS_ALREADY_CONSUMED]
+
+    async def consumed_events():
+        events = await world.client.admin_events(message_id=receipt.message_id)
+        return events if any(e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED for e in events) else None
+
+    events = await eventually(consumed_events, timeout=15, message="the canary's CONSUMED event")
+    kinds = [e.kind for e in events if e.sender == world.canary_sender.agent_id]
+    assert kinds.count(ev.EVENT_KIND_MESSAGE_STORED) == 1, events
+    assert kinds.count(ev.EVENT_KIND_MESSAGE_CONSUMED) == 1, events
+
+
+async def batch(world: World, rpc: Rpc, *, raw: bool) -> None:
+    team = await actors(world)
+    canary = await send_canary(world)
+    reconnects = world.mesh.relay.reconnects
+    fix = keep_network_nodes_apart if rpc.service == net.DESCRIPTOR.services_by_name["IoaNetwork"].full_name \
+        else None
+    strategy = cases(rpc, team.credentials(), team.pool(), raw=raw, fix=fix, opener=openers(team).get(str(rpc)))
+    try:
+        await fuzz(world, rpc, strategy, RAW_EXAMPLES if raw else EXAMPLES)
+    finally:  # the server must survive even a batch that failed
+        async with asyncio.TaskGroup() as checks:
+            checks.create_task(check_still_serving(world, reconnects))
+            checks.create_task(check_canary(world, canary))
+
+
+# -- the tests ---------------------------------------------------------------
+async def test_every_served_service_is_fuzzed(world):
+    served = set(world.channels) - OWN_SERVICES
+    assert served == {rpc.service for rpc in RPCS}, "the fuzzer covers every service the servers serve"
+
+
+@pytest.mark.parametrize("rpc", RPCS, ids=str)
+async def test_generated_requests(world, rpc):
+    await batch(world, rpc, raw=False)
+
+
+@pytest.mark.parametrize("rpc", RPCS, ids=str)
+async def test_raw_request_bytes(world, rpc):
+    await batch(world, rpc, raw=True)
