@@ -49,19 +49,6 @@ async def test_acks_on_the_stream_are_answered_once(family):
     call.cancel()
 
 
-async def test_acks_for_agents_not_on_the_stream_end_it(family):
-    _, a, b = family
-    call = b.client.inbox.Consume()
-    await call.write(pb.ConsumeRequest(subscribe=pb.SubscribeRequest(credentials=[b.credential])))
-    await _responses(call, "subscription", 1)
-    await call.write(pb.ConsumeRequest(ack=pb.AckRequest(agent_id=a.agent_id, sequences=[1])))
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        while True:
-            await call.read()
-    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert a.agent_id in caught.value.details()
-
-
 async def test_the_first_request_must_subscribe(family):
     _, _, b = family
     call = b.client.inbox.Consume()
