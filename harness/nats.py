@@ -68,7 +68,7 @@ class NatsNode:
         self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self._config())], stdout=log,
                                      stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # generous: a loaded 2-core machine starts it slowly
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nats-server {self.name} exited with {self.proc.returncode}: "
@@ -118,8 +118,12 @@ class NatsCluster:
         return [n.url for n in self.nodes]
 
     def start(self) -> NatsCluster:
-        for node in self.nodes:
-            node.start()
+        try:
+            for node in self.nodes:
+                node.start()
+        except BaseException:  # __exit__ does not run when __enter__ fails: stop the nodes already started
+            self.kill()
+            raise
         return self
 
     def kill(self) -> None:
