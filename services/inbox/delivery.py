@@ -40,7 +40,7 @@ class Feed:
     """One agent's delivery state on one subscription."""
 
     __slots__ = ("agent_id", "max_in_flight", "cursor", "in_flight", "fresh", "fresh_limit", "needs_store", "ended",
-                 "woken")
+                 "woken", "held_back")
 
     def __init__(self, agent_id: str, max_in_flight: int):
         self.agent_id = agent_id
@@ -54,6 +54,8 @@ class Feed:
         self.woken = 0
         """Counts wake-ups for appends the feed must read from the store; a
         read that raced one does not clear needs_store."""
+        self.held_back = False
+        """The store held messages back for the recipient's capacity: read again after an ack."""
 
     @property
     def room(self) -> int:
@@ -158,8 +160,8 @@ class Subscription:
         limit = feed.room
         woken = feed.woken
         found = await self.hub.store.next_deliveries(
-            feed.agent_id, feed.cursor, limit, self.hub.limits.max_delivery_attempts, now_us()
-        )
+            feed.agent_id, feed.cursor, limit, self.hub.limits.max_delivery_attempts, now_us(),
+            in_flight=len(feed.in_flight))
         if not found.recipient_open:
             feed.end(pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent closed: {found.close_reason}")
             return []
@@ -174,7 +176,10 @@ class Subscription:
         for envelope in found.messages:
             feed.cursor = max(feed.cursor, envelope.sequence)
             feed.in_flight.add(envelope.sequence)
-        if len(found.messages) + len(found.dead_lettered) < limit and feed.woken == woken:
+        if found.held_back:  # nothing more until an ack makes room (reading again now would find the same)
+            if feed.woken == woken:  # no ack (nor append) came while reading
+                feed.needs_store, feed.held_back = False, True
+        elif len(found.messages) + len(found.dead_lettered) < limit and feed.woken == woken:
             feed.needs_store = False
             while feed.fresh and feed.fresh[0].sequence <= feed.cursor:
                 feed.fresh.popleft()
@@ -272,7 +277,11 @@ class DeliveryHub:
     def on_acked(self, agent_id: str, sequences: list[int]) -> None:
         owner = self._owners.get(agent_id)
         if owner is not None:
-            owner[1].in_flight.difference_update(sequences)
+            feed = owner[1]
+            feed.in_flight.difference_update(sequences)
+            feed.woken += 1  # a store read under way may have been held back for capacity: it must not settle
+            if feed.held_back:
+                feed.needs_store, feed.held_back = True, False
             owner[0].wake.set()
 
     def on_closed(self, outcome: CloseOutcome) -> None:

@@ -173,6 +173,9 @@ class DeliveryBatch:
     """Dead-letter notices stored in the senders' inboxes (to deliver)."""
     close_reason: str = ""
     """Why the recipient was closed (when it is)."""
+    held_back: bool = False
+    """Messages may be waiting beyond the recipient's capacity (see next_deliveries' `in_flight`): read
+    again after the subscriber acks."""
 
 
 @dataclass(frozen=True)
@@ -346,11 +349,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def next_deliveries(
-        self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int
+        self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int, in_flight: int = 0
     ) -> DeliveryBatch:
         """Unconsumed messages after `after_sequence`, in order, marked
         delivered with their attempt counted. Expired messages and messages
-        over the attempt limit are dead-lettered instead (senders notified)."""
+        over the attempt limit are dead-lettered instead (senders notified).
+        `in_flight`: how many earlier messages the subscriber holds unacked (a store that settles capacity
+        after appending delivers only messages within the recipient's capacity)."""
 
     @abc.abstractmethod
     async def mark_delivered(

@@ -427,9 +427,9 @@ class JetStreamStore(base.Store):
         self.require_open()
         return await self.inbox.append(sender_id, items, at_us)
 
-    async def next_deliveries(self, recipient, after_sequence, limit, max_attempts, now_us):
+    async def next_deliveries(self, recipient, after_sequence, limit, max_attempts, now_us, in_flight=0):
         self.require_open()
-        return await self.inbox.next_deliveries(recipient, after_sequence, limit, max_attempts, now_us)
+        return await self.inbox.next_deliveries(recipient, after_sequence, limit, max_attempts, now_us, in_flight)
 
     async def mark_delivered(self, recipient, envelopes, at_us):
         raise errors.Internal("the jetstream store delivers from the stream only (no in-memory fast path)")

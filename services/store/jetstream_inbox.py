@@ -262,11 +262,21 @@ class InboxLog:
 
     # -- delivery -------------------------------------------------------------------
     async def next_deliveries(self, recipient: str, after_sequence: int, limit: int, max_attempts: int,
-                              now_us: int) -> DeliveryBatch:
+                              now_us: int, in_flight: int = 0) -> DeliveryBatch:
         agent = await self.store.get_agent(recipient)
         if agent is None or not agent.is_open:
             return DeliveryBatch([], [], recipient_open=False,
                                  close_reason=agent.close_reason if agent else "unknown agent")
+        if agent.inbox_capacity < self.store.config.max_inbox_capacity:
+            # A sender settles capacity after publishing (_publish): a message beyond the first `capacity`
+            # unconsumed ones may still be taken back, so it is not delivered (that would make the take-back
+            # fail and the inbox hold more than its capacity). It is delivered once acks make room.
+            room = agent.inbox_capacity - in_flight
+            if room <= 0:
+                return DeliveryBatch([], [], recipient_open=True, held_back=True)
+            held_back, limit = room < limit, min(limit, room)
+        else:
+            held_back = False
         envelopes: list[envelope_pb2.Envelope] = []
         dead: list[MessageRecord] = []
         notices: list[envelope_pb2.Envelope] = []
@@ -327,7 +337,8 @@ class InboxLog:
                                   conversation_id=env.conversation_id))
             envelopes.append(env)
         await self.store.emit(rows)  # before the subscriber can ack: consumed always follows delivered
-        return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices)
+        return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
+                             held_back=held_back and len(envelopes) + len(dead) >= limit)
 
     # -- acks -----------------------------------------------------------------------
     async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int) -> list[AckOutcome]:

@@ -192,8 +192,9 @@ class SqliteStore(base.Store):
         return await self.writer.run(lambda conn, events: ops.append(conn, events, sender_id, items, at_us))
 
     async def next_deliveries(
-        self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int
+        self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int, in_flight: int = 0
     ) -> DeliveryBatch:
+        # capacity is settled inside the append's transaction: whatever is stored may be delivered
         return await self.writer.run(lambda conn, events: ops.next_deliveries(
             conn, events, recipient, after_sequence, limit, max_attempts, now_us))
 

@@ -1,0 +1,53 @@
+"""JetStream settles an inbox's capacity after publishing (a message over it is taken back by its
+sender). Delivery must not race that: a message beyond the recipient's first `capacity` unconsumed ones is
+not delivered, or the take-back fails and the inbox holds more than its capacity (seen under load as three
+messages accepted into an inbox of two)."""
+
+import uuid
+from dataclasses import replace
+
+import pytest
+
+from harness.nats import NatsNode
+from inboxmesh.common.v1 import envelope_pb2 as env_pb
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services.client import MeshClient
+from services.clock import now_us
+from services.config import StoreConfig
+from services.server import Mesh
+from tests.fixtures import ADMIN_TOKEN, make_config
+from tests.streams import Collector
+
+
+@pytest.fixture
+async def jetstream_mesh(tmp_path):
+    with NatsNode(tmp_path / "nats") as node:
+        config = replace(make_config(tmp_path), store=StoreConfig(
+            backend="jetstream", nats_urls=(node.url,), nats_namespace=f"c{uuid.uuid4().hex[:12]}"))
+        async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+            yield mesh, client
+
+
+async def test_a_message_over_capacity_is_not_delivered_before_its_sender_settles_it(jetstream_mesh):
+    mesh, client = jetstream_mesh
+    lead = await client.register("lead")
+    sink = await lead.spawn("sink", inbox_capacity=2)
+    first = [await lead.send(sink.agent_id, f"m{i}") for i in range(2)]
+    assert [r.status for r in first] == [pb.RECEIPT_STATUS_ACCEPTED] * 2
+    held = Collector(sink)  # delivered, not acked: the inbox is at its capacity
+    try:
+        await held.wait_for(2)
+        # a third sender is between its publish and its capacity check: the message is on the subject
+        inbox = mesh.store.inbox
+        third = env_pb.Envelope(message_id="third", sender=lead.agent_id, recipient=sink.agent_id,
+                                content=env_pb.Content(text="over"), stored_at_us=now_us())
+        ack = await inbox.js.publish(inbox.subject(sink.agent_id), third.SerializeToString())
+        batch = await mesh.store.next_deliveries(sink.agent_id, max(r.sequence for r in first), 10, 5, now_us(),
+                                                 in_flight=2)
+        assert batch.messages == [] and batch.held_back, "nothing beyond the capacity is delivered"
+        assert await inbox._reject(sink.agent_id, ack.seq), "the sender can still take its message back"
+        # a fresh subscriber (nothing in flight) gets the two accepted messages again, not the one taken back
+        batch = await mesh.store.next_deliveries(sink.agent_id, 0, 10, 5, now_us(), in_flight=0)
+        assert [m.sequence for m in batch.messages] == [r.sequence for r in first]
+    finally:
+        await held.stop()
