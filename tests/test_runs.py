@@ -256,11 +256,12 @@ async def _drain(agent, count):
         await inbox.stop()
 
 
-async def test_sweep_runs_needs_the_admin_token(client):
+async def test_sweep_runs_needs_the_admin_token(mesh, client):
     lead = await client.register("lead")
-    with pytest.raises(errors.PermissionDenied):
-        await MeshClient.sweep_runs(type("C", (), {"runs": client.runs, "timeout": 5,
-                                                   "_admin_metadata": lambda self: lead.metadata})())
+    async with MeshClient(mesh.address, admin_token=lead.credential) as pretender:  # an agent's, not the operator's
+        with pytest.raises(errors.PermissionDenied) as refused:
+            await pretender.sweep_runs()
+    assert refused.value.reason == "NOT_ADMIN"
     assert isinstance(await client.sweep_runs(), runs.SweepRunsResponse)
 
 
