@@ -50,6 +50,11 @@ def hashes_match(credential: str, stored_hash: bytes) -> bool:
     return hmac.compare_digest(credential_hash(credential), stored_hash)
 
 
+def secrets_match(given: str, expected: str) -> bool:
+    """Constant-time comparison of two secrets of any characters (hmac.compare_digest refuses non-ASCII str)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
+
+
 def agent_id_of(credential: str) -> str:
     """The agent id a credential claims to belong to (not yet verified)."""
     agent_id, dot, secret = credential.partition(".")

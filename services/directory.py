@@ -8,7 +8,6 @@ so a stale cache can never let a send through to a closed agent.
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 
 from services import auth, errors
@@ -97,7 +96,7 @@ class Directory:
                 " RegisterAgent returned",
                 reason="MISSING_CREDENTIAL",
             )
-        if self._admin_token and hmac.compare_digest(credential, self._admin_token):
+        if self._admin_token and auth.secrets_match(credential, self._admin_token):
             return Caller(agent=None)
         agent_id = self._verified.get(credential)
         if agent_id is not None:

@@ -102,61 +102,83 @@ async def _checked_stream(requests):
         yield request
 
 
-def _guard_unary_request(behavior):
+async def _refuse(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """End the call with the status of exc; anything but a MeshError is a bug: logged, INTERNAL."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    await _abort(context, exc, method)
+
+
+def _guard_unary_request(behavior, method: str):
     async def guarded(request, context):
-        if isinstance(request, _Undecodable):
-            code, details, trailers = to_grpc(request.mesh_error())
-            await context.abort(code, details, trailers)
-        return await behavior(request, context)
+        try:
+            if isinstance(request, _Undecodable):
+                raise request.mesh_error()
+            return await behavior(request, context)
+        except Exception as exc:
+            await _refuse(context, exc, method)
 
     return guarded
 
 
-def _guard_unary_request_stream(behavior):
+def _guard_unary_request_stream(behavior, method: str):
     if not inspect.isasyncgenfunction(behavior):  # a handler that writes with context.write
-        return _guard_unary_request(behavior)
+        return _guard_unary_request(behavior, method)
 
     async def guarded(request, context):
-        if isinstance(request, _Undecodable):
-            code, details, trailers = to_grpc(request.mesh_error())
-            await context.abort(code, details, trailers)
-        async for response in behavior(request, context):
-            yield response
+        try:
+            if isinstance(request, _Undecodable):
+                raise request.mesh_error()
+            async for response in behavior(request, context):
+                yield response
+        except Exception as exc:
+            await _refuse(context, exc, method)
 
     return guarded
 
 
-def _guard_streaming_request(behavior):
+def _guard_streaming_request(behavior, method: str):
     if inspect.isasyncgenfunction(behavior):
         async def guarded_stream(request_iterator, context):
-            async for response in behavior(_checked_stream(request_iterator), context):
-                yield response
+            try:
+                async for response in behavior(_checked_stream(request_iterator), context):
+                    yield response
+            except Exception as exc:
+                await _refuse(context, exc, method)
 
         return guarded_stream
 
     async def guarded(request_iterator, context):  # unary response, or one that writes with context.write
-        return await behavior(_checked_stream(request_iterator), context)
+        try:
+            return await behavior(_checked_stream(request_iterator), context)
+        except Exception as exc:
+            await _refuse(context, exc, method)
 
     return guarded
 
 
-class RequestDecodingInterceptor(grpc.aio.ServerInterceptor):
-    """Request bytes that are not the method's message are refused with INVALID_ARGUMENT and the reason
-    UNDECODABLE_REQUEST (grpc's own handling answers UNKNOWN with a Python traceback text). A streaming
-    RPC gets the refusal when it reaches the undecodable message; what came before it was handled."""
+class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC of a server ends in a documented status: request bytes that are not the method's message
+    are refused with INVALID_ARGUMENT and the reason UNDECODABLE_REQUEST (grpc's own handling answers
+    UNKNOWN with a Python traceback text), a MeshError that escapes a handler becomes its status with
+    ErrorInfo, and any other exception is logged and answered INTERNAL with ErrorInfo, never UNKNOWN. A
+    streaming RPC gets the refusal when it reaches the undecodable message; what came before it was
+    handled."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
+        if handler is None:
             return handler
+        method = handler_call_details.method
         safe = _safe_deserializer(handler.request_deserializer)
         if handler.unary_unary is not None:
-            return handler._replace(request_deserializer=safe, unary_unary=_guard_unary_request(handler.unary_unary))
+            return handler._replace(request_deserializer=safe,
+                                    unary_unary=_guard_unary_request(handler.unary_unary, method))
         if handler.unary_stream is not None:
             return handler._replace(request_deserializer=safe,
-                                    unary_stream=_guard_unary_request_stream(handler.unary_stream))
+                                    unary_stream=_guard_unary_request_stream(handler.unary_stream, method))
         if handler.stream_unary is not None:
             return handler._replace(request_deserializer=safe,
-                                    stream_unary=_guard_streaming_request(handler.stream_unary))
+                                    stream_unary=_guard_streaming_request(handler.stream_unary, method))
         return handler._replace(request_deserializer=safe,
-                                stream_stream=_guard_streaming_request(handler.stream_stream))
+                                stream_stream=_guard_streaming_request(handler.stream_stream, method))

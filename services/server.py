@@ -22,7 +22,7 @@ from services.config import MeshConfig
 from services.directory import Directory
 from services.events.grpc_handler import EventServicer
 from services.events.service import EventsService
-from services.grpc_common import RequestDecodingInterceptor
+from services.grpc_common import ErrorBoundaryInterceptor
 from services.inbox.delivery import DeliveryHub
 from services.inbox.grpc_handler import InboxServicer
 from services.inbox.service import InboxService
@@ -123,7 +123,7 @@ class Mesh:
         return f"{self.config.host}:{self.port}"
 
     def _build_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=server_options(self.config), interceptors=[RequestDecodingInterceptor()])
+        server = grpc.aio.server(options=server_options(self.config), interceptors=[ErrorBoundaryInterceptor()])
         wanted = self.config.services
         extra = []
         if "registry" in wanted:

@@ -42,6 +42,16 @@ def check_map(field: str, values: dict[str, str], *, max_entries: int = 64, max_
             )
 
 
+MAX_STORED_INT = 2**63 - 1
+"""The largest integer the stores keep (SQLite's INTEGER is signed 64-bit; protobuf's uint64 goes further)."""
+
+
+def stored_int(value: int) -> int:
+    """A uint64 from a request, within what the stores keep: a cursor or sequence past every stored one
+    stays past every stored one."""
+    return min(value, MAX_STORED_INT)
+
+
 def page_size(requested: int, *, default: int = 100, maximum: int = 1000) -> int:
     return min(requested or default, maximum)
 

@@ -21,7 +21,7 @@ from services import errors
 from services.directory import Caller, Directory
 from services.clock import now_us
 from services.store.base import EventQuery, Store, event_of
-from services.validation import page_size
+from services.validation import check_text, page_size, stored_int
 
 _PAGE = 1000
 RUNTIME_KINDS = frozenset(k for k in ev.EventKind.values() if k >= ev.EVENT_KIND_AGENT_SPAWNED)
@@ -114,7 +114,7 @@ class EventsService:
                 raise errors.InvalidArgument(f"unknown event kind {kind}", reason="BAD_KIND")
         return EventQuery(
             message_id=flt.message_id, sender=sender, agent_id=agent_id, kinds=tuple(flt.kinds),
-            after_event_id=after, limit=limit,
+            after_event_id=stored_int(after), limit=limit,
         )
 
     async def record(self, caller: Caller, events: list[ev.Event]) -> list[int]:
@@ -138,6 +138,9 @@ class EventsService:
                     " records events about itself only", reason="AGENT_MISMATCH", metadata={"index": str(index)})
             if len(event.detail) > 4096:
                 raise errors.InvalidArgument(f"event {index}: detail over 4096 characters", reason="FIELD_TOO_LONG")
+            for field in ("message_id", "sender", "recipient", "trace_id", "in_reply_to", "conversation_id"):
+                check_text(f"event {index}: {field}", getattr(event, field), max_len=256)
+            event.sequence, event.turn = stored_int(event.sequence), stored_int(event.turn)
             event.agent_id = agent.agent_id
             event.event_id = 0
             event.at_us = event.at_us or now
@@ -156,7 +159,7 @@ class EventsService:
         if self._poll is None and not self.closing:
             self._poll = asyncio.get_running_loop().call_later(self._poll_interval_s, self._poll_store)
         try:
-            last = after
+            last = stored_int(after)
             if from_now and not after:
                 last = self._last_seen if self._last_seen >= 0 else await self._store.last_event_id()
             while not self.closing:

@@ -34,7 +34,7 @@ from services.store.base import (
     Store,
 )
 from services.telemetry import context_of, inject, message_attributes, tracer
-from services.validation import check_text, fitting, page_size
+from services.validation import check_text, fitting, page_size, stored_int
 
 log = logging.getLogger(__name__)
 _LOCAL = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_LOCAL)
@@ -311,7 +311,8 @@ class InboxService:
         if len(sequences) > 10 * self._limits.max_batch_messages:
             raise errors.InvalidArgument(f"{len(sequences)} sequences in one ack; at most "
                                          f"{10 * self._limits.max_batch_messages}", reason="BATCH_TOO_LARGE")
-        outcomes = await self._store.ack(agent.agent_id, sequences, now_us(), turn)
+        outcomes = await self._store.ack(agent.agent_id, [stored_int(s) for s in sequences], now_us(),
+                                         stored_int(turn))
         crash_point("ack-stored")
         frontier = Frontier.of(o.envelope for o in outcomes if o.envelope is not None)
         if frontier is not None:
@@ -339,7 +340,7 @@ class InboxService:
             name = f"message {key.by_sender.message_id!r} from {sender}"
         elif which == "by_inbox":
             recipient = key.by_inbox.recipient or caller.require_agent("naming no recipient").agent_id
-            record = await self._store.get_message_by_inbox(recipient, key.by_inbox.sequence)
+            record = await self._store.get_message_by_inbox(recipient, stored_int(key.by_inbox.sequence))
             name = f"message {key.by_inbox.sequence} in {recipient}'s inbox"
         else:
             raise errors.InvalidArgument("key must be by_sender or by_inbox", reason="MISSING_FIELD")

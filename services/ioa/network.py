@@ -27,7 +27,7 @@ from inboxmesh.ioa.v1 import network_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2_grpc
 from services import errors
 from services.clock import now_us
-from services.grpc_common import RequestDecodingInterceptor
+from services.grpc_common import ErrorBoundaryInterceptor
 from services.grpc_status import to_grpc
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class NetworkServer:
 
 
 def create_network_server(config: NetworkConfig, network: IoaNetwork) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[RequestDecodingInterceptor()])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[ErrorBoundaryInterceptor()])
     network_pb2_grpc.add_IoaNetworkServicer_to_server(network, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

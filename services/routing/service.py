@@ -5,7 +5,6 @@ by the ordinary Inbox path. Knows nothing of gRPC."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from inboxmesh.common.v1 import envelope_pb2
@@ -64,7 +63,7 @@ class RoutingService:
         if not token:
             raise errors.Unauthenticated(f"{action} needs an ingress token: send 'authorization: Bearer <token>'",
                                          reason="MISSING_CREDENTIAL")
-        if not any(hmac.compare_digest(token, t) for t in self._tokens):
+        if not any(auth.secrets_match(token, t) for t in self._tokens):
             raise errors.Unauthenticated(f"{action}: the ingress token is not one of ingress.tokens",
                                          reason="BAD_CREDENTIAL")
 
