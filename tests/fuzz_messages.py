@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf import message_factory
@@ -269,6 +270,116 @@ def raw_bytes() -> st.SearchStrategy[bytes]:
     ])
     return st.one_of(crafted, st.binary(min_size=1, max_size=256),
                      st.builds(bytes.__add__, crafted, st.binary(max_size=32)))
+
+
+# -- one field at its limits -------------------------------------------------
+EXTREME_INTEGERS = {
+    FieldDescriptor.TYPE_UINT64: (2**63, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (2**63, 2**64 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_UINT32: (2**32 - 1,),
+    FieldDescriptor.TYPE_FIXED32: (2**32 - 1,), FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+}
+HUGE = 100_000
+
+
+def _extremes(fd: FieldDescriptor) -> tuple:
+    """The values of one field worth a request each."""
+    if fd.type == FieldDescriptor.TYPE_STRING:
+        return "", "x" * HUGE, "\x80\x00\u2028é"  # empty, huge, not ASCII and control characters
+    if fd.type == FieldDescriptor.TYPE_BYTES:
+        return (b"\xff" * HUGE,)
+    if fd.type == FieldDescriptor.TYPE_ENUM:
+        return UNKNOWN_ENUM_VALUES[:2]
+    if fd.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return float("nan"), float("inf")
+    return EXTREME_INTEGERS.get(fd.type, ())
+
+
+def filled(descriptor: Descriptor, value_of: Callable[[FieldDescriptor], str], depth: int = 0) -> Message:
+    """A plausible request: every string field gets value_of(field), every
+    enum its last value (a real one, where the first is UNSPECIFIED), every
+    singular message field (and a oneof's first member) is filled the same
+    way to MAX_DEPTH; numbers, bools and maps stay unset."""
+    message = message_factory.GetMessageClass(descriptor)()
+    for fd in descriptor.fields:
+        if fd.containing_oneof is not None and fd is not fd.containing_oneof.fields[0]:
+            continue
+        if fd.type == FieldDescriptor.TYPE_ENUM and fd.label != FieldDescriptor.LABEL_REPEATED:
+            setattr(message, fd.name, fd.enum_type.values[-1].number)
+        elif fd.type == FieldDescriptor.TYPE_STRING:
+            if fd.label == FieldDescriptor.LABEL_REPEATED:
+                getattr(message, fd.name).append(value_of(fd))
+            else:
+                setattr(message, fd.name, value_of(fd))
+        elif fd.type == FieldDescriptor.TYPE_MESSAGE and not _is_map(fd) and depth + 1 < MAX_DEPTH \
+                and fd.label != FieldDescriptor.LABEL_REPEATED:
+            getattr(message, fd.name).CopyFrom(filled(fd.message_type, value_of, depth + 1))
+    return message
+
+
+def at_limits(base: Message, value_of: Callable[[FieldDescriptor], str],
+              depth: int = 0) -> list[tuple[str, Message]]:
+    """(field path, request) pairs: `base` with one field changed to each of
+    its extremes (empty, huge, odd characters, unknown enum numbers, integers
+    at the ends of their range, far too many items or entries), nested
+    fields to MAX_DEPTH (inside a `filled` message when base has none, or for
+    one item of a repeated field), each oneof member in turn."""
+    out: list[tuple[str, Message]] = []
+
+    def variant(name: str, change: Callable[[Message], None]) -> None:
+        message = type(base)()
+        message.CopyFrom(base)
+        change(message)
+        out.append((name, message))
+
+    for fd in base.DESCRIPTOR.fields:
+        repeated = fd.label == FieldDescriptor.LABEL_REPEATED
+        if _is_map(fd):
+            key_fd, value_fd = fd.message_type.fields_by_name["key"], fd.message_type.fields_by_name["value"]
+            if value_fd.type == FieldDescriptor.TYPE_MESSAGE or key_fd.type != FieldDescriptor.TYPE_STRING:
+                continue
+            sample = "x" if value_fd.type == FieldDescriptor.TYPE_STRING else 0
+            variant(f"{fd.name}{{600 entries}}",
+                    lambda m, fd=fd, v=sample: getattr(m, fd.name).update({f"k{i}": v for i in range(600)}))
+            for key in _extremes(key_fd):
+                variant(f"{fd.name}{{{short(key)}: ...}}",
+                        lambda m, fd=fd, k=key, v=sample: getattr(m, fd.name).update({k: v}))
+        elif fd.type == FieldDescriptor.TYPE_MESSAGE:
+            if depth + 1 >= MAX_DEPTH:
+                continue
+            inner = getattr(base, fd.name) if not repeated and base.HasField(fd.name) else \
+                filled(fd.message_type, value_of, depth + 1)
+            for path, sub in at_limits(inner, value_of, depth + 1):
+                if repeated:
+                    variant(f"{fd.name}[0].{path}", lambda m, fd=fd, sub=sub: getattr(m, fd.name).add().CopyFrom(sub))
+                else:
+                    variant(f"{fd.name}.{path}", lambda m, fd=fd, sub=sub: getattr(m, fd.name).CopyFrom(sub))
+            if repeated:
+                variant(f"{fd.name}[200 items]", lambda m, fd=fd, item=inner: getattr(m, fd.name).extend([item] * 200))
+        else:
+            for value in _extremes(fd):
+                if repeated:
+                    variant(f"{fd.name}[{short(value)}]", lambda m, fd=fd, v=value: getattr(m, fd.name).append(v))
+                else:
+                    variant(f"{fd.name}={short(value)}", lambda m, fd=fd, v=value: setattr(m, fd.name, v))
+            if repeated and fd.type != FieldDescriptor.TYPE_BOOL:
+                many = {FieldDescriptor.TYPE_STRING: "x", FieldDescriptor.TYPE_BYTES: b"x"}.get(fd.type, 1)
+                variant(f"{fd.name}[2000 items]", lambda m, fd=fd, v=many: getattr(m, fd.name).extend([v] * 2000))
+    return out
+
+
+def replace_text(message: Message, old: str, new: Callable[[], str]) -> None:
+    """Every string field (at any depth) that is `old` becomes new()."""
+    for fd, value in message.ListFields():
+        if fd.type == FieldDescriptor.TYPE_STRING:
+            if fd.label == FieldDescriptor.LABEL_REPEATED:
+                value[:] = [new() if v == old else v for v in value]
+            elif value == old:
+                setattr(message, fd.name, new())
+        elif fd.type == FieldDescriptor.TYPE_MESSAGE and not _is_map(fd):
+            for item in value if fd.label == FieldDescriptor.LABEL_REPEATED else [value]:
+                replace_text(item, old, new)
 
 
 # -- reports ---------------------------------------------------------------

@@ -73,11 +73,11 @@ class Timing:
     """Deadline of a unary or client-streaming call."""
     stream_timeout_s: float = 4.0
     """Deadline of a server-streaming or bidi call; a stream still open then is fine."""
-    step_s: float = 0.1
+    step_s: float = 0.05
     """How long a stream may stay quiet after a request before the next one is
     sent (the answer to a request usually comes at once; a request written
     while the server ends the call loses the server's status to grpc.aio)."""
-    idle_s: float = 0.25
+    idle_s: float = 0.2
     """How long a stream may stay quiet after the last request before it is
     left open."""
     max_responses: int = 20
@@ -282,9 +282,10 @@ class Findings:
         return "\n".join(f"[{self.count[s]}x] {s}\n    {self.first[s]}" for s in sorted(self.first))
 
 
-def check(case: Case, outcome: Outcome, findings: Findings | None = None) -> None:
+def check(case: Case, outcome: Outcome, findings: Findings | None = None, where: str = "") -> None:
     """The contract: never INTERNAL or UNKNOWN; every refusal carries a
-    google.rpc.ErrorInfo with a reason; trailers under 8 KiB."""
+    google.rpc.ErrorInfo with a reason; trailers under 8 KiB. `where` (a
+    field path) tells apart failures that are otherwise the same."""
     problems: list[tuple[str, str]] = []
     code = outcome.code
     if outcome.client_side:
@@ -307,6 +308,8 @@ def check(case: Case, outcome: Outcome, findings: Findings | None = None) -> Non
                          f"trailing metadata is about {size} bytes (limit {TRAILER_LIMIT})"))
     if not problems:
         return
+    if where:
+        problems = [(f"{signature} at {where}", what) for signature, what in problems]
     signature, what = problems[0]
     details = (f"call: {case!r}\n  status: {code.name}, reason: {info.reason if info else None}, "
               f"details: {cut(outcome.details)!r}, trailers: {trailer_bytes(outcome)} bytes, "
