@@ -281,6 +281,9 @@ EXTREME_INTEGERS = {
     FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
 }
 HUGE = 100_000
+"""Characters of a huge string, bytes of a huge bytes field."""
+MANY = 1_001
+"""Items of a repeated scalar field: one more than the mesh's batch and page bounds."""
 
 
 def _extremes(fd: FieldDescriptor) -> tuple:
@@ -365,7 +368,7 @@ def at_limits(base: Message, value_of: Callable[[FieldDescriptor], str],
                     variant(f"{fd.name}={short(value)}", lambda m, fd=fd, v=value: setattr(m, fd.name, v))
             if repeated and fd.type != FieldDescriptor.TYPE_BOOL:
                 many = {FieldDescriptor.TYPE_STRING: "x", FieldDescriptor.TYPE_BYTES: b"x"}.get(fd.type, 1)
-                variant(f"{fd.name}[2000 items]", lambda m, fd=fd, v=many: getattr(m, fd.name).extend([v] * 2000))
+                variant(f"{fd.name}[{MANY} items]", lambda m, fd=fd, v=many: getattr(m, fd.name).extend([v] * MANY))
     return out
 
 
