@@ -69,8 +69,9 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Timing:
-    unary_timeout_s: float = 15.0
-    """Deadline of a unary or client-streaming call."""
+    unary_timeout_s: float = 30.0
+    """Deadline of a unary or client-streaming call (one that passes fails the
+    check: the server never answered)."""
     stream_timeout_s: float = 4.0
     """Deadline of a server-streaming or bidi call; a stream still open then is fine."""
     step_s: float = 0.05
@@ -284,8 +285,9 @@ class Findings:
 
 def check(case: Case, outcome: Outcome, findings: Findings | None = None, where: str = "") -> None:
     """The contract: never INTERNAL or UNKNOWN; every refusal carries a
-    google.rpc.ErrorInfo with a reason; trailers under 8 KiB. `where` (a
-    field path) tells apart failures that are otherwise the same."""
+    google.rpc.ErrorInfo with a reason; a unary call is answered before its
+    deadline; trailers under 8 KiB. `where` (a field path) tells apart
+    failures that are otherwise the same."""
     problems: list[tuple[str, str]] = []
     code = outcome.code
     if outcome.client_side:
@@ -298,6 +300,9 @@ def check(case: Case, outcome: Outcome, findings: Findings | None = None, where:
                          f"grpc-status-details-bin does not parse: {exc!r}"))
     if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
         problems.append((f"{case.rpc} {code.name} {_exception_name(outcome.details)}", f"status {code.name}"))
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED and info is None and not case.rpc.method.server_streaming:
+        # a stream may stay open; a unary call the server never answers is hanging somewhere
+        problems.append((f"{case.rpc} no answer", "no answer before the call's deadline"))
     elif code not in FINE_CODES and (info is None or not info.reason):
         problems.append((f"{case.rpc} {code.name} without ErrorInfo",
                          "a refusal without google.rpc.ErrorInfo" if info is None else "ErrorInfo without a reason"))

@@ -421,16 +421,23 @@ async def batch(world: World, rpc: Rpc):
     team = await actors(world)
     canary = await send_canary(world)
     reconnects = world.mesh.relay.reconnects
+    failed: BaseException | None = None
     try:
         yield team
+    except BaseException as exc:
+        failed = exc
+        raise
     finally:
         try:
             async with asyncio.TaskGroup() as checks:
                 checks.create_task(check_still_serving(world, reconnects))
                 checks.create_task(check_canary(world, canary))
-        except BaseException:
+        except BaseException as broken:
             world.broken = True
-            raise
+            if failed is None:
+                raise
+            raise BaseExceptionGroup(f"{rpc}: the batch failed, and the servers were broken after it",
+                                     [failed, broken]) from None
 
 
 # -- the tests ---------------------------------------------------------------
