@@ -104,6 +104,25 @@ async def test_a_failing_operation_does_not_sink_its_batch(store):
     assert not [e for e in await store.list_events(EventQuery(agent_id="agt_boom")) if e.detail]
 
 
+async def test_an_event_the_table_cannot_hold_fails_its_operation_only(store):
+    """An event value SQLite cannot bind (an int past 64 bits) used to escape the commit and leave the
+    transaction open: every later write of the mesh then failed."""
+    from services.store.base import event_row
+
+    def overflowing(conn, events):
+        conn.execute("INSERT INTO meta VALUES ('z', 'y')")
+        events.append(event_row(now_us(), 1, "agt_over", seq=2**64 - 1, detail="too big"))
+
+    failing = store.writer.run(overflowing)
+    fine = _agent(store, "fine")
+    results = await asyncio.gather(failing, fine, return_exceptions=True)
+    assert isinstance(results[0], errors.Internal), results[0]
+    assert (await store.get_agent(results[1].agent_id)).name == "fine"
+    assert await store._read(lambda c: c.execute("SELECT count(*) FROM meta WHERE key='z'").fetchone()[0]) == 0
+    later = await _agent(store, "later")  # the writer goes on
+    assert (await store.get_agent(later.agent_id)).name == "later"
+
+
 async def test_child_of_closed_or_missing_parent_is_refused(store):
     lead = await _agent(store, "lead")
     await store.close_agent(lead.agent_id, "bye", now_us())

@@ -140,6 +140,8 @@ class Writer:
             op_events: list[tuple] = []
             try:
                 value = op(conn, op_events)
+                if op_events:  # inside the savepoint: an event the table cannot hold fails its operation only
+                    conn.executemany(self._insert_events, op_events)
             except Exception as exc:  # one operation failing must not sink the others
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
@@ -156,12 +158,11 @@ class Writer:
         first_event_id = 0
         try:
             if events:
-                conn.executemany(self._insert_events, events)
-                # One writer holds the lock for the whole transaction, so the
-                # ids of this batch are contiguous.
+                # One writer holds the lock for the whole transaction (and a rolled-back savepoint takes its
+                # ids back), so the ids of this batch are contiguous.
                 first_event_id = conn.execute("SELECT last_insert_rowid()").fetchone()[0] - len(events) + 1
             conn.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except Exception as exc:  # sqlite3.Error, or anything else: never leave the transaction open
             log.error("commit failed, %d operations rolled back: %s", len(ops), exc)
             try:
                 conn.execute("ROLLBACK")
