@@ -1,7 +1,8 @@
 """Requests for the fuzzer (tests/test_fuzz.py), built from the generated
 descriptors: the RPCs there are, hypothesis strategies for any request
 message (recursively, to a bounded depth), request bytes that are no message
-at all, and a one-line form of a message for reports."""
+at all, a plausible request and its variants with one field at its limits,
+and a one-line form of a message for reports."""
 
 from __future__ import annotations
 
@@ -311,10 +312,11 @@ def filled(descriptor: Descriptor, value_of: Callable[[FieldDescriptor], str], d
         if fd.type == FieldDescriptor.TYPE_ENUM and fd.label != FieldDescriptor.LABEL_REPEATED:
             setattr(message, fd.name, fd.enum_type.values[-1].number)
         elif fd.type == FieldDescriptor.TYPE_STRING:
-            if fd.label == FieldDescriptor.LABEL_REPEATED:
-                getattr(message, fd.name).append(value_of(fd))
-            else:
-                setattr(message, fd.name, value_of(fd))
+            value = value_of(fd)
+            if fd.label != FieldDescriptor.LABEL_REPEATED:
+                setattr(message, fd.name, value)
+            elif value:
+                getattr(message, fd.name).append(value)
         elif fd.type == FieldDescriptor.TYPE_MESSAGE and not _is_map(fd) and depth + 1 < MAX_DEPTH \
                 and fd.label != FieldDescriptor.LABEL_REPEATED:
             getattr(message, fd.name).CopyFrom(filled(fd.message_type, value_of, depth + 1))
