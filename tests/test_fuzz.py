@@ -11,7 +11,8 @@ Each RPC gets three batches:
 - generated requests (hypothesis, from the descriptor: random values, huge
   and empty strings, unknown enums, random bytes, long repeated fields and
   maps; no credential, a garbage one or a real one; a few on a stream);
-- raw request bytes that are not a protobuf message.
+- raw request bytes that are not a protobuf message;
+and each server gets a request one byte over the mesh's size limit.
 Every answer must keep `tests.fuzzing.check`: never INTERNAL or UNKNOWN, every
 refusal with a google.rpc.ErrorInfo that has a reason, trailers under 8 KiB.
 After each batch both servers still answer health checks and ordinary calls,
@@ -444,6 +445,35 @@ async def batch(world: World, rpc: Rpc):
 async def test_every_served_service_is_fuzzed(world):
     served = set(world.channels) - OWN_SERVICES
     assert served == {rpc.service for rpc in RPCS}, "the fuzzer covers every service the servers serve"
+
+
+@pytest.mark.parametrize("server", ["mesh", "network"])
+async def test_a_request_over_the_size_limit_is_refused_with_error_info(world, server):
+    """One byte over the mesh's max_request_bytes (the network server's limit
+    is lower): the refusal must be a mesh refusal like any other, with
+    ErrorInfo, whatever the transport's own limit is. The same for every RPC
+    of a server, so its first unary RPC stands for all."""
+    channel = world.mesh_channel if server == "mesh" else world.network_channel
+    rpc = next(r for r in RPCS if world.channels.get(r.service) is channel and r.kind == "unary")
+    size = world.mesh.config.max_request_bytes + 1
+    length = size - 1 - len(_varint(size))
+    payload = b"\x0a" + _varint(length) + b"x" * length  # field 1, one long string
+    assert len(payload) == size
+    async with batch(world, rpc) as team:
+        case = Case(rpc, "agent", (("authorization", "Bearer " + team.lead.credential),), [payload],
+                    [f"bytes {len(payload)} (field 1 as one long string)"])
+        outcome = await call(channel, case, Timing())
+        assert outcome.code != grpc.StatusCode.OK, outcome.summary()
+        check(case, outcome)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 async def fields_at_their_limits(world: World, rpc: Rpc, team: Actors) -> None:
