@@ -66,27 +66,35 @@ async def caller_of(context: grpc.aio.ServicerContext, directory: Directory) -> 
 
 
 class _Undecodable:
-    """What the safe deserializer hands on in place of a request whose bytes are not its message."""
+    """What the safe deserializer hands on in place of a request whose bytes are not its message (or are
+    more than the server takes: error is None, limit is set)."""
 
-    __slots__ = ("type_name", "size", "error")
+    __slots__ = ("type_name", "size", "error", "limit")
 
-    def __init__(self, type_name: str, size: int, error: Exception):
-        self.type_name, self.size, self.error = type_name, size, error
+    def __init__(self, type_name: str, size: int, error: Exception | None, limit: int = 0):
+        self.type_name, self.size, self.error, self.limit = type_name, size, error, limit
 
-    def mesh_error(self) -> errors.InvalidArgument:
+    def mesh_error(self) -> errors.MeshError:
+        if self.error is None:
+            return errors.ResourceExhausted(
+                f"the {self.type_name} is {self.size} bytes; this server takes requests of at most {self.limit}"
+                " bytes (send fewer or smaller messages per request)", reason="REQUEST_TOO_LARGE",
+                metadata={"size": str(self.size), "limit": str(self.limit)})
         return errors.InvalidArgument(
             f"the request is not a valid {self.type_name} ({self.size} bytes could not be decoded: "
             f"{errors.clip(str(self.error), 120)})", reason="UNDECODABLE_REQUEST",
             metadata={"message_type": self.type_name})
 
 
-def _safe_deserializer(deserializer):
+def _safe_deserializer(deserializer, max_request_bytes: int):
     if deserializer is None:
         return None
     type_name = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
     type_name = type_name.full_name if type_name is not None else "request message"
 
     def deserialize(data: bytes):
+        if len(data) > max_request_bytes:
+            return _Undecodable(type_name, len(data), None, max_request_bytes)
         try:
             return deserializer(data)
         except Exception as exc:  # protobuf's DecodeError, or anything a parser raises on garbage
@@ -157,20 +165,31 @@ def _guard_streaming_request(behavior, method: str):
     return guarded
 
 
+def receive_limit(max_request_bytes: int) -> int:
+    """gRPC's own receive limit for a server whose requests may be max_request_bytes: twice that, so that a
+    request somewhat over the limit reaches ErrorBoundaryInterceptor and is refused with ErrorInfo; beyond
+    it gRPC refuses by itself (RESOURCE_EXHAUSTED without ErrorInfo)."""
+    return 2 * max_request_bytes
+
+
 class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
     """Every RPC of a server ends in a documented status: request bytes that are not the method's message
     are refused with INVALID_ARGUMENT and the reason UNDECODABLE_REQUEST (grpc's own handling answers
-    UNKNOWN with a Python traceback text), a MeshError that escapes a handler becomes its status with
+    UNKNOWN with a Python traceback text), a request over max_request_bytes is RESOURCE_EXHAUSTED with the
+    reason REQUEST_TOO_LARGE (give gRPC's own receive limit some room above it: see receive_limit), a MeshError that escapes a handler becomes its status with
     ErrorInfo, and any other exception is logged and answered INTERNAL with ErrorInfo, never UNKNOWN. A
     streaming RPC gets the refusal when it reaches the undecodable message; what came before it was
     handled."""
+
+    def __init__(self, max_request_bytes: int):
+        self.max_request_bytes = max_request_bytes
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
         method = handler_call_details.method
-        safe = _safe_deserializer(handler.request_deserializer)
+        safe = _safe_deserializer(handler.request_deserializer, self.max_request_bytes)
         if handler.unary_unary is not None:
             return handler._replace(request_deserializer=safe,
                                     unary_unary=_guard_unary_request(handler.unary_unary, method))

@@ -22,7 +22,7 @@ from services.config import MeshConfig
 from services.directory import Directory
 from services.events.grpc_handler import EventServicer
 from services.events.service import EventsService
-from services.grpc_common import ErrorBoundaryInterceptor
+from services.grpc_common import ErrorBoundaryInterceptor, receive_limit
 from services.inbox.delivery import DeliveryHub
 from services.inbox.grpc_handler import InboxServicer
 from services.inbox.service import InboxService
@@ -56,7 +56,7 @@ def server_options(config: MeshConfig) -> list[tuple[str, int]]:
     return [
         # Refuse a port another process already serves (gRPC shares it by default).
         ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.max_receive_message_length", receive_limit(config.max_request_bytes)),
         ("grpc.max_send_message_length", config.max_request_bytes),
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
@@ -123,7 +123,7 @@ class Mesh:
         return f"{self.config.host}:{self.port}"
 
     def _build_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=server_options(self.config), interceptors=[ErrorBoundaryInterceptor()])
+        server = grpc.aio.server(options=server_options(self.config), interceptors=[ErrorBoundaryInterceptor(self.config.max_request_bytes)])
         wanted = self.config.services
         extra = []
         if "registry" in wanted:

@@ -27,13 +27,15 @@ from inboxmesh.ioa.v1 import network_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2_grpc
 from services import errors
 from services.clock import now_us
-from services.grpc_common import ErrorBoundaryInterceptor
+from services.grpc_common import ErrorBoundaryInterceptor, receive_limit
 from services.grpc_status import to_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["IoaNetwork"].full_name
 _NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _MAX_SPACES_PER_NODE = 1024
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""The largest frame or request the network takes (as a mesh does by default)."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +278,9 @@ class NetworkServer:
 
 
 def create_network_server(config: NetworkConfig, network: IoaNetwork) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[ErrorBoundaryInterceptor()])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", receive_limit(MAX_REQUEST_BYTES))],
+                             interceptors=[ErrorBoundaryInterceptor(MAX_REQUEST_BYTES)])
     network_pb2_grpc.add_IoaNetworkServicer_to_server(network, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
