@@ -110,11 +110,27 @@ async def _checked_stream(requests):
         yield request
 
 
+def _call_is_over(exc: Exception) -> bool:
+    """grpc's own machinery failed (a write or an abort on a call that already ended: the client left or
+    the server is stopping): no status can be sent any more."""
+    return type(exc).__module__.startswith("grpc._cython")
+
+
 async def _refuse(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     """End the call with the status of exc; anything but a MeshError is a bug: logged, INTERNAL."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
-    await _abort(context, exc, method)
+    if _call_is_over(exc):
+        log.info("%s ended before its status could be sent (%s)", method, type(exc).__name__)
+        return
+    try:
+        await _abort(context, exc, method)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as failed:
+        if not _call_is_over(failed):
+            raise
+        log.info("%s ended before its status could be sent (%s)", method, type(failed).__name__)
 
 
 def _guard_unary_request(behavior, method: str):

@@ -164,3 +164,25 @@ async def test_runs_with_large_results_list_in_pages_a_default_client_can_receiv
                                   response_deserializer=runs.ListRunsResponse.FromString)
     found = await pages(listing, runs.ListRunsRequest(requester_id=lead.agent_id), auth(lead), "runs")
     assert sorted(r.run_id for r in found) == sorted(ended)
+
+
+async def test_a_call_that_already_ended_is_left_alone_by_the_error_boundary():
+    """A status that cannot be sent any more (the call ended: the client left, or the server is stopping,
+    as a loaded CI run hit in Subscribe's shutdown abort) must not escape the boundary: grpc logs it as an
+    unexpected servicer exception and aborts a second time ("Abort already called!")."""
+    from grpc._cython import cygrpc
+
+    from services import errors
+    from services.grpc_common import _refuse
+
+    class EndedCall:
+        aborts = 0
+
+        async def abort(self, *status):
+            self.aborts += 1
+            raise cygrpc.ExecuteBatchError("Failed execute_batch: the call already ended")
+
+    ended = EndedCall()
+    await _refuse(ended, errors.Unavailable("the mesh is shutting down", reason="SHUTTING_DOWN"), "/m/Subscribe")
+    await _refuse(ended, cygrpc.ExecuteBatchError("a write on an ended call"), "/m/Subscribe")
+    assert ended.aborts == 1, "no second abort for a call whose machinery already failed"
