@@ -28,7 +28,7 @@ async def model():
 
 
 @pytest.mark.parametrize("via_ioa", [False, True], ids=["local", "ioa"])
-@pytest.mark.timeout(900)  # the wall-time budget (420 s) and the mesh around it; nothing is built here
+@pytest.mark.timeout(1200)  # the wall-time budget (600 s) and the mesh around it; nothing is built here
 async def test_the_sibling_exchange_with_a_real_model(model, via_ioa, spans):
     with tempfile.TemporaryDirectory(prefix="real-llm-") as tmp:
         async with scenario_mesh(Path(tmp), via_ioa) as (mesh, client):
