@@ -3,7 +3,6 @@ receipts, reply correlation, siblings on one node, reconnect duplicates,
 loops, relays that go away, spaces, and the evidence of each hop."""
 
 import asyncio
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -14,24 +13,10 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc, relay_pb2, relay_pb2_grpc
 from services import errors
-from services.client import MeshClient
-from services.config import IoaConfig
 from services.ioa.network import NetworkConfig, NetworkServer
-from services.server import Mesh
-from tests.fixtures import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import eventually
+from tests.ioa_nodes import start_node
 from tests.streams import Collector
-
-
-class Node:
-    def __init__(self, mesh, client):
-        self.mesh, self.client = mesh, client
-
-    @property
-    def relay(self):
-        return self.mesh.relay
-
-    def address(self, agent) -> str:
-        return f"ioa:{self.relay.node_id}/{agent.agent_id}"
 
 
 @pytest.fixture
@@ -40,18 +25,9 @@ async def network():
         yield server
 
 
-async def _node(network, tmp_path, node_id, **ioa):
-    config = replace(make_config(tmp_path / node_id), ioa=IoaConfig(node_id=node_id, network=network.address,
-                                                                     receipt_timeout_s=5, **ioa))
-    mesh = Mesh(config)
-    await mesh.start()
-    await mesh.relay.wait_connected(10)
-    return Node(mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN))
-
-
 @pytest.fixture
 async def nodes(network, tmp_path):
-    made = [await _node(network, tmp_path, "alpha"), await _node(network, tmp_path, "beta")]
+    made = [await start_node(network, tmp_path, "alpha"), await start_node(network, tmp_path, "beta")]
     try:
         yield made
     finally:
@@ -171,8 +147,8 @@ async def test_hop_limits_stop_loops_and_inbound_messages_are_never_sent_back(no
 
 
 async def test_a_relay_that_goes_away_loses_nothing_that_was_accepted(network, tmp_path):
-    alpha = await _node(network, tmp_path, "alpha")
-    beta = await _node(network, tmp_path, "beta")
+    alpha = await start_node(network, tmp_path, "alpha")
+    beta = await start_node(network, tmp_path, "beta")
     try:
         _, a = await _team(alpha, "a")
         _, b = await _team(beta, "b")
@@ -182,7 +158,7 @@ async def test_a_relay_that_goes_away_loses_nothing_that_was_accepted(network, t
         await beta.mesh.stop(grace=0.2)
         with pytest.raises(errors.Unavailable, match="not connected"):
             await a.send(beta.address(b), "while down", message_id="while-down")
-        beta = await _node(network, tmp_path, "beta")
+        beta = await start_node(network, tmp_path, "beta")
         retried = await a.send(beta.address(b), "while down", message_id="while-down")
         assert retried.status == pb.RECEIPT_STATUS_ACCEPTED and retried.sequence == 4
         b = beta.client.agent(b_agent, b_credential)

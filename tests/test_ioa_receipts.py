@@ -7,7 +7,6 @@ as local ids."""
 import asyncio
 import collections
 import json
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -18,28 +17,16 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
 from services import errors
-from services.client import MeshClient, envelope
-from services.config import InboxLimits, IoaConfig
+from services.client import envelope
+from services.config import InboxLimits
 from services.ioa import trail as trails
 from services.ioa.network import NetworkConfig, NetworkServer
 from services.ioa.relay import RECEIPTS_MEDIA_TYPE
-from services.server import Mesh
-from tests.fixtures import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import eventually
+from tests.ioa_nodes import start_node
 from tests.streams import Collector
 
 MAX_HOPS = InboxLimits().max_hops
-
-
-class Node:
-    def __init__(self, mesh, client):
-        self.mesh, self.client = mesh, client
-
-    @property
-    def relay(self):
-        return self.mesh.relay
-
-    def address(self, agent) -> str:
-        return f"ioa:{self.relay.node_id}/{agent.agent_id}"
 
 
 @pytest.fixture
@@ -53,17 +40,11 @@ async def nodes(network, tmp_path):
     made = []
     try:
         for node_id in ("north", "south"):
-            config = replace(make_config(tmp_path / node_id),
-                             ioa=IoaConfig(node_id=node_id, network=network.address, receipt_timeout_s=5))
-            mesh = Mesh(config)
-            await mesh.start()
-            made.append(Node(mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN)))
-            await mesh.relay.wait_connected(10)
+            made.append(await start_node(network, tmp_path, node_id))
         yield made
     finally:
         for node in made:
-            await node.client.close()
-            await node.mesh.stop(grace=0.2)
+            await node.stop()
 
 
 async def _fault(network, node_id: str, kind: int, count: int = 0) -> None:

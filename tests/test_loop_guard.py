@@ -2,7 +2,6 @@
 (no project client code; they never copy hop_count or trail) that answer each other forever are refused at
 the documented limit, on one mesh and across two meshes on an IOA network."""
 
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -12,10 +11,11 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.registry.v1 import registry_pb2_grpc
-from services.config import InboxLimits, IoaConfig
+from services.config import InboxLimits
 from services.ioa.network import NetworkConfig, NetworkServer
 from services.server import Mesh
 from tests.fixtures import make_config
+from tests.ioa_nodes import start_node
 
 VISITS = InboxLimits().max_trail_visits
 TIMEOUT = 10
@@ -124,19 +124,14 @@ async def test_two_raw_clients_replying_to_each_other_on_one_mesh_are_stopped(tm
 @pytest.fixture
 async def two_meshes(tmp_path):
     async with NetworkServer(NetworkConfig(history=20)) as network:
-        meshes = []
+        nodes = []
         try:
-            for node in ("north", "south"):
-                config = replace(make_config(tmp_path / node),
-                                 ioa=IoaConfig(node_id=node, network=network.address, receipt_timeout_s=5))
-                mesh = Mesh(config)
-                await mesh.start()
-                meshes.append(mesh)
-                await mesh.relay.wait_connected(10)
-            yield meshes
+            for node_id in ("north", "south"):
+                nodes.append(await start_node(network, tmp_path, node_id))
+            yield [node.mesh for node in nodes]
         finally:
-            for mesh in meshes:
-                await mesh.stop(grace=0.2)
+            for node in nodes:
+                await node.stop()
 
 
 async def test_two_raw_clients_replying_across_two_meshes_are_stopped(two_meshes):
