@@ -7,7 +7,10 @@ COPY pyproject.toml README.md ./
 COPY inboxmesh ./inboxmesh
 COPY services ./services
 COPY agent_host ./agent_host
+# the harness is not part of the distribution; compose's `host` service loads its scripted
+# policies (harness.policies) from /app, which PYTHONPATH puts on the path
 COPY harness ./harness
+ENV PYTHONPATH=/app
 RUN pip install --no-cache-dir . && useradd --create-home mesh && mkdir /data && chown mesh /data
 USER mesh
 ENV PATH="/usr/local/bin:${PATH}"

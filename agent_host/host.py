@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-
-import grpc
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
 
 from agent_host.config import CLOSE_ON_COMPLETE, Budget, HostConfig
 from agent_host.conversation import Conversation, key_of, system_prompt
@@ -25,16 +25,16 @@ from agent_host.hoststore import AgentRecord, HostStore
 from agent_host.models.base import Model, ModelError, ModelReply
 from agent_host.runner import AgentRunner, BudgetExceeded, ChildGone
 from agent_host.tools import ALL_TOOLS
+from inboxmesh.client import errors
+from inboxmesh.client.addressing import IOA_PREFIX
+from inboxmesh.client.mesh import MeshClient
+from inboxmesh.client.status import from_rpc_error
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2 as reg
-from services import errors
-from services.client import MeshClient
-from services.grpc_status import from_rpc_error
-from services.store.base import IOA_PREFIX
 
 log = logging.getLogger(__name__)
 MODES = {"sync": reg.AGENT_MODE_SYNC, "async": reg.AGENT_MODE_ASYNC, "fork": reg.AGENT_MODE_FORK}

@@ -25,16 +25,16 @@ from opentelemetry import trace
 
 from agent_host.conversation import NOTE_PREFIX, Conversation
 from agent_host.hoststore import AgentRecord
-from agent_host.inbox_stream import InboxStream
 from agent_host.models.base import ModelError
 from agent_host.tools import result_message, run_tool, schemas
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import AgentHandle
+from inboxmesh.client.stream import InboxStream
+from inboxmesh.client.tracing import context_of, tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.runs.v1 import runs_pb2
-from services import errors
-from services.client import AgentHandle
-from services.telemetry import context_of, tracer
 
 if TYPE_CHECKING:
     from agent_host.host import Host, TaskBudget

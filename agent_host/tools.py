@@ -22,10 +22,11 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from inboxmesh.client import errors
+from inboxmesh.client.addressing import IOA_PREFIX
+from inboxmesh.client.errors import Reason
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.registry.v1 import registry_pb2 as reg
-from services import errors
-from services.store.base import IOA_PREFIX
 
 if TYPE_CHECKING:
     from agent_host.models.base import ToolCall
@@ -165,7 +166,7 @@ async def resolve(runner: AgentRunner, target: str) -> reg.Agent | dict[str, Any
     try:
         return await runner.handle.resolve(target)
     except errors.FailedPrecondition as exc:
-        if exc.reason == "AMBIGUOUS_NAME":
+        if exc.reason == Reason.AMBIGUOUS_NAME:
             return {"error": f"several agents are named {target!r}; use an id: {exc.metadata.get('candidates')}"}
         raise
     except errors.NotFound:

@@ -18,14 +18,9 @@ import argparse
 import asyncio
 import json
 import os
-import queue
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 from dataclasses import dataclass
 
 import grpc

@@ -19,14 +19,9 @@ import argparse
 import asyncio
 import json
 import os
-import queue
 import signal
 import struct
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 
 import grpc
 

@@ -9,7 +9,7 @@ receiver process.
   (WatchEvents, the receiver's MESSAGE_CONSUMED events) and only then
   frees the slot.
 - receiver: one Consume stream (deliveries in, acks out on the same
-  stream, through agent_host.inbox_stream.InboxStream, which hands over
+  stream, through inboxmesh.client.stream.InboxStream, which hands over
   everything delivered meanwhile as one batch); acks each batch with one
   ack; a message counts as consumed when its ack returns CONSUMED.
 
@@ -36,9 +36,9 @@ WARMUP = 300
 
 async def run_sender(address: str, agent_id: str, credential: str, recipient: str, n: int, c: int,
                      events_address: str = "") -> None:
+    from inboxmesh.client.mesh import MeshClient, envelope
     from inboxmesh.events.v1 import events_pb2 as ev
     from inboxmesh.inbox.v1 import inbox_pb2 as pb
-    from services.client import MeshClient, envelope
 
     async with MeshClient(address) as client, MeshClient(events_address or address) as events_client:
         me = client.agent(agent_id, credential)
@@ -103,8 +103,8 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
 
 
 async def run_receiver(address: str, agent_id: str, credential: str) -> None:
-    from agent_host.inbox_stream import InboxStream
-    from services.client import MeshClient
+    from inboxmesh.client.mesh import MeshClient
+    from inboxmesh.client.stream import InboxStream
 
     async with MeshClient(address) as client:
         me = client.agent(agent_id, credential)
@@ -137,7 +137,7 @@ async def run_receiver(address: str, agent_id: str, credential: str) -> None:
 
 
 async def setup_agents(address: str) -> tuple:
-    from services.client import MeshClient
+    from inboxmesh.client.mesh import MeshClient
 
     async with MeshClient(address) as client:
         lead = await client.register("bench")
@@ -153,7 +153,7 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
     first mesh process and the receiver to the second."""
     env = python_env()
     me = [sys.executable, str(Path(__file__).resolve())]
-    cli = [sys.executable, "-m", "services.cli", "--log-level", "warning"]
+    cli = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning"]
     with tempfile.TemporaryDirectory(prefix="meshbench") as data:
         children = []
         nats_node = None

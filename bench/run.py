@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def main() -> None:
                       f"p50 {result['p50_ms']:.2f} ms p99 {result['p99_ms']:.2f} ms "
                       f"cpu {result['cpu_us_per_msg']:,.0f} us/msg", flush=True)
     summary = {key: medians(results) for key, results in raw.items()}
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = (
         f"Measured {stamp} by `bash scripts/bench.sh` ({args.rounds} rounds, medians; "
         f"{platform.python_version()}, {platform.machine()}, "
@@ -112,7 +112,7 @@ def main() -> None:
     print("\n" + text)
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
-    (out / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json").write_text(
+    (out / f"{datetime.now(UTC):%Y%m%dT%H%M%S}.json").write_text(
         json.dumps({f"{s}/{c}": r for (s, c), r in raw.items()}, indent=2))
     if not args.no_doc:
         write_doc(text)

@@ -12,7 +12,7 @@ import argparse
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,7 +51,7 @@ def main() -> None:
             versus = f"{m['msgs_per_s'] / one:.2f}x" if name.startswith("jetstream") else ""
             lines.append(f"| {name} | {concurrency} | {m['msgs_per_s']:,.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} |"
                          f" {m['cpu_us_per_msg']:,.0f} | {versus} |")
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = (f"Measured {stamp} by `.venv/bin/python bench/store_run.py` ({args.rounds} rounds, medians,"
             f" {time.monotonic() - started:.0f} s in all; nats-server with file storage on the same 2 cores).\n\n"
             + "\n".join(lines))

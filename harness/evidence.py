@@ -3,9 +3,9 @@ message states, with an operator's view (admin token)."""
 
 from __future__ import annotations
 
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.runs.v1 import runs_pb2
-from services.client import MeshClient
 
 K = ev.EventKind
 

@@ -24,8 +24,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.llm.server import (MODELS, default_cache_dir, ensure_llama_server, ensure_model,
-                                llama_server_path, model_path)
+from harness.llm.server import (
+    MODELS,
+    default_cache_dir,
+    ensure_llama_server,
+    ensure_model,
+    llama_server_path,
+    model_path,
+)
 
 SCENARIO_MODEL = "qwen2.5-coder-1.5b"
 """The local model the real-model scenario runs on; INBOXMESH_SCENARIO_LOCAL_MODEL picks another key of

@@ -34,15 +34,15 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from agent_host.cli_run import exchange_summary
 from agent_host.config import Budget, HostConfig
 from agent_host.host import AgentProfile, Host, HostEvent
 from agent_host.hoststore import AgentRecord
 from agent_host.models.base import Model
+from harness.prepare import SCENARIO_MODEL, log_progress, prepare, prepared, scenario_endpoint
+from inboxmesh.cli.run import exchange_summary
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
-from harness.prepare import SCENARIO_MODEL, log_progress, prepare, prepared, scenario_endpoint
-from services.client import MeshClient
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "real-llm"
@@ -247,7 +247,7 @@ def write_report(result: ScenarioResult, lines: list[str], log: list[HostEvent],
 async def scenario_mesh(tmp: Path, via_ioa: bool):
     """A mesh (with an IOA network and relay when via_ioa) in this process."""
     from services.config import IoaConfig, MeshConfig, StoreConfig
-    from services.ioa.network import NetworkConfig, NetworkServer
+    from services.ioa_network.server import NetworkConfig, NetworkServer
     from services.server import Mesh
 
     token = secrets.token_urlsafe(16)

@@ -2,9 +2,9 @@
 alice's message reaches bob's inbox, bob consumes it and replies, alice
 consumes the reply; each step is a recorded event, in order, once."""
 
+from inboxmesh.cli.demo import run_demo
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.demo import run_demo
 
 SENT, STORED, DELIVERED, CONSUMED = (ev.EVENT_KIND_MESSAGE_SENT, ev.EVENT_KIND_MESSAGE_STORED,
                                      ev.EVENT_KIND_MESSAGE_DELIVERED, ev.EVENT_KIND_MESSAGE_CONSUMED)

@@ -18,11 +18,11 @@ from harness.evidence import K, Record
 from harness.hosts import by_name, scripted_profiles
 from harness.policies import SIBLING_POLICIES
 from harness.test_addressing import tool_results
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
-from services.client import MeshClient
 from services.config import IoaConfig
-from services.ioa.network import NetworkConfig, NetworkServer
+from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 

@@ -13,9 +13,9 @@ import pytest
 from harness.hosts import GatedModel, by_name, scripted_host
 from harness.nats import NatsNode
 from harness.policies import SIBLING_POLICIES
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.client import MeshClient
 from tests.fixtures import ADMIN_TOKEN, eventually
 from tests.processes import MeshProcess
 

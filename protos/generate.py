@@ -1,4 +1,5 @@
-"""Generate the Python code for every .proto under protos/ into ./inboxmesh.
+"""Generate the Python code for every .proto under protos/ into ./inboxmesh (beside the hand-written
+inboxmesh/client and inboxmesh/cli, which it leaves alone).
 
 The one command that produces the generated package (pinned by the
 grpcio-tools version in pyproject.toml):
@@ -18,6 +19,9 @@ PROTO_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_ROOT.parent
 PACKAGE = "inboxmesh"
 HEADER = '"""Generated from protos/ by `python protos/generate.py`. Do not edit."""\n'
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+HAND_WRITTEN = ("client", "cli")
+"""Subpackages of inboxmesh/ that are written by hand, beside the generated ones."""
 
 
 def proto_files() -> list[Path]:
@@ -45,12 +49,26 @@ def generate(out_dir: Path) -> list[Path]:
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
     package_root = out_dir / PACKAGE
-    for directory in [package_root, *sorted(p for p in package_root.rglob("*") if p.is_dir())]:
-        if directory.name == "__pycache__":
-            continue
+    generated = [out_dir / PACKAGE / Path(f).with_suffix("").relative_to(PACKAGE) for f in files]
+    written = {g.with_name(g.name + suffix) for g in generated for suffix in GENERATED_SUFFIXES}
+    directories = {package_root}
+    for path in written:
+        directories.update(d for d in path.parents if d.is_relative_to(package_root))
+    for directory in directories:
         init = directory / "__init__.py"
         init.write_text(HEADER)
-    return sorted(p for p in package_root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        written.add(init)
+    return sorted(written)
+
+
+def is_generated(relative: Path) -> bool:
+    """Whether a file under the package (path relative to the repository) is one the generator writes:
+    the protos' modules and the `__init__.py` of their folders. The hand-written client and CLI
+    (`inboxmesh/client`, `inboxmesh/cli`) live beside them and are left alone."""
+    parts = relative.parts
+    if len(parts) > 2 and parts[1] in HAND_WRITTEN:
+        return False
+    return relative.name == "__init__.py" or relative.name.endswith(GENERATED_SUFFIXES)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,12 +11,22 @@ import base64
 import hashlib
 import hmac
 import secrets
-from collections.abc import Iterable
 
-from services import errors
-
-METADATA_KEY = "authorization"
-SCHEME = "Bearer "
+from inboxmesh.client.credentials import (  # re-exported: the wire format both sides read
+    METADATA_KEY as METADATA_KEY,
+)
+from inboxmesh.client.credentials import (
+    SCHEME as SCHEME,
+)
+from inboxmesh.client.credentials import (
+    agent_id_of as agent_id_of,
+)
+from inboxmesh.client.credentials import (
+    bearer_from_metadata as bearer_from_metadata,
+)
+from inboxmesh.client.credentials import (
+    metadata_for as metadata_for,
+)
 
 
 def new_agent_id() -> str:
@@ -53,31 +63,3 @@ def hashes_match(credential: str, stored_hash: bytes) -> bool:
 def secrets_match(given: str, expected: str) -> bool:
     """Constant-time comparison of two secrets of any characters (hmac.compare_digest refuses non-ASCII str)."""
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass"))
-
-
-def agent_id_of(credential: str) -> str:
-    """The agent id a credential claims to belong to (not yet verified)."""
-    agent_id, dot, secret = credential.partition(".")
-    if not dot or not agent_id or not secret:
-        raise errors.Unauthenticated(
-            "malformed credential: expected '<agent_id>.<secret>' as returned by RegisterAgent",
-            reason="MALFORMED_CREDENTIAL",
-        )
-    return agent_id
-
-
-def bearer_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The bearer token in `authorization` metadata, or None when absent."""
-    for key, value in metadata or ():
-        if key == METADATA_KEY:
-            text = value.decode() if isinstance(value, bytes) else value
-            if not text.startswith(SCHEME):
-                raise errors.Unauthenticated(
-                    "authorization metadata must be 'Bearer <credential>'", reason="MALFORMED_CREDENTIAL"
-                )
-            return text[len(SCHEME) :].strip()
-    return None
-
-
-def metadata_for(credential: str) -> tuple[tuple[str, str], ...]:
-    return ((METADATA_KEY, SCHEME + credential),)

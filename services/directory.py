@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services import auth, errors
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from services import auth
 from services.store.base import AgentRecord, Store
 
 _MAX_CACHED = 100_000
@@ -30,7 +32,7 @@ class Caller:
         if self.agent is None:
             raise errors.PermissionDenied(
                 f"{action} needs an agent's credential; the admin token cannot act as an agent",
-                reason="AGENT_CREDENTIAL_REQUIRED",
+                reason=Reason.AGENT_CREDENTIAL_REQUIRED,
             )
         return self.agent
 
@@ -59,14 +61,14 @@ class Directory:
     async def require(self, agent_id: str) -> AgentRecord:
         record = await self.get(agent_id)
         if record is None:
-            raise errors.NotFound(f"no agent {agent_id!r}", reason="AGENT_NOT_FOUND", metadata={"agent_id": agent_id})
+            raise errors.NotFound(f"no agent {agent_id!r}", reason=Reason.AGENT_NOT_FOUND, metadata={"agent_id": agent_id})
         return record
 
     async def fresh(self, agent_id: str) -> AgentRecord:
         """The record as stored now (state included)."""
         record = await self._store.get_agent(agent_id)
         if record is None:
-            raise errors.NotFound(f"no agent {agent_id!r}", reason="AGENT_NOT_FOUND", metadata={"agent_id": agent_id})
+            raise errors.NotFound(f"no agent {agent_id!r}", reason=Reason.AGENT_NOT_FOUND, metadata={"agent_id": agent_id})
         self.remember(record)
         return record
 
@@ -94,7 +96,7 @@ class Directory:
             raise errors.Unauthenticated(
                 "no credential: send gRPC metadata 'authorization: Bearer <credential>' with the credential"
                 " RegisterAgent returned",
-                reason="MISSING_CREDENTIAL",
+                reason=Reason.MISSING_CREDENTIAL,
             )
         if self._admin_token and auth.secrets_match(credential, self._admin_token):
             return Caller(agent=None)
@@ -111,7 +113,7 @@ class Directory:
                 self.remember(record)
         if record is None or not auth.hashes_match(credential, record.credential_hash):
             raise errors.Unauthenticated(
-                f"credential for {agent_id!r} is not valid", reason="BAD_CREDENTIAL", metadata={"agent_id": agent_id}
+                f"credential for {agent_id!r} is not valid", reason=Reason.BAD_CREDENTIAL, metadata={"agent_id": agent_id}
             )
         if len(self._verified) >= _MAX_CACHED:
             self._verified.pop(next(iter(self._verified)))
@@ -130,7 +132,7 @@ class Directory:
             raise errors.PermissionDenied(
                 f"{caller} may not {action} {target.agent_id}: it is outside the caller's scope"
                 f" ({target.scope_id} vs {caller.agent.scope_id if caller.agent else '-'})",
-                reason="OUT_OF_SCOPE",
+                reason=Reason.OUT_OF_SCOPE,
                 metadata={"agent_id": target.agent_id},
             )
 

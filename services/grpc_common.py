@@ -9,9 +9,11 @@ import logging
 
 import grpc
 
-from services import auth, errors
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.status import to_grpc
+from services import auth
 from services.directory import Caller, Directory
-from services.grpc_status import to_grpc
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +80,11 @@ class _Undecodable:
         if self.error is None:
             return errors.ResourceExhausted(
                 f"the {self.type_name} is {self.size} bytes; this server takes requests of at most {self.limit}"
-                " bytes (send fewer or smaller messages per request)", reason="REQUEST_TOO_LARGE",
+                " bytes (send fewer or smaller messages per request)", reason=Reason.REQUEST_TOO_LARGE,
                 metadata={"size": str(self.size), "limit": str(self.limit)})
         return errors.InvalidArgument(
             f"the request is not a valid {self.type_name} ({self.size} bytes could not be decoded: "
-            f"{errors.clip(str(self.error), 120)})", reason="UNDECODABLE_REQUEST",
+            f"{errors.clip(str(self.error), 120)})", reason=Reason.UNDECODABLE_REQUEST,
             metadata={"message_type": self.type_name})
 
 

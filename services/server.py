@@ -11,13 +11,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2, events_pb2_grpc
 from inboxmesh.inbox.v1 import inbox_pb2, inbox_pb2_grpc
 from inboxmesh.ioa.v1 import relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2, registry_pb2_grpc
 from inboxmesh.routing.v1 import routing_pb2, routing_pb2_grpc
 from inboxmesh.runs.v1 import runs_pb2, runs_pb2_grpc
-from services import errors
 from services.config import MeshConfig
 from services.directory import Directory
 from services.events.grpc_handler import EventServicer
@@ -73,7 +74,7 @@ class Mesh:
         unknown = set(config.services) - set(SERVICE_NAMES)
         if unknown:
             raise errors.InvalidArgument(
-                f"unknown services {sorted(unknown)}; known: {sorted(SERVICE_NAMES)}", reason="BAD_CONFIG"
+                f"unknown services {sorted(unknown)}; known: {sorted(SERVICE_NAMES)}", reason=Reason.BAD_CONFIG
             )
         self.routing_config = load_routing_config(config.routing) if config.routing is not None else None
         if self.routing_config is not None:  # its loop guard and archive time apply to the whole mesh
@@ -104,14 +105,14 @@ class Mesh:
         self.routing: RoutingService | None = None
         if self.routing_config is not None:
             if "inbox" not in config.services:
-                raise errors.InvalidArgument("routing needs the inbox service", reason="BAD_CONFIG")
+                raise errors.InvalidArgument("routing needs the inbox service", reason=Reason.BAD_CONFIG)
             self.routing = RoutingService(self.routing_config, self.store, self.directory, self.inbox,
                                           config.limits, config.admin_token)
         self.relay: IoaRelay | None = None
         if "relay" in config.services or config.ioa is not None:
             if config.ioa is None or "inbox" not in config.services:
                 raise errors.InvalidArgument("the IOA relay needs an IOA network (ioa) and the inbox service",
-                                             reason="BAD_CONFIG")
+                                             reason=Reason.BAD_CONFIG)
             self.relay = IoaRelay(config.ioa, self.store, config.limits.max_hops)
             self.relay.inbox = self.inbox
             self.inbox.relay = self.relay
@@ -214,5 +215,5 @@ def create_server(config: MeshConfig, server: grpc.aio.Server) -> tuple[grpc.aio
     except RuntimeError as exc:
         raise errors.Unavailable(
             f"could not listen on {config.host}:{config.port} (in use by another process?): {exc}",
-            reason="BIND_FAILED") from None
+            reason=Reason.BIND_FAILED) from None
     return server, port

@@ -5,23 +5,24 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from services import errors
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def check_text(field: str, value: str, *, max_len: int, required: bool = False) -> None:
     if required and not value:
-        raise errors.InvalidArgument(f"{field} is required", reason="MISSING_FIELD", metadata={"field": field})
+        raise errors.InvalidArgument(f"{field} is required", reason=Reason.MISSING_FIELD, metadata={"field": field})
     if len(value) > max_len:
         raise errors.InvalidArgument(
             f"{field} is {len(value)} characters; at most {max_len} allowed",
-            reason="FIELD_TOO_LONG",
+            reason=Reason.FIELD_TOO_LONG,
             metadata={"field": field},
         )
     if _CONTROL.search(value):
         raise errors.InvalidArgument(
-            f"{field} contains control characters", reason="BAD_CHARACTERS", metadata={"field": field}
+            f"{field} contains control characters", reason=Reason.BAD_CHARACTERS, metadata={"field": field}
         )
 
 
@@ -29,7 +30,7 @@ def check_map(field: str, values: dict[str, str], *, max_entries: int = 64, max_
     if len(values) > max_entries:
         raise errors.InvalidArgument(
             f"{field} has {len(values)} entries; at most {max_entries} allowed",
-            reason="TOO_MANY_ENTRIES",
+            reason=Reason.TOO_MANY_ENTRIES,
             metadata={"field": field},
         )
     for key, value in values.items():
@@ -37,7 +38,7 @@ def check_map(field: str, values: dict[str, str], *, max_entries: int = 64, max_
         if len(value) > max_value:
             raise errors.InvalidArgument(
                 f"{field}[{key!r}] is {len(value)} characters; at most {max_value} allowed",
-                reason="FIELD_TOO_LONG",
+                reason=Reason.FIELD_TOO_LONG,
                 metadata={"field": field},
             )
 

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.client import MeshClient
+from inboxmesh.client.mesh import MeshClient
 from services.config import InboxLimits, MeshConfig, StoreConfig
 from services.server import Mesh
 

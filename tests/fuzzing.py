@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
-from services.grpc_status import error_info
+from inboxmesh.client.status import error_info
 from tests.fuzz_messages import MessageStrategies, Pool, Rpc, cut, mostly, raw_bytes, repeat_to, short, show
 
 TRAILER_LIMIT = 8 * 1024
@@ -244,7 +244,7 @@ def trailer_bytes(outcome: Outcome) -> int:
 
 
 class _Trailers:
-    """What services.grpc_status.error_info reads: an object with trailing_metadata()."""
+    """What inboxmesh.client.status.error_info reads: an object with trailing_metadata()."""
 
     def __init__(self, trailers):
         self._trailers = trailers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.client import MeshClient
+from inboxmesh.client.mesh import MeshClient
 from services.config import IoaConfig
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, make_config

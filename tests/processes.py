@@ -19,7 +19,7 @@ class MeshProcess:
                  env: dict[str, str] | None = None):
         self.data_dir = data_dir
         self.env = {**os.environ, **(env or {})}
-        self.args = [sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--port", "0", "--no-demo",
+        self.args = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up", "--port", "0", "--no-demo",
                      "--data-dir", str(data_dir), "--admin-token", admin_token, *extra]
         self.proc: subprocess.Popen | None = None
         self.address = ""

@@ -8,8 +8,8 @@ import contextlib
 
 import grpc
 
+from inboxmesh.client.mesh import AgentHandle
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.client import AgentHandle
 from tests.fixtures import eventually
 
 

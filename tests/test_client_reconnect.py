@@ -19,10 +19,10 @@ from dataclasses import replace
 
 import pytest
 
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import SERVICE_CONFIG, MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services import errors
-from services.client import SERVICE_CONFIG, MeshClient
 from services.faults import ENV as CRASH_AT
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config, store_config

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from harness.nats import free_port, nats_server_binary
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
-from services.client import MeshClient
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["nats", "registry", "inbox-1", "inbox-2", "ioa-network", "relay"]

@@ -7,9 +7,9 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from agent_host.inbox_stream import InboxStream
+from inboxmesh.client.mesh import MeshClient
+from inboxmesh.client.stream import InboxStream
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.client import MeshClient
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 

@@ -11,11 +11,11 @@ import contextlib
 import grpc
 import pytest
 
-from agent_host.inbox_stream import InboxStream
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import envelope
+from inboxmesh.client.stream import InboxStream
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services import errors
-from services.client import envelope
 from services.config import InboxLimits
 
 TOO_MANY = 10 * InboxLimits().max_batch_messages + 1

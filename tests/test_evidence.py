@@ -6,10 +6,10 @@ import asyncio
 import grpc
 import pytest
 
+from inboxmesh.client import errors
+from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services import errors
-from services.telemetry import trace_id_of
 from tests.fixtures import eventually
 from tests.streams import Collector
 

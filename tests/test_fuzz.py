@@ -42,14 +42,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from inboxmesh.client.mesh import AgentHandle, MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc, relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2 as reg
-from services.client import AgentHandle, MeshClient
 from services.config import IoaConfig, RunsConfig
-from services.ioa.network import NetworkConfig, NetworkServer
+from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 from tests.fuzz_messages import Pool, Rpc, all_rpcs, at_limits, filled, replace_text, show

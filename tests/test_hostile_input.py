@@ -4,10 +4,10 @@ and a mesh that goes on serving. Raw gRPC calls only (the project's client would
 import grpc
 import pytest
 
+from inboxmesh.client.status import error_info
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
-from services.grpc_status import error_info
 
 METADATA_SOFT_LIMIT = 8 * 1024
 
@@ -172,7 +172,7 @@ async def test_a_call_that_already_ended_is_left_alone_by_the_error_boundary():
     unexpected servicer exception and aborts a second time ("Abort already called!")."""
     from grpc._cython import cygrpc
 
-    from services import errors
+    from inboxmesh.client import errors
     from services.grpc_common import _refuse
 
     class EndedCall:

@@ -7,13 +7,13 @@ import asyncio
 import grpc
 import pytest
 
+from inboxmesh.client import errors
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc, relay_pb2, relay_pb2_grpc
-from services import errors
-from services.ioa.network import NetworkConfig, NetworkServer
+from services.ioa_network.server import NetworkConfig, NetworkServer
 from tests.fixtures import eventually
 from tests.ioa_nodes import start_node
 from tests.streams import Collector
@@ -83,7 +83,7 @@ async def test_unknown_closed_and_full_targets_look_as_they_do_locally(nodes):
     lead_b, b = await _team(beta, "b")
     tiny = await lead_b.spawn("tiny", inbox_capacity=1)
     receipts = [await a.send(target, "x") for target in (
-        "ioa:nowhere/agt_x", f"ioa:beta/agt_nobody", beta.address(tiny), beta.address(tiny))]
+        "ioa:nowhere/agt_x", "ioa:beta/agt_nobody", beta.address(tiny), beta.address(tiny))]
     await lead_b.close(b.agent_id)
     receipts.append(await a.send(beta.address(b), "too late"))
     assert [r.status for r in receipts] == [

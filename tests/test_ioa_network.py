@@ -8,7 +8,7 @@ import pytest
 
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
-from services.ioa.network import NetworkConfig, NetworkServer
+from services.ioa_network.server import NetworkConfig, NetworkServer
 
 
 class NodeClient:

@@ -11,17 +11,17 @@ import json
 import grpc
 import pytest
 
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import envelope
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
-from services import errors
-from services.client import envelope
 from services.config import InboxLimits
 from services.ioa import trail as trails
-from services.ioa.network import NetworkConfig, NetworkServer
 from services.ioa.relay import RECEIPTS_MEDIA_TYPE
+from services.ioa_network.server import NetworkConfig, NetworkServer
 from tests.fixtures import eventually
 from tests.ioa_nodes import start_node
 from tests.streams import Collector

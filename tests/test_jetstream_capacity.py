@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from harness.nats import NatsNode
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.client import MeshClient
 from services.clock import now_us
 from services.config import StoreConfig
 from services.server import Mesh

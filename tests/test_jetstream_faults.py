@@ -13,12 +13,12 @@ import uuid
 import pytest
 
 from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.runs.v1 import runs_pb2 as runs
-from services import errors
-from services.client import MeshClient
 from tests.fixtures import ADMIN_TOKEN, eventually
 from tests.processes import MeshProcess
 

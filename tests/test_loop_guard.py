@@ -12,7 +12,7 @@ from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.registry.v1 import registry_pb2_grpc
 from services.config import InboxLimits
-from services.ioa.network import NetworkConfig, NetworkServer
+from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
 from tests.fixtures import make_config
 from tests.ioa_nodes import start_node

@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.client import MeshClient
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 from tests.processes import MeshProcess
@@ -66,7 +66,7 @@ async def test_graceful_shutdown_tells_subscribers_to_come_back(tmp_path):
 async def test_a_port_in_use_is_refused_not_shared(mesh, tmp_path):
     from dataclasses import replace
 
-    from services import errors
+    from inboxmesh.client import errors
 
     second = Mesh(replace(make_config(tmp_path / "other"), port=mesh.port))
     with pytest.raises(errors.Unavailable, match="could not listen"):
@@ -75,19 +75,19 @@ async def test_a_port_in_use_is_refused_not_shared(mesh, tmp_path):
 
 
 def _cli(*args, data_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "--log-level", "warning", *args,
+    return subprocess.run([sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", *args,
                            "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
 def test_cli_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "services.cli", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "inboxmesh.cli.main", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     for command in ("up", "register", "send", "tail", "status", "events", "close"):
         assert command in out
 
 
 def test_up_runs_the_demo_exchange(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "services.cli", "--log-level", "warning", "up", "--port", "0",
+    result = subprocess.run([sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up", "--port", "0",
                              "--data-dir", str(tmp_path), "--exit-after-demo"],
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -122,7 +122,7 @@ async def test_cli_tail_shows_messages_live(tmp_path):
             lead = await client.register("lead")
             child = await lead.spawn("child")
             tail = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "services.cli", "--log-level", "warning", "tail", "--as", child.credential,
+                sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "tail", "--as", child.credential,
                 "--consume", "--data-dir", str(tmp_path), cwd=ROOT, stdout=asyncio.subprocess.PIPE)
             try:
                 await eventually(lambda: _subscribed(lead, child.agent_id), 20)
@@ -199,7 +199,7 @@ def test_cli_run_without_a_model_endpoint_says_what_to_set(tmp_path, monkeypatch
 def test_ioa_network_and_two_meshes_as_separate_processes(tmp_path):
     """`inboxmesh ioa-server` in its own process, two `inboxmesh up --ioa-network` meshes: an agent of one
     reaches an agent of the other with the CLI."""
-    network = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "warning", "ioa-server",
+    network = subprocess.Popen([sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "ioa-server",
                                 "--port", "0"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         address = network.stdout.readline().split()[-1]

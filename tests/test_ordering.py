@@ -6,8 +6,8 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from inboxmesh.client.mesh import envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.client import envelope
 from tests.fixtures import contiguous_sequences
 from tests.streams import Collector
 

@@ -4,9 +4,9 @@ scopes, listing and cascading close."""
 import grpc
 import pytest
 
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import AgentHandle
 from inboxmesh.registry.v1 import registry_pb2 as reg
-from services import errors
-from services.client import AgentHandle
 
 
 async def test_register_top_level_and_children(client):

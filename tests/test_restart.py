@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
+from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
-from services.client import MeshClient, envelope
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, contiguous_sequences, eventually, make_config
 from tests.processes import MeshProcess

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from services import errors
+from inboxmesh.client import errors
 from services.routing import (
     AgentConfig,
     Binding,

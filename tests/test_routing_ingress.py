@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 
 from harness.evidence import Record
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.routing.v1 import routing_pb2 as route
-from services import errors
-from services.client import MeshClient
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, make_config
 from tests.streams import Collector

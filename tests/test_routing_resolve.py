@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from services import errors
+from inboxmesh.client import errors
 from services.routing import PeerMatch, RoutingConfig, binding_tier, parse_routing_config, resolve_route
 
 AGENTS = [{"id": "home", "default": True}, {"id": "work"}, {"id": "code"}, {"id": "ops"}, {"id": "fam"}]

@@ -3,11 +3,11 @@
 import grpc
 import pytest
 
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services import errors
-from services.client import MeshClient, envelope
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, contiguous_sequences, make_config
 

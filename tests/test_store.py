@@ -5,13 +5,14 @@ import asyncio
 
 import pytest
 
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services import auth, errors
+from services import auth
 from services.clock import now_us
 from services.config import StoreConfig
 from services.store.base import ACCEPTED, AGENT_OPEN, TARGET_CLOSED, AgentRecord, AppendItem, EventQuery
 from services.store.sqlite import SqliteStore
-from services.client import envelope
 
 
 @pytest.fixture

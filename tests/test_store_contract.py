@@ -13,11 +13,11 @@ import pytest
 
 from harness.evidence import Record, announced_run
 from harness.nats import NatsNode
+from inboxmesh.client.mesh import MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.runs.v1 import runs_pb2 as runs
-from services.client import MeshClient
 from services.config import StoreConfig
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config

@@ -16,10 +16,11 @@ import collections
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
-from services import errors
-from services.directory import Caller, Directory
 from services.clock import now_us
+from services.directory import Caller, Directory
 from services.store.base import EventQuery, Store, event_of
 from services.validation import check_text, page_size, stored_int
 
@@ -111,7 +112,7 @@ class EventsService:
             self._directory.check_reach(caller, record, "read the events of")
         for kind in flt.kinds:
             if kind not in ev.EventKind.values() or kind == ev.EVENT_KIND_UNSPECIFIED:
-                raise errors.InvalidArgument(f"unknown event kind {kind}", reason="BAD_KIND")
+                raise errors.InvalidArgument(f"unknown event kind {kind}", reason=Reason.BAD_KIND)
         return EventQuery(
             message_id=flt.message_id, sender=sender, agent_id=agent_id, kinds=tuple(flt.kinds),
             after_event_id=stored_int(after), limit=limit,
@@ -121,23 +122,23 @@ class EventsService:
         """Runtime events an agent's host reports about that agent."""
         agent = caller.require_agent("recording events")
         if not events:
-            raise errors.InvalidArgument("no events to record", reason="EMPTY_REQUEST")
+            raise errors.InvalidArgument("no events to record", reason=Reason.EMPTY_REQUEST)
         if len(events) > _PAGE:
             raise errors.InvalidArgument(f"{len(events)} events in one request; at most {_PAGE}",
-                                         reason="BATCH_TOO_LARGE")
+                                         reason=Reason.BATCH_TOO_LARGE)
         now = now_us()
         for index, event in enumerate(events):
             if event.kind not in RUNTIME_KINDS:
                 raise errors.InvalidArgument(
                     f"event {index}: kind {ev.EventKind.Name(event.kind) if event.kind in ev.EventKind.values() else event.kind}"
                     " is not a runtime event; the mesh records message and agent events itself",
-                    reason="NOT_A_RUNTIME_EVENT", metadata={"index": str(index)})
+                    reason=Reason.NOT_A_RUNTIME_EVENT, metadata={"index": str(index)})
             if event.agent_id and event.agent_id != agent.agent_id:
                 raise errors.PermissionDenied(
                     f"event {index} is about {event.agent_id}, but the credential is {agent.agent_id}'s: an agent"
-                    " records events about itself only", reason="AGENT_MISMATCH", metadata={"index": str(index)})
+                    " records events about itself only", reason=Reason.AGENT_MISMATCH, metadata={"index": str(index)})
             if len(event.detail) > 4096:
-                raise errors.InvalidArgument(f"event {index}: detail over 4096 characters", reason="FIELD_TOO_LONG")
+                raise errors.InvalidArgument(f"event {index}: detail over 4096 characters", reason=Reason.FIELD_TOO_LONG)
             for field in ("message_id", "sender", "recipient", "trace_id", "in_reply_to", "conversation_id"):
                 check_text(f"event {index}: {field}", getattr(event, field), max_len=256)
             event.sequence, event.turn = stored_int(event.sequence), stored_int(event.turn)

@@ -23,13 +23,13 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 
+from inboxmesh.client.tracing import context_of, message_attributes, tracer
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.clock import now_us
 from services.config import InboxLimits
 from services.store.base import CloseOutcome, Store
-from services.telemetry import context_of, message_attributes, tracer
 
 log = logging.getLogger(__name__)
 _MAX_DELIVERIES_BYTES = 1024 * 1024

@@ -7,12 +7,13 @@ import logging
 
 import grpc
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.status import status_code_of, to_grpc
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
-from services import errors
 from services.directory import Caller, Directory
 from services.grpc_common import bearer, caller_of, streaming, unary
-from services.grpc_status import status_code_of, to_grpc
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.inbox.service import InboxService
 from services.store.base import AckOutcome, MessageRecord, SendOutcome
@@ -116,7 +117,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
             await self._service.unsubscribed(subscription, "mesh shutting down")
             await context.abort(*to_grpc(errors.Unavailable(
                 "the mesh is shutting down; subscribe again to resume (unacked messages are redelivered)",
-                reason="SHUTTING_DOWN")))
+                reason=Reason.SHUTTING_DOWN)))
         await self._service.unsubscribed(subscription, "all its agents left")
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
@@ -141,7 +142,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
         try:
             first = await anext(requests)
             if first.WhichOneof("request") != "subscribe":
-                raise errors.InvalidArgument("the first ConsumeRequest must be `subscribe`", reason="SUBSCRIBE_FIRST")
+                raise errors.InvalidArgument("the first ConsumeRequest must be `subscribe`", reason=Reason.SUBSCRIBE_FIRST)
             subscription, callers = await self._open(first.subscribe, context)
         except StopAsyncIteration:
             return
@@ -181,7 +182,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 async for request in requests:
                     if request.WhichOneof("request") != "ack":
                         raise errors.InvalidArgument("only `ack` may follow the first ConsumeRequest",
-                                                     reason="ACK_EXPECTED")
+                                                     reason=Reason.ACK_EXPECTED)
                     await acking.acquire()
                     group.create_task(ack_one(request.ack))
             except Exception:
@@ -220,14 +221,14 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 return next(iter(callers.items()))
             raise errors.InvalidArgument(
                 f"the ack names no agent, and this stream delivers for {len(callers)}: set agent_id",
-                reason="MISSING_FIELD", metadata={"field": "agent_id"})
+                reason=Reason.MISSING_FIELD, metadata={"field": "agent_id"})
         caller = callers.get(request.agent_id)
         if caller is None:
             shown = _shown(request.agent_id)
             raise errors.PermissionDenied(
                 f"ack names agent {shown!r}, which this stream did not subscribe: ack on the stream that"
                 " delivers for it, or with that agent's own credential",
-                reason="AGENT_MISMATCH", metadata={"agent_id": shown})
+                reason=Reason.AGENT_MISMATCH, metadata={"agent_id": shown})
         return request.agent_id, caller
 
     @staticmethod

@@ -10,10 +10,12 @@ import logging
 
 from opentelemetry import trace
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.tracing import context_of, inject, message_attributes, tracer
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services import errors
 from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Caller, Directory
@@ -33,7 +35,6 @@ from services.store.base import (
     SendOutcome,
     Store,
 )
-from services.telemetry import context_of, inject, message_attributes, tracer
 from services.validation import check_text, fitting, page_size, stored_int
 
 log = logging.getLogger(__name__)
@@ -57,17 +58,17 @@ class InboxService:
     def _validate(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
         limits = self._limits
         if not envelopes:
-            raise errors.InvalidArgument("the request holds no messages", reason="EMPTY_REQUEST")
+            raise errors.InvalidArgument("the request holds no messages", reason=Reason.EMPTY_REQUEST)
         if len(envelopes) > limits.max_batch_messages:
             raise errors.InvalidArgument(
                 f"{len(envelopes)} messages in one request; at most {limits.max_batch_messages}",
-                reason="BATCH_TOO_LARGE",
+                reason=Reason.BATCH_TOO_LARGE,
             )
         for index, env in enumerate(envelopes):
             where = f"message {index} ({errors.clip(env.message_id) or 'no id'})"
             for field, value in (("message_id", env.message_id), ("recipient", env.recipient)):
                 if not value:
-                    raise errors.InvalidArgument(f"{where}: {field} is required", reason="MISSING_FIELD",
+                    raise errors.InvalidArgument(f"{where}: {field} is required", reason=Reason.MISSING_FIELD,
                                                  metadata={"index": str(index), "field": field})
             for field, value in (("message_id", env.message_id), ("recipient", env.recipient),
                                  ("conversation_id", env.conversation_id), ("in_reply_to", env.in_reply_to)):
@@ -76,26 +77,26 @@ class InboxService:
                 raise errors.PermissionDenied(
                     f"{where} names sender {env.sender} but the credential is {sender_id}'s:"
                     " an agent can only send as itself",
-                    reason="SENDER_MISMATCH",
+                    reason=Reason.SENDER_MISMATCH,
                     metadata={"index": str(index), "claimed_sender": env.sender, "sender": sender_id},
                 )
             if env.message_id.startswith(RESERVED_ID_PREFIX):
                 raise errors.InvalidArgument(f"{where}: message ids starting with {RESERVED_ID_PREFIX!r} are the"
-                                             " mesh's own", reason="RESERVED_ID",
+                                             " mesh's own", reason=Reason.RESERVED_ID,
                                              metadata={"index": str(index), "field": "message_id"})
             if env.kind == envelope_pb2.MESSAGE_KIND_REPLY and not env.in_reply_to:
-                raise errors.InvalidArgument(f"{where}: a REPLY needs in_reply_to", reason="MISSING_FIELD",
+                raise errors.InvalidArgument(f"{where}: a REPLY needs in_reply_to", reason=Reason.MISSING_FIELD,
                                              metadata={"index": str(index), "field": "in_reply_to"})
             if env.kind not in envelope_pb2.MessageKind.values():
-                raise errors.InvalidArgument(f"{where}: unknown kind {env.kind}", reason="BAD_KIND")
+                raise errors.InvalidArgument(f"{where}: unknown kind {env.kind}", reason=Reason.BAD_KIND)
             if env.origin.kind == envelope_pb2.ORIGIN_KIND_IOA:
                 raise errors.PermissionDenied(f"{where}: only the IOA relay may send with an IOA origin",
-                                              reason="ORIGIN_NOT_ALLOWED")
+                                              reason=Reason.ORIGIN_NOT_ALLOWED)
             size = env.ByteSize()
             if size > limits.max_message_bytes:
                 raise errors.InvalidArgument(
                     f"{where} is {size} bytes; the limit is {limits.max_message_bytes}",
-                    reason="MESSAGE_TOO_LARGE",
+                    reason=Reason.MESSAGE_TOO_LARGE,
                     metadata={"index": str(index), "size": str(size), "limit": str(limits.max_message_bytes)},
                 )
 
@@ -276,11 +277,11 @@ class InboxService:
             fresh = await self._directory.fresh(agent.agent_id)
             if not fresh.is_open:
                 raise errors.FailedPrecondition(f"agent {agent.agent_id} is closed; its inbox delivers nothing",
-                                                reason="AGENT_CLOSED", metadata={"agent_id": agent.agent_id})
+                                                reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent.agent_id})
             if agent.agent_id not in agent_ids:
                 agent_ids.append(agent.agent_id)
         if not agent_ids:
-            raise errors.InvalidArgument("subscribe names no agent", reason="MISSING_FIELD")
+            raise errors.InvalidArgument("subscribe names no agent", reason=Reason.MISSING_FIELD)
         subscription = self.hub.open(agent_ids, max_in_flight, peer)
         await self._store.record_events(
             self.hub.subscription_events(ev.EVENT_KIND_SUBSCRIBED, agent_ids, f"from {peer}")
@@ -303,14 +304,14 @@ class InboxService:
             raise errors.PermissionDenied(
                 f"ack names agent {errors.clip(agent_id)} but the credential is {agent.agent_id}'s: an agent acks only"
                 " its own inbox",
-                reason="AGENT_MISMATCH",
+                reason=Reason.AGENT_MISMATCH,
             )
         if not sequences:
-            raise errors.InvalidArgument("ack names no sequences", reason="MISSING_FIELD",
+            raise errors.InvalidArgument("ack names no sequences", reason=Reason.MISSING_FIELD,
                                          metadata={"field": "sequences"})
         if len(sequences) > 10 * self._limits.max_batch_messages:
             raise errors.InvalidArgument(f"{len(sequences)} sequences in one ack; at most "
-                                         f"{10 * self._limits.max_batch_messages}", reason="BATCH_TOO_LARGE")
+                                         f"{10 * self._limits.max_batch_messages}", reason=Reason.BATCH_TOO_LARGE)
         outcomes = await self._store.ack(agent.agent_id, [stored_int(s) for s in sequences], now_us(),
                                          stored_int(turn))
         crash_point("ack-stored")
@@ -343,9 +344,9 @@ class InboxService:
             record = await self._store.get_message_by_inbox(recipient, stored_int(key.by_inbox.sequence))
             name = f"message {key.by_inbox.sequence} in {recipient}'s inbox"
         else:
-            raise errors.InvalidArgument("key must be by_sender or by_inbox", reason="MISSING_FIELD")
+            raise errors.InvalidArgument("key must be by_sender or by_inbox", reason=Reason.MISSING_FIELD)
         if record is None:
-            raise errors.NotFound(f"no {name}", reason="MESSAGE_NOT_FOUND")
+            raise errors.NotFound(f"no {name}", reason=Reason.MESSAGE_NOT_FOUND)
         await self._check_may_see(caller, record.envelope.sender, record.envelope.recipient, name)
         return record
 
@@ -353,7 +354,7 @@ class InboxService:
         self, caller: Caller, *, recipient: str, sender: str, size: int, page_token: str
     ) -> tuple[list[MessageRecord], str]:
         if recipient and sender:
-            raise errors.InvalidArgument("give recipient or sender, not both", reason="CONFLICTING_FIELDS")
+            raise errors.InvalidArgument("give recipient or sender, not both", reason=Reason.CONFLICTING_FIELDS)
         if not recipient and not sender:
             recipient = caller.require_agent("naming no agent").agent_id
         subject = await self._directory.require(recipient or sender)
@@ -372,4 +373,4 @@ class InboxService:
             record = await self._directory.get(agent_id)
             if record is not None and self._directory.in_reach(caller, record):
                 return
-        raise errors.PermissionDenied(f"{caller} may not see {name}: outside its scope", reason="OUT_OF_SCOPE")
+        raise errors.PermissionDenied(f"{caller} may not see {name}: outside its scope", reason=Reason.OUT_OF_SCOPE)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import relay_pb2 as pb
 from inboxmesh.ioa.v1 import relay_pb2_grpc
-from services import errors
 from services.directory import Directory
 from services.grpc_common import caller_of, unary
 from services.ioa.relay import IoaRelay, address_of, parse_address
@@ -37,7 +38,7 @@ class IoaRelayServicer(relay_pb2_grpc.IoaRelayServiceServicer):
         elif which == "address":
             node, agent_id = parse_address(request.address)
         else:
-            raise errors.InvalidArgument("give agent_id or address", reason="MISSING_FIELD")
+            raise errors.InvalidArgument("give agent_id or address", reason=Reason.MISSING_FIELD)
         local = agent_id if node == self._relay.node_id and await self._directory.get(agent_id) else ""
         return pb.MapAddressResponse(address=address_of(node, agent_id), ioa=net.Address(node=node, agent=agent_id),
                                      local_agent_id=local)

@@ -39,18 +39,19 @@ import uuid
 import grpc
 from opentelemetry import trace
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.tracing import context_of, trace_id_of, tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
-from services import errors
 from services.clock import now_us
 from services.config import IoaConfig
 from services.ioa import trail as trails
 from services.ioa.wire import H, Refused, address_of, context_of_headers, to_envelope, to_message, trace_id
 from services.store.base import DUPLICATE, IOA_PREFIX, NOT_PERMITTED, UNKNOWN_TARGET, SendOutcome, Store
-from services.telemetry import context_of, trace_id_of, tracer
 
 log = logging.getLogger(__name__)
 PREFIX = IOA_PREFIX
@@ -60,9 +61,9 @@ RECEIPTS_MEDIA_TYPE = "application/vnd.inboxmesh.receipts+json"
 """A relay's answer to another relay: [{for, attempt, status, sequence, stored_at_us, detail}, ...]."""
 _RECEIPT_STATUS = {inbox_pb2.ReceiptStatus.Name(v).removeprefix("RECEIPT_STATUS_").lower(): v
                    for v in inbox_pb2.ReceiptStatus.values()}
-NOTHING_SENT = "IOA_DISCONNECTED"
+NOTHING_SENT = Reason.IOA_DISCONNECTED
 """Reason of the Unavailable a publish raises when nothing reached the network."""
-CONNECTION_LOST = "IOA_CONNECTION_LOST"
+CONNECTION_LOST = Reason.IOA_CONNECTION_LOST
 """Reason of the Unavailable a publish raises when the connection ended after the write: the network may
 have the message."""
 OFFLINE_GRACE_S = 0.5
@@ -87,7 +88,7 @@ def parse_address(address: str) -> tuple[str, str]:
     node, slash, agent = address.removeprefix(PREFIX).partition("/")
     if not address.startswith(PREFIX) or not slash or not node or not agent:
         raise errors.InvalidArgument(f"{address!r} is not an IOA address; expected 'ioa:<node>/<agent>'",
-                                     reason="BAD_IOA_ADDRESS")
+                                     reason=Reason.BAD_IOA_ADDRESS)
     return node, agent
 
 
@@ -268,7 +269,7 @@ class IoaRelay:
                 raise errors.DeadlineExceeded(  # not UNAVAILABLE: the outcome is unknown, so no automatic retry
                     f"no receipt from the IOA network within {self.config.receipt_timeout_s:.0f}s; the message may"
                     " or may not have arrived: retry with the same message_id (DUPLICATE then means it had)",
-                    reason="IOA_NO_RECEIPT")
+                    reason=Reason.IOA_NO_RECEIPT)
             if isinstance(answer, BaseException):
                 raise answer
             if isinstance(answer, dict):
@@ -280,7 +281,7 @@ class IoaRelay:
             else:
                 raise errors.Unavailable(f"the IOA network did not take the message for {env.recipient}:"
                                          f" {answer.detail}; nothing was delivered, retry with the same"
-                                         " message_id", reason="IOA_" + net.PublishStatus.Name(answer.status))
+                                         " message_id", reason=Reason("IOA_" + net.PublishStatus.Name(answer.status)))
         await self._record_outbound(sender_id, envelopes, outcomes)
         return outcomes
 
@@ -529,5 +530,5 @@ class IoaRelay:
                 net.ReadSpaceRequest(space=space, after_seq=after_seq, limit=limit), timeout=10)
         except grpc.aio.AioRpcError as exc:
             raise errors.Unavailable(f"could not read space {errors.clip(space)!r}: {errors.clip(exc.details() or '', 200)}",
-                                     reason="IOA_SPACE_UNREADABLE") from None
+                                     reason=Reason.IOA_SPACE_UNREADABLE) from None
         return list(response.messages)

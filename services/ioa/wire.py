@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
+from inboxmesh.client.tracing import context_of, inject
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from services.ioa import trail as trails
 from services.store.base import IOA_PREFIX
-from services.telemetry import context_of, inject
 
 H = "inboxmesh-"
 """Prefix of the headers relays write; a sender's own headers with it are dropped."""

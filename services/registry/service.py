@@ -7,9 +7,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.registry.v1 import registry_pb2 as pb
-from services import auth, errors
+from services import auth
 from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Caller, Directory
@@ -51,38 +53,38 @@ class RegistryService:
         if request_id and len(request_id) < 16:
             raise errors.InvalidArgument(
                 f"request_id has {len(request_id)} characters; at least 16 (it is the secret the credential is"
-                " derived from: use a random value such as a uuid4)", reason="REQUEST_ID_TOO_SHORT")
+                " derived from: use a random value such as a uuid4)", reason=Reason.REQUEST_ID_TOO_SHORT)
         check_map("metadata", metadata)
         if mode not in pb.AgentMode.values():
             raise errors.InvalidArgument(
-                f"unknown mode {mode}; one of {', '.join(pb.AgentMode.keys())}", reason="BAD_MODE",
+                f"unknown mode {mode}; one of {', '.join(pb.AgentMode.keys())}", reason=Reason.BAD_MODE,
                 metadata={"field": "mode"})
         if inbox_capacity > self._limits.max_capacity:
             raise errors.InvalidArgument(
                 f"inbox_capacity {inbox_capacity} is above the mesh maximum {self._limits.max_capacity}",
-                reason="CAPACITY_TOO_LARGE",
+                reason=Reason.CAPACITY_TOO_LARGE,
             )
         if parent_id:
             if caller is None:
                 raise errors.Unauthenticated(
-                    f"registering a child of {parent_id} needs the parent's credential", reason="MISSING_CREDENTIAL"
+                    f"registering a child of {parent_id} needs the parent's credential", reason=Reason.MISSING_CREDENTIAL
                 )
             if caller.agent is None or caller.agent.agent_id != parent_id:
                 raise errors.PermissionDenied(
                     f"only agent {parent_id} itself may register its children; the credential is {caller}'s",
-                    reason="NOT_PARENT",
+                    reason=Reason.NOT_PARENT,
                     metadata={"parent_id": parent_id},
                 )
             if mode not in CHILD_MODES:
                 raise errors.InvalidArgument(
-                    f"a child needs mode SYNC, ASYNC or FORK, not {pb.AgentMode.Name(mode)}", reason="BAD_MODE"
+                    f"a child needs mode SYNC, ASYNC or FORK, not {pb.AgentMode.Name(mode)}", reason=Reason.BAD_MODE
                 )
             parent = caller.agent
             scope_id, depth = parent.scope_id, parent.depth + 1
         else:
             if mode not in (pb.AGENT_MODE_UNSPECIFIED, pb.AGENT_MODE_MAIN):
                 raise errors.InvalidArgument(
-                    f"a top-level agent has mode MAIN; {pb.AgentMode.Name(mode)} needs a parent_id", reason="BAD_MODE"
+                    f"a top-level agent has mode MAIN; {pb.AgentMode.Name(mode)} needs a parent_id", reason=Reason.BAD_MODE
                 )
             mode, scope_id, depth = pb.AGENT_MODE_MAIN, "", 0
         if request_id:
@@ -123,7 +125,7 @@ class RegistryService:
             run_id = run_record.run_id
         else:
             if run is not None and run.ByteSize():
-                raise errors.InvalidArgument("run is only for children (give parent_id)", reason="RUN_WITHOUT_PARENT")
+                raise errors.InvalidArgument("run is only for children (give parent_id)", reason=Reason.RUN_WITHOUT_PARENT)
             await self._store.create_agent(record)
         self._directory.remember(record)
         log.info(
@@ -144,11 +146,11 @@ class RegistryService:
                 or not auth.hashes_match(credential, existing.credential_hash):
             raise errors.FailedPrecondition(
                 f"request_id was used before to register {existing.name!r} ({agent_id}), not this registration;"
-                " use a new request_id for a new agent", reason="REQUEST_ID_REUSED", metadata={"agent_id": agent_id})
+                " use a new request_id for a new agent", reason=Reason.REQUEST_ID_REUSED, metadata={"agent_id": agent_id})
         if not existing.is_open:
             raise errors.FailedPrecondition(
                 f"this registration was made before, and agent {agent_id} is closed since ({existing.close_reason})",
-                reason="AGENT_CLOSED", metadata={"agent_id": agent_id})
+                reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent_id})
         run_id = ""
         if parent_id and self.runs is not None:
             found = await self._store.get_run(child_id=agent_id)
@@ -175,7 +177,7 @@ class RegistryService:
         if not found:
             raise errors.NotFound(
                 f"no {'' if include_closed else 'open '}agent named {name!r} in scope {scope_id}",
-                reason="NAME_NOT_FOUND",
+                reason=Reason.NAME_NOT_FOUND,
                 metadata={"name": name, "scope_id": scope_id},
             )
         if len(found) > 1:
@@ -183,7 +185,7 @@ class RegistryService:
             raise errors.FailedPrecondition(
                 f"name {name!r} is ambiguous in scope {scope_id}: {len(ids)} agents ({', '.join(ids)});"
                 " address one by agent_id",
-                reason="AMBIGUOUS_NAME",
+                reason=Reason.AMBIGUOUS_NAME,
                 metadata={"name": name, "candidates": ",".join(ids)},
             )
         return found[0]
@@ -192,7 +194,7 @@ class RegistryService:
         self, caller: Caller, *, scope_id: str, parent_id: str, include_closed: bool, size: int, page_token: str
     ) -> tuple[list[AgentRecord], str]:
         if scope_id and parent_id:
-            raise errors.InvalidArgument("give scope_id or parent_id, not both", reason="CONFLICTING_FIELDS")
+            raise errors.InvalidArgument("give scope_id or parent_id, not both", reason=Reason.CONFLICTING_FIELDS)
         limit = page_size(size)
         if parent_id:
             parent = await self._directory.require(parent_id)
@@ -217,7 +219,7 @@ class RegistryService:
         if not await self._directory.is_self_or_ancestor(caller, target):
             raise errors.PermissionDenied(
                 f"{caller} may not close {agent_id}: only the agent itself or an ancestor may",
-                reason="NOT_ANCESTOR",
+                reason=Reason.NOT_ANCESTOR,
                 metadata={"agent_id": agent_id},
             )
         return await self.close_as_mesh(agent_id, reason or "closed")
@@ -242,7 +244,7 @@ class RegistryService:
         if root.scope_id != scope_id:
             raise errors.InvalidArgument(
                 f"{scope_id} is not a scope: scopes are named by their top-level agent ({root.scope_id})",
-                reason="NOT_A_SCOPE",
+                reason=Reason.NOT_A_SCOPE,
             )
         self._directory.check_reach(caller, root, "look into scope")
         return scope_id

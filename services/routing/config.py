@@ -2,7 +2,7 @@
 the bindings that send a channel's messages to an agent. Reading and
 validating files lives here; matching lives in services.routing.resolve.
 
-Every problem raises services.errors.InvalidArgument whose message starts
+Every problem raises inboxmesh.client.errors.InvalidArgument whose message starts
 with the source and the full key path, e.g.
 ``routing.yaml: bindings[2].match.peer.kind: must be one of dm, group, channel, got 'room'``.
 Unknown keys are errors. A YAML null counts as an absent key. Strings are
@@ -24,7 +24,8 @@ from typing import Any, NoReturn
 
 import yaml
 
-from services import errors
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def load_routing_config(path: str | os.PathLike[str]) -> RoutingConfig:
 
 def _file_error(file: Path, problem: str, cause: BaseException | None = None) -> NoReturn:
     raise errors.InvalidArgument(
-        f"{file}: {problem}", reason="BAD_CONFIG_FILE", metadata={"source": str(file)}
+        f"{file}: {problem}", reason=Reason.BAD_CONFIG_FILE, metadata={"source": str(file)}
     ) from cause
 
 
@@ -296,7 +297,7 @@ class _Reader:
         self.warnings: list[str] = []
         self.allow_refs: list[tuple[str, str]] = []  # (path, id) of every allowAgents entry
 
-    def fail(self, path: str, problem: str, reason: str) -> NoReturn:
+    def fail(self, path: str, problem: str, reason: Reason) -> NoReturn:
         where = path or "(top level)"
         raise errors.InvalidArgument(
             f"{self.source}: {where}: {problem}",
@@ -312,7 +313,7 @@ class _Reader:
     def required(self, data: dict[str, Any], key: str, path: str, read: Callable[..., Any],
                  *args: Any) -> Any:
         if key not in data:
-            self.fail(_join(path, key), "required key is missing", "MISSING_FIELD")
+            self.fail(_join(path, key), "required key is missing", Reason.MISSING_FIELD)
         return read(data[key], _join(path, key), *args)
 
     def mapping(self, value: Any, path: str, known: tuple[str, ...]) -> dict[str, Any]:
@@ -320,10 +321,10 @@ class _Reader:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            self.fail(path, f"expected a mapping, got {_show(value)}", "WRONG_TYPE")
+            self.fail(path, f"expected a mapping, got {_show(value)}", Reason.WRONG_TYPE)
         for key in value:
             if key not in known:
-                self.fail(_join(path, key), f"unknown key; known keys are {', '.join(known)}", "UNKNOWN_KEY")
+                self.fail(_join(path, key), f"unknown key; known keys are {', '.join(known)}", Reason.UNKNOWN_KEY)
         return {key: item for key, item in value.items() if item is not None}
 
     def section(self, data: dict[str, Any], key: str, path: str, known: tuple[str, ...]) -> dict[str, Any]:
@@ -331,16 +332,16 @@ class _Reader:
 
     def items(self, value: Any, path: str) -> list[tuple[str, Any]]:
         if not isinstance(value, list):
-            self.fail(path, f"expected a list, got {_show(value)}", "WRONG_TYPE")
+            self.fail(path, f"expected a list, got {_show(value)}", Reason.WRONG_TYPE)
         return [(f"{path}[{i}]", item) for i, item in enumerate(value)]
 
     def string(self, value: Any, path: str, *, secret: bool = False) -> str:
         if not isinstance(value, str):
             got = type(value).__name__ if secret else _show(value)
             hint = " (quote it)" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
-            self.fail(path, f"expected a string, got {got}{hint}", "WRONG_TYPE")
+            self.fail(path, f"expected a string, got {got}{hint}", Reason.WRONG_TYPE)
         if not value.strip():
-            self.fail(path, "must not be empty; omit the key instead", "BAD_VALUE")
+            self.fail(path, "must not be empty; omit the key instead", Reason.BAD_VALUE)
         return value if secret else value.strip()
 
     def lower(self, value: Any, path: str) -> str:
@@ -351,28 +352,28 @@ class _Reader:
 
     def boolean(self, value: Any, path: str) -> bool:
         if not isinstance(value, bool):
-            self.fail(path, f"expected true or false, got {_show(value)}", "WRONG_TYPE")
+            self.fail(path, f"expected true or false, got {_show(value)}", Reason.WRONG_TYPE)
         return value
 
     def integer(self, value: Any, path: str, low: int, high: int | None = None) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
-            self.fail(path, f"expected an integer, got {_show(value)}", "WRONG_TYPE")
+            self.fail(path, f"expected an integer, got {_show(value)}", Reason.WRONG_TYPE)
         if value < low or (high is not None and value > high):
             bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
-            self.fail(path, f"must be {bounds}, got {value}", "BAD_VALUE")
+            self.fail(path, f"must be {bounds}, got {value}", Reason.BAD_VALUE)
         return value
 
     def positive_number(self, value: Any, path: str) -> float:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            self.fail(path, f"expected a number, got {_show(value)}", "WRONG_TYPE")
+            self.fail(path, f"expected a number, got {_show(value)}", Reason.WRONG_TYPE)
         if not math.isfinite(value) or value <= 0:
-            self.fail(path, f"must be a finite number greater than 0, got {value}", "BAD_VALUE")
+            self.fail(path, f"must be a finite number greater than 0, got {value}", Reason.BAD_VALUE)
         return float(value)
 
     def choice(self, value: Any, path: str, choices: tuple[str, ...]) -> str:
         chosen = self.lower(value, path)
         if chosen not in choices:
-            self.fail(path, f"must be one of {', '.join(choices)}, got {_show(value)}", "BAD_VALUE")
+            self.fail(path, f"must be one of {', '.join(choices)}, got {_show(value)}", Reason.BAD_VALUE)
         return chosen
 
     def agent_id(self, value: Any, path: str, *, allow_any: bool = False) -> str:
@@ -381,7 +382,7 @@ class _Reader:
             return ANY
         if not AGENT_ID_PATTERN.fullmatch(ident):
             self.fail(path, f"{value!r} is not a valid agent id; trimmed and lower-cased it must match "
-                      f"^{AGENT_ID_PATTERN.pattern}$", "BAD_AGENT_ID")
+                      f"^{AGENT_ID_PATTERN.pattern}$", Reason.BAD_AGENT_ID)
         return ident
 
     def model(self, value: Any, path: str) -> ModelConfig:
@@ -389,7 +390,7 @@ class _Reader:
             return ModelConfig(self.string(value, path))
         if not isinstance(value, dict):
             self.fail(path, f"expected a model name or a mapping with primary and fallbacks, "
-                      f"got {_show(value)}", "WRONG_TYPE")
+                      f"got {_show(value)}", Reason.WRONG_TYPE)
         data = self.mapping(value, path, _MODEL_KEYS)
         return ModelConfig(
             self.required(data, "primary", path, self.string),
@@ -490,7 +491,7 @@ def _binding(r: _Reader, value: Any, path: str, index: int) -> Binding:
     match = r.required(data, "match", path, r.mapping, _MATCH_KEYS)
     guild = r.opt(match, "guildId", match_path, r.string)
     if "roles" in match and guild is None:
-        r.fail(_join(match_path, "roles"), "only allowed together with guildId", "CONFLICTING_FIELDS")
+        r.fail(_join(match_path, "roles"), "only allowed together with guildId", Reason.CONFLICTING_FIELDS)
     return Binding(
         agent_id=agent_id,
         match=BindingMatch(
@@ -527,7 +528,7 @@ def _agent_list(r: _Reader, value: Any, defaults: _Partial) -> list[AgentConfig]
         agent = _agent_entry(r, item, path, defaults)
         if agent.id in seen_at:
             r.fail(_join(path, "id"), f"duplicate agent id {agent.id!r} (also at {seen_at[agent.id]})",
-                   "DUPLICATE_AGENT_ID")
+                   Reason.DUPLICATE_AGENT_ID)
         seen_at[agent.id] = _join(path, "id")
         agents.append(agent)
     return agents
@@ -551,7 +552,7 @@ def _session(r: _Reader, data: dict[str, Any]) -> SessionConfig:
     main_key = r.opt(data, "mainKey", "session", r.lower, default="main")
     if not AGENT_ID_PATTERN.fullmatch(main_key):
         r.fail("session.mainKey", f"{data['mainKey']!r} must match ^{AGENT_ID_PATTERN.pattern}$ once "
-               "lower-cased", "BAD_VALUE")
+               "lower-cased", Reason.BAD_VALUE)
     return SessionConfig(main_key, r.opt(data, "dmScope", "session", r.choice, DM_SCOPES, default="main"))
 
 

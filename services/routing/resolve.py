@@ -43,7 +43,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from services import errors
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from services.routing.config import ANY, DEFAULT_ACCOUNT_ID, PEER_KINDS, Binding, PeerMatch, RoutingConfig
 
 TIERS = (
@@ -121,7 +122,7 @@ def resolve_route(
     if isinstance(roles, str):
         raise errors.InvalidArgument(
             f"roles: expected a sequence of role ids, got the string {roles!r}",
-            reason="BAD_ROUTE_INPUT",
+            reason=Reason.BAD_ROUTE_INPUT,
             metadata={"field": "roles"},
         )
     role_set = frozenset(role.strip() for role in roles if role.strip())
@@ -231,7 +232,7 @@ def _account_fits(binding_account: str | None, account: str) -> bool:
 def _channel(value: str) -> str:
     channel = (value or "").strip().lower()
     if not channel:
-        raise errors.InvalidArgument("channel: must not be empty", reason="MISSING_FIELD",
+        raise errors.InvalidArgument("channel: must not be empty", reason=Reason.MISSING_FIELD,
                                      metadata={"field": "channel"})
     return channel
 
@@ -244,12 +245,12 @@ def _peer(value: PeerLike | None, name: str) -> PeerMatch | None:
     if kind not in PEER_KINDS:
         raise errors.InvalidArgument(
             f"{name}.kind: must be one of {', '.join(PEER_KINDS)}, got {value.kind!r}",
-            reason="BAD_KIND",
+            reason=Reason.BAD_KIND,
             metadata={"field": f"{name}.kind"},
         )
     peer_id = str(value.id).strip()
     if not peer_id:
-        raise errors.InvalidArgument(f"{name}.id: must not be empty", reason="MISSING_FIELD",
+        raise errors.InvalidArgument(f"{name}.id: must not be empty", reason=Reason.MISSING_FIELD,
                                      metadata={"field": f"{name}.id"})
     return PeerMatch(kind, peer_id)
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.registry.v1 import registry_pb2 as reg_pb
 from inboxmesh.routing.v1 import routing_pb2 as pb
-from services import auth, errors
+from services import auth
 from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Directory
@@ -32,7 +34,7 @@ def _peer(peer: pb.Peer, field: str) -> PeerMatch | None:
         return None
     if peer.kind not in PEER_KINDS or not peer.id.strip():
         raise errors.InvalidArgument(f"source.{field} needs a kind (DM, GROUP or CHANNEL) and an id",
-                                     reason="BAD_PEER", metadata={"field": f"source.{field}"})
+                                     reason=Reason.BAD_PEER, metadata={"field": f"source.{field}"})
     check_text(f"source.{field}.id", peer.id, max_len=256)
     return PeerMatch(kind=PEER_KINDS[peer.kind], id=peer.id.strip())
 
@@ -59,17 +61,17 @@ class RoutingService:
     def check_token(self, token: str | None, action: str) -> None:
         if not self.config.ingress_tokens:
             raise errors.FailedPrecondition(f"{action} is disabled: the routing config has no ingress.tokens",
-                                            reason="NO_INGRESS_TOKENS")
+                                            reason=Reason.NO_INGRESS_TOKENS)
         if not token:
             raise errors.Unauthenticated(f"{action} needs an ingress token: send 'authorization: Bearer <token>'",
-                                         reason="MISSING_CREDENTIAL")
+                                         reason=Reason.MISSING_CREDENTIAL)
         if not any(auth.secrets_match(token, t) for t in self._tokens):
             raise errors.Unauthenticated(f"{action}: the ingress token is not one of ingress.tokens",
-                                         reason="BAD_CREDENTIAL")
+                                         reason=Reason.BAD_CREDENTIAL)
 
     def resolve(self, source: pb.RouteInput) -> ResolvedRoute:
         if not source.channel.strip():
-            raise errors.InvalidArgument("source.channel is required", reason="MISSING_FIELD",
+            raise errors.InvalidArgument("source.channel is required", reason=Reason.MISSING_FIELD,
                                          metadata={"field": "source.channel"})
         for field, value in (("channel", source.channel), ("account_id", source.account_id),
                              ("guild_id", source.guild_id), ("team_id", source.team_id)):
@@ -101,7 +103,7 @@ class RoutingService:
             conversation_id=route.session_key, origin=_CHANNEL_ORIGIN, headers=headers)
         if envelope.ByteSize() > self._limits.max_message_bytes:
             raise errors.InvalidArgument(f"the message is {envelope.ByteSize()} bytes; the limit is"
-                                         f" {self._limits.max_message_bytes}", reason="MESSAGE_TOO_LARGE")
+                                         f" {self._limits.max_message_bytes}", reason=Reason.MESSAGE_TOO_LARGE)
         [outcome] = await self._inbox.deliver_from_channel([envelope])
         detail = f"{route.matched_by} -> {route.agent_id} session={route.session_key}"
         if route.warning:
@@ -148,7 +150,7 @@ class RoutingService:
             else ""
         if self.config.agent(agent_cfg) is None:
             raise errors.InvalidArgument(f"session_key {session_key!r} does not name a configured agent"
-                                         " (agent:<agentId>:...)", reason="BAD_SESSION_KEY")
+                                         " (agent:<agentId>:...)", reason=Reason.BAD_SESSION_KEY)
         route = ResolvedRoute(agent_id=agent_cfg, channel="", account_id="", session_key=session_key,
                               main_session_key=f"agent:{agent_cfg}:{self.config.session.main_key}",
                               matched_by="claim", binding_index=-1, warning="")

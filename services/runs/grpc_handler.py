@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.runs.v1 import runs_pb2 as pb
 from inboxmesh.runs.v1 import runs_pb2_grpc
-from services import errors
 from services.directory import Directory
 from services.grpc_common import caller_of, unary
 from services.runs.service import RunService
@@ -37,5 +38,5 @@ class RunServicer(runs_pb2_grpc.SubagentRunServiceServicer):
     async def SweepRuns(self, request: pb.SweepRunsRequest, context) -> pb.SweepRunsResponse:
         caller = await caller_of(context, self._directory)
         if not caller.is_admin:
-            raise errors.PermissionDenied("running the sweeper needs the admin token", reason="NOT_ADMIN")
+            raise errors.PermissionDenied("running the sweeper needs the admin token", reason=Reason.NOT_ADMIN)
         return await self._service.sweep()

@@ -18,9 +18,11 @@ import hashlib
 import logging
 import uuid
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.tracing import context_of, traceparent, tracer
 from inboxmesh.registry.v1 import registry_pb2 as reg_pb
 from inboxmesh.runs.v1 import runs_pb2 as pb
-from services import errors
 from services.clock import now_us
 from services.config import RunsConfig
 from services.directory import Caller, Directory
@@ -36,7 +38,6 @@ from services.store.base import (
     SpawnLimits,
     Store,
 )
-from services.telemetry import context_of, traceparent, tracer
 from services.validation import check_text, fitting, page_size
 
 log = logging.getLogger(__name__)
@@ -110,14 +111,14 @@ class RunService:
             target = target or parent_agent
             if self.routing.agent(target) is None:
                 raise errors.NotFound(f"run.agent_config_id {target!r} is not in agents.list",
-                                      reason="AGENT_CONFIG_NOT_FOUND", metadata={"agent_config_id": target})
+                                      reason=Reason.AGENT_CONFIG_NOT_FOUND, metadata={"agent_config_id": target})
             if not self.routing.may_spawn(parent_agent, target):
                 raise errors.PermissionDenied(
                     f"{parent_agent!r} may not spawn agent {target!r}: not in its subagents.allowAgents",
-                    reason="AGENT_NOT_ALLOWED", metadata={"requester": parent_agent, "agent_config_id": target})
+                    reason=Reason.AGENT_NOT_ALLOWED, metadata={"requester": parent_agent, "agent_config_id": target})
         elif target:
             raise errors.FailedPrecondition(f"run.agent_config_id {target!r} needs a routing config (none loaded)",
-                                            reason="NO_ROUTING_CONFIG")
+                                            reason=Reason.NO_ROUTING_CONFIG)
         if target:
             metadata[AGENT_KEY] = target
         # an idempotent registration's run is named by its child, so a retry names the same run
@@ -143,7 +144,7 @@ class RunService:
         child = await self._directory.require(run.child_id)
         if not await self._directory.is_self_or_ancestor(caller, child):
             raise errors.PermissionDenied(f"{caller} may not end run {run.run_id}: only its child or an ancestor",
-                                          reason="NOT_ANCESTOR", metadata={"run_id": run.run_id})
+                                          reason=Reason.NOT_ANCESTOR, metadata={"run_id": run.run_id})
         status = pb.RUN_STATUS_ERROR if failed else pb.RUN_STATUS_OK
         with tracer.start_as_current_span("run end", attributes={"inboxmesh.run": run.run_id,
                                                                  "inboxmesh.agent": run.child_id}):
@@ -234,17 +235,17 @@ class RunService:
     # -- queries ------------------------------------------------------------------
     async def get(self, caller: Caller, *, run_id: str, child_id: str) -> RunRecord:
         if not run_id and not child_id:
-            raise errors.InvalidArgument("give run_id or child_id", reason="MISSING_FIELD")
+            raise errors.InvalidArgument("give run_id or child_id", reason=Reason.MISSING_FIELD)
         check_text("run_id", run_id, max_len=128)
         check_text("child_id", child_id, max_len=128)
         run = await self._store.get_run(run_id=run_id, child_id=child_id)
         if run is None:
-            raise errors.NotFound(f"no run {run_id or 'for child ' + child_id}", reason="RUN_NOT_FOUND")
+            raise errors.NotFound(f"no run {run_id or 'for child ' + child_id}", reason=Reason.RUN_NOT_FOUND)
         requester = await self._directory.get(run.requester_id)
         child = await self._directory.get(run.child_id)
         if not any(a is not None and self._directory.in_reach(caller, a) for a in (requester, child)):
             raise errors.PermissionDenied(f"{caller} may not see run {run.run_id}: outside its scope",
-                                          reason="OUT_OF_SCOPE")
+                                          reason=Reason.OUT_OF_SCOPE)
         return run
 
     async def list(self, caller: Caller, requester_id: str, include_archived: bool, size: int,

@@ -3,6 +3,7 @@ implementation per backend."""
 
 from __future__ import annotations
 
+from inboxmesh.client.errors import Reason
 from services.config import StoreConfig
 from services.store.base import Store
 
@@ -17,7 +18,7 @@ def open_store(config: StoreConfig) -> Store:
         from services.store.jetstream import JetStreamStore
 
         return JetStreamStore(config)
-    from services.errors import InvalidArgument
+    from inboxmesh.client.errors import InvalidArgument
 
     raise InvalidArgument(f"unknown store backend {config.backend!r}; known: 'sqlite', 'jetstream'",
-                          reason="BAD_CONFIG")
+                          reason=Reason.BAD_CONFIG)

@@ -25,6 +25,18 @@ import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from inboxmesh.client.addressing import (  # re-exported: the store's users name them here
+    CHANNEL_PREFIX as CHANNEL_PREFIX,
+)
+from inboxmesh.client.addressing import (
+    EXTERNAL_PREFIXES as EXTERNAL_PREFIXES,
+)
+from inboxmesh.client.addressing import (
+    IOA_PREFIX as IOA_PREFIX,
+)
+from inboxmesh.client.addressing import (
+    RESERVED_ID_PREFIX as RESERVED_ID_PREFIX,
+)
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2
 from inboxmesh.inbox.v1 import inbox_pb2
@@ -47,13 +59,6 @@ NOT_PERMITTED = inbox_pb2.RECEIPT_STATUS_NOT_PERMITTED
 INBOX_FULL = inbox_pb2.RECEIPT_STATUS_INBOX_FULL
 
 REASON_CLOSED = "recipient closed"
-IOA_PREFIX = "ioa:"
-"""Senders and recipients that are addresses on the IOA network, not agents here."""
-CHANNEL_PREFIX = "channel:"
-"""Senders that are people on an outside channel (routing ingress), not agents."""
-EXTERNAL_PREFIXES = (IOA_PREFIX, CHANNEL_PREFIX)
-RESERVED_ID_PREFIX = "inboxmesh:"
-"""Message ids the mesh itself uses (notices); senders may not use them."""
 REASON_ATTEMPTS = "too many delivery attempts"
 REASON_EXPIRED = "expired"
 

@@ -26,10 +26,11 @@ from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import APIError as NatsApiError
 from nats.js.errors import BadRequestError, NoKeysError, NotFoundError
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.runs.v1 import runs_pb2
-from services import errors
 from services.config import StoreConfig
 from services.faults import crash_point
 from services.store import base
@@ -70,7 +71,7 @@ class JetStreamStore(base.Store):
         self.config = config
         ns = config.nats_namespace
         if not ns.isidentifier() or not ns.isascii():
-            raise errors.InvalidArgument(f"nats namespace {ns!r}: letters, digits and _ only", reason="BAD_CONFIG")
+            raise errors.InvalidArgument(f"nats namespace {ns!r}: letters, digits and _ only", reason=Reason.BAD_CONFIG)
         self.ns = ns
         self.inbox_stream = f"{ns.upper()}_INBOX"
         self.event_stream = f"{ns.upper()}_EVENTS"
@@ -90,12 +91,12 @@ class JetStreamStore(base.Store):
     async def start(self) -> None:
         urls = list(self.config.nats_urls)
         if not urls:
-            raise errors.InvalidArgument("the jetstream store needs NATS server URLs (--nats)", reason="BAD_CONFIG")
+            raise errors.InvalidArgument("the jetstream store needs NATS server URLs (--nats)", reason=Reason.BAD_CONFIG)
         try:
             self.nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=-1,
                                          reconnect_time_wait=0.2, name="inboxmesh")
         except Exception as exc:
-            raise errors.Unavailable(f"cannot reach NATS at {', '.join(urls)}: {exc}", reason="NATS_DOWN") from None
+            raise errors.Unavailable(f"cannot reach NATS at {', '.join(urls)}: {exc}", reason=Reason.NATS_DOWN) from None
         self.js = self.nc.jetstream(timeout=self.config.nats_timeout_s)
         replicas = self.config.nats_replicas
         ns = self.ns
@@ -149,7 +150,7 @@ class JetStreamStore(base.Store):
 
     def require_open(self) -> None:
         if self.nc is None or self.js is None:
-            raise errors.Unavailable("the store is not running", reason="STORE_CLOSED")
+            raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED)
 
     # -- events ---------------------------------------------------------------
     async def emit(self, rows: list[tuple]) -> list[int]:
@@ -171,7 +172,7 @@ class JetStreamStore(base.Store):
                 base.event_of(0, row).SerializeToString(), headers={"Nats-Msg-Id": ident} if ident else None))
         try:
             acks = await asyncio.wait_for(asyncio.gather(*futures), self.config.nats_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for future in futures:
                 future.cancel()
             raise nats.errors.TimeoutError from None
@@ -253,12 +254,12 @@ class JetStreamStore(base.Store):
         if record.parent_id:
             parent = await self.get_agent(record.parent_id)
             if parent is None:
-                raise errors.NotFound(f"parent agent {record.parent_id} does not exist", reason="AGENT_NOT_FOUND")
+                raise errors.NotFound(f"parent agent {record.parent_id} does not exist", reason=Reason.AGENT_NOT_FOUND)
             if not parent.is_open:
                 raise errors.FailedPrecondition(
-                    f"parent agent {record.parent_id} is closed; it cannot have new children", reason="AGENT_CLOSED")
+                    f"parent agent {record.parent_id} is closed; it cannot have new children", reason=Reason.AGENT_CLOSED)
         if not await kvh.create(self.agents, f"a.{kvh.token(record.agent_id)}", kvh.agent_json(record)):
-            raise errors.FailedPrecondition(f"agent {record.agent_id} exists", reason="AGENT_EXISTS")
+            raise errors.FailedPrecondition(f"agent {record.agent_id} exists", reason=Reason.AGENT_EXISTS)
         await self._index_add(f"s.{kvh.token(record.scope_id)}", record.agent_id)
         await self._index_add(f"n.{kvh.token(record.scope_id)}.{kvh.token(record.name)}", record.agent_id)
         if record.parent_id:
@@ -268,7 +269,7 @@ class JetStreamStore(base.Store):
                 await self.close_agent(record.agent_id, f"ancestor {record.parent_id} closed: {parent.close_reason}",
                                        parent.closed_at_us)
                 raise errors.FailedPrecondition(
-                    f"parent agent {record.parent_id} is closed; it cannot have new children", reason="AGENT_CLOSED")
+                    f"parent agent {record.parent_id} is closed; it cannot have new children", reason=Reason.AGENT_CLOSED)
         await self.emit([_registered_row(record)])
         return record
 
@@ -342,7 +343,7 @@ class JetStreamStore(base.Store):
         if after_key:
             ids = [r.agent_id for r in records]
             if after_key not in ids:
-                raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason="BAD_PAGE_TOKEN")
+                raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason=Reason.BAD_PAGE_TOKEN)
             records = records[ids.index(after_key) + 1:]
         return records[:limit]
 
@@ -398,7 +399,7 @@ class JetStreamStore(base.Store):
         written = await kvh.cas(self.agents, f"a.{kvh.token(agent_id)}", change)
         if written is None:
             raise errors.FailedPrecondition(f"agent {agent_id} is closed or unknown; no credential issued",
-                                            reason="AGENT_CLOSED", metadata={"agent_id": agent_id})
+                                            reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent_id})
         return kvh.agent_of(written)
 
     async def session_agent(self, session_key: str, new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
@@ -420,7 +421,7 @@ class JetStreamStore(base.Store):
                 registered = True
             if await kvh.cas(self.misc, key, lambda cur, seen=current: new_agent.agent_id if cur == seen else None):
                 return new_agent, True
-        raise errors.Unavailable(f"too much contention on session {session_key}", reason="CONTENTION")
+        raise errors.Unavailable(f"too much contention on session {session_key}", reason=Reason.CONTENTION)
 
     # -- inbox (services.store.jetstream_inbox) ---------------------------------------
     async def append(self, sender_id, items, at_us):
@@ -478,7 +479,7 @@ class JetStreamStore(base.Store):
         for _ in range(kvh.MAX_CAS_TRIES):
             found = await self._load_run(self._run_key(run_id))
             if found is None:
-                raise errors.NotFound(f"no run {run_id}", reason="RUN_NOT_FOUND", metadata={"run_id": run_id})
+                raise errors.NotFound(f"no run {run_id}", reason=Reason.RUN_NOT_FOUND, metadata={"run_id": run_id})
             run, revision = found
             rows: list[tuple] = []
             if not change(run, rows):
@@ -489,7 +490,7 @@ class JetStreamStore(base.Store):
                 continue
             await self.emit(rows)
             return run
-        raise errors.Unavailable(f"too much contention on run {run_id}", reason="CONTENTION")
+        raise errors.Unavailable(f"too much contention on run {run_id}", reason=Reason.CONTENTION)
 
     async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits, *,
                            resume: bool = False) -> AgentRecord:
@@ -500,7 +501,7 @@ class JetStreamStore(base.Store):
         if record.depth > limits.max_depth:
             raise errors.ResourceExhausted(
                 f"spawn refused: {record.name!r} would be at depth {record.depth}; the most is {limits.max_depth}",
-                reason="SPAWN_DEPTH", metadata={"depth": str(record.depth), "max_depth": str(limits.max_depth)})
+                reason=Reason.SPAWN_DEPTH, metadata={"depth": str(record.depth), "max_depth": str(limits.max_depth)})
         slots = f"active.{kvh.token(record.parent_id)}"
         refused: list[int] = []
 
@@ -518,7 +519,7 @@ class JetStreamStore(base.Store):
             raise errors.ResourceExhausted(
                 f"spawn refused: {record.parent_id} already has {refused[-1]} running children; the most is"
                 f" {limits.max_active_children} (wait for one to finish)",
-                reason="TOO_MANY_CHILDREN", metadata={"active": str(refused[-1]),
+                reason=Reason.TOO_MANY_CHILDREN, metadata={"active": str(refused[-1]),
                                                       "max": str(limits.max_active_children)})
         if not resume:
             try:
@@ -564,7 +565,7 @@ class JetStreamStore(base.Store):
         ids = found[0] if found else []
         if after_key:
             if after_key not in ids:
-                raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason="BAD_PAGE_TOKEN")
+                raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason=Reason.BAD_PAGE_TOKEN)
             ids = ids[ids.index(after_key) + 1:]
         runs = [r for r in await asyncio.gather(*(self.get_run(run_id=i) for i in ids)) if r is not None]
         return [r for r in runs if include_archived or not r.archived_at_us][:limit]
@@ -625,7 +626,7 @@ class JetStreamStore(base.Store):
         self.require_open()
         run = await self.get_run(run_id=run_id)
         if run is None:
-            raise errors.NotFound(f"no run {run_id}", reason="RUN_NOT_FOUND", metadata={"run_id": run_id})
+            raise errors.NotFound(f"no run {run_id}", reason=Reason.RUN_NOT_FOUND, metadata={"run_id": run_id})
         if run.announce_state != ANNOUNCE_PENDING:
             return AnnounceOutcome(run)
         stored = await self.inbox.store_announce(run, announce_envelope(run, at_us), at_us)
@@ -727,11 +728,11 @@ def _unavailable_on_nats_errors(cls):
                     return await method(self, *args, **kwargs)
                 except errors.MeshError:
                     raise
-                except (nats.errors.Error, asyncio.TimeoutError, TimeoutError, NatsApiError, OSError) as exc:
+                except (nats.errors.Error, TimeoutError, NatsApiError, OSError) as exc:
                     raise errors.Unavailable(
                         f"NATS JetStream did not answer ({type(exc).__name__}: {exc}); retry with the same"
                         " message ids (a send may have been stored; a retry is then a duplicate)",
-                        reason="STORE_UNAVAILABLE") from None
+                        reason=Reason.STORE_UNAVAILABLE) from None
             return call
 
         setattr(cls, name, wrap())

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 from nats.js.errors import APIError, NotFoundError
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
-from services import errors
 from services.faults import crash_point
 from services.store import base
 from services.store import jetstream_kv as kvh
@@ -45,7 +47,6 @@ from services.store.base import (
 )
 from services.store.jetstream_keeper import stored_events
 from services.store.sqlite_ops import RECEIPT_NAME
-from services.telemetry import trace_id_of
 
 if TYPE_CHECKING:
     from services.store.jetstream import JetStreamStore
@@ -399,7 +400,7 @@ class InboxLog:
                     continue
             await self._delete(seq)
             return AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env
-        raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason="CONTENTION")
+        raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason=Reason.CONTENTION)
 
     # -- dead letters ---------------------------------------------------------------
     async def dead_letter(self, recipient: str, env: envelope_pb2.Envelope, reason: str,
@@ -519,7 +520,7 @@ class InboxLog:
             start = int(after_key or 0)
         except ValueError:
             raise errors.InvalidArgument(f"page_token {after_key!r} is not valid",
-                                         reason="BAD_PAGE_TOKEN") from None
+                                         reason=Reason.BAD_PAGE_TOKEN) from None
         if sender:
             found = await kvh.get(self.msgs, f"ds.{kvh.token(sender)}")
             keys = [tuple(k) for k in (found[0] if found else [])]

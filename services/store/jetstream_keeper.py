@@ -39,12 +39,12 @@ import time
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.store import base
 from services.store import jetstream_kv as kvh
 from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, RunRecord, event_row
-from services.telemetry import trace_id_of
 
 log = logging.getLogger(__name__)
 EVENT_DEDUP_WINDOW_S = 300.0
@@ -232,7 +232,7 @@ class EventKeeper:
         if len(source.held) < _BATCH:
             try:
                 source.held += await source.pull.fetch(_BATCH - len(source.held), timeout=0.2)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             except Exception as exc:
                 if "timeout" not in type(exc).__name__.lower():

@@ -13,8 +13,9 @@ from typing import Any
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.common.v1 import envelope_pb2
-from services import errors
 from services.store.base import AgentRecord, MessageRecord
 
 _SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -76,7 +77,7 @@ async def cas(kv: KeyValue, key: str, change: Callable[[Any | None], Any | None]
             return new
         except KeyWrongLastSequenceError:
             continue
-    raise errors.Unavailable(f"too much contention on {key}; nothing changed", reason="CONTENTION")
+    raise errors.Unavailable(f"too much contention on {key}; nothing changed", reason=Reason.CONTENTION)
 
 
 # -- records --------------------------------------------------------------------

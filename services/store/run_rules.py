@@ -5,12 +5,12 @@ compare-and-set)."""
 
 from __future__ import annotations
 
+from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.registry.v1 import registry_pb2
 from inboxmesh.runs.v1 import runs_pb2
 from services.store.base import ANNOUNCE_PENDING, ANNOUNCED, RunRecord, event_row
-from services.telemetry import trace_id_of
 
 _MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
 STATUS_NAME = {v: runs_pb2.RunStatus.Name(v).removeprefix("RUN_STATUS_").lower() for v in runs_pb2.RunStatus.values()}

@@ -17,20 +17,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
-from services import errors
 from services.config import StoreConfig
-from services.store import base, sqlite_ops as ops, sqlite_runs as runs
+from services.store import base
+from services.store import sqlite_ops as ops
+from services.store import sqlite_runs as runs
 from services.store.base import (
     AGENT_OPEN,
     AckOutcome,
     AgentRecord,
+    AnnounceOutcome,
     AppendItem,
     CloseOutcome,
     DeliveryBatch,
-    AnnounceOutcome,
     EventQuery,
     Frontier,
     MessageRecord,
@@ -42,7 +46,6 @@ from services.store.base import (
 from services.store.sqlite_ops import AGENT_COLUMNS, EVENT_COLUMNS, MESSAGE_COLUMNS, agent_of, message_of
 from services.store.sqlite_runner import EventIds, Writer, connect
 from services.store.sqlite_schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE
-from services.telemetry import trace_id_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,7 +74,7 @@ class SqliteStore(base.Store):
             elif int(row[0]) != SCHEMA_VERSION:
                 raise errors.FailedPrecondition(
                     f"{self.path} has schema version {row[0]}, this mesh needs {SCHEMA_VERSION}; use another"
-                    " --data-dir or remove the old file", reason="SCHEMA_MISMATCH")
+                    " --data-dir or remove the old file", reason=Reason.SCHEMA_MISMATCH)
         except BaseException:
             conn.close()
             raise
@@ -100,14 +103,14 @@ class SqliteStore(base.Store):
     @property
     def writer(self) -> Writer:
         if self._writer is None:
-            raise errors.Unavailable("the store is not running", reason="STORE_CLOSED")
+            raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED)
         return self._writer
 
     async def _read(self, op: Callable[[sqlite3.Connection], T]) -> T:
         """Run a read on the connection. Reads are short indexed queries;
         outside a flush no transaction is open, so they see every commit."""
         if self._conn is None or self._writer is None:
-            raise errors.Unavailable("the store is not running", reason="STORE_CLOSED")
+            raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED)
         return op(self._conn)
 
     # -- registry -----------------------------------------------------------
@@ -238,7 +241,7 @@ class SqliteStore(base.Store):
         try:
             after_id = int(after_key or 0)
         except ValueError:
-            raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason="BAD_PAGE_TOKEN") from None
+            raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason=Reason.BAD_PAGE_TOKEN) from None
         columns = ", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))
 
         def op(conn: sqlite3.Connection) -> tuple[list[MessageRecord], str]:

@@ -8,13 +8,14 @@ import json
 import sqlite3
 from dataclasses import replace
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
-from services import errors
 from services.store import base
 from services.store.base import (
-    Frontier,
     ACCEPTED,
     AGENT_CLOSED,
     AGENT_OPEN,
@@ -31,11 +32,11 @@ from services.store.base import (
     AppendItem,
     CloseOutcome,
     DeliveryBatch,
+    Frontier,
     MessageRecord,
     SendOutcome,
     event_row,
 )
-from services.telemetry import trace_id_of
 
 AGENT_COLUMNS = (
     "agent_id, name, mode, parent_id, scope_id, depth, state, metadata, inbox_capacity,"
@@ -77,7 +78,7 @@ def row_after(conn: sqlite3.Connection, table: str, key_column: str, page_token:
         return 0
     found = conn.execute(f"SELECT row FROM {table} WHERE {key_column} = ?", (page_token,)).fetchone()
     if found is None:
-        raise errors.InvalidArgument(f"page_token {page_token!r} is not valid", reason="BAD_PAGE_TOKEN")
+        raise errors.InvalidArgument(f"page_token {page_token!r} is not valid", reason=Reason.BAD_PAGE_TOKEN)
     return found[0]
 
 
@@ -128,10 +129,10 @@ def create_agent(conn: sqlite3.Connection, events: list[tuple], record: AgentRec
     if record.parent_id:
         parent = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (record.parent_id,)).fetchone()
         if parent is None:
-            raise errors.NotFound(f"parent agent {record.parent_id} does not exist", reason="AGENT_NOT_FOUND")
+            raise errors.NotFound(f"parent agent {record.parent_id} does not exist", reason=Reason.AGENT_NOT_FOUND)
         if parent[0] != AGENT_OPEN:
             raise errors.FailedPrecondition(
-                f"parent agent {record.parent_id} is closed; it cannot have new children", reason="AGENT_CLOSED")
+                f"parent agent {record.parent_id} is closed; it cannot have new children", reason=Reason.AGENT_CLOSED)
     conn.execute(
         f"INSERT INTO agents ({AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (record.agent_id, record.name, record.mode, record.parent_id, record.scope_id, record.depth, record.state,

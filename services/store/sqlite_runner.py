@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services import errors
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 
 log = logging.getLogger(__name__)
 Op = Callable[[sqlite3.Connection, list[tuple]], Any]
@@ -88,7 +89,7 @@ class Writer:
         """Queue op behind every earlier one and return its future (resolved
         after the commit that includes it). Waits while the queue is full."""
         if self._closed or self._room is None:
-            raise errors.Unavailable("the store is shutting down; nothing was written", reason="SHUTTING_DOWN")
+            raise errors.Unavailable("the store is shutting down; nothing was written", reason=Reason.SHUTTING_DOWN)
         await self._room.acquire()
         fut = self._loop.create_future()
         if lazy:
@@ -133,7 +134,7 @@ class Writer:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             failure = errors.Unavailable(f"store could not start a transaction: {exc}; nothing was written",
-                                         reason="STORE_UNAVAILABLE")
+                                         reason=Reason.STORE_UNAVAILABLE)
             return [(False, failure)] * len(ops), 0, []
         for op in ops:
             conn.execute("SAVEPOINT op")
@@ -168,7 +169,7 @@ class Writer:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            failure = errors.Unavailable(f"store commit failed: {exc}; nothing was written", reason="STORE_UNAVAILABLE")
+            failure = errors.Unavailable(f"store commit failed: {exc}; nothing was written", reason=Reason.STORE_UNAVAILABLE)
             return [(False, failure)] * len(ops), 0, []
         self.commits += 1
         self.ops += len(ops)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import sqlite3
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.runs.v1 import runs_pb2
-from services import errors
 from services.store import sqlite_ops as ops
 from services.store.base import (
     AGENT_OPEN,
@@ -46,7 +47,7 @@ def load(conn: sqlite3.Connection, *, run_id: str = "", child_id: str = "") -> R
 def _require(conn: sqlite3.Connection, run_id: str) -> RunRecord:
     run = load(conn, run_id=run_id)
     if run is None:
-        raise errors.NotFound(f"no run {run_id}", reason="RUN_NOT_FOUND", metadata={"run_id": run_id})
+        raise errors.NotFound(f"no run {run_id}", reason=Reason.RUN_NOT_FOUND, metadata={"run_id": run_id})
     return run
 
 
@@ -64,14 +65,14 @@ def create_child(conn: sqlite3.Connection, events: list[tuple], record: AgentRec
     if record.depth > limits.max_depth:
         raise errors.ResourceExhausted(
             f"spawn refused: {record.name!r} would be at depth {record.depth}; the most is {limits.max_depth}",
-            reason="SPAWN_DEPTH", metadata={"depth": str(record.depth), "max_depth": str(limits.max_depth)})
+            reason=Reason.SPAWN_DEPTH, metadata={"depth": str(record.depth), "max_depth": str(limits.max_depth)})
     active = conn.execute("SELECT count(*) FROM runs WHERE requester_id = ? AND active = 1",
                           (record.parent_id,)).fetchone()[0]
     if active >= limits.max_active_children:
         raise errors.ResourceExhausted(
             f"spawn refused: {record.parent_id} already has {active} running children; the most is"
             f" {limits.max_active_children} (wait for one to finish)",
-            reason="TOO_MANY_CHILDREN", metadata={"active": str(active), "max": str(limits.max_active_children)})
+            reason=Reason.TOO_MANY_CHILDREN, metadata={"active": str(active), "max": str(limits.max_active_children)})
     ops.create_agent(conn, events, record)
     conn.execute(
         "INSERT INTO runs (run_id, child_id, requester_id, active, announce_state, deadline_us, record)"
@@ -216,6 +217,6 @@ def set_credential(conn: sqlite3.Connection, events: list[tuple], agent_id: str,
                        (credential_hash, agent_id, AGENT_OPEN))
     if not cur.rowcount:
         raise errors.FailedPrecondition(f"agent {agent_id} is closed or unknown; no credential issued",
-                                        reason="AGENT_CLOSED", metadata={"agent_id": agent_id})
+                                        reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent_id})
     row = conn.execute(f"SELECT {ops.AGENT_COLUMNS} FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
     return ops.agent_of(row)

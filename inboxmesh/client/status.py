@@ -11,7 +11,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from services import errors
+from inboxmesh.client import errors
 
 DOMAIN = "inboxmesh"
 _DETAILS_KEY = "grpc-status-details-bin"
@@ -71,4 +71,4 @@ def from_rpc_error(rpc_error: grpc.RpcError) -> errors.MeshError:
     info = error_info(rpc_error)
     if info is None:
         return cls(message or code.name, reason=code.name)
-    return cls(message, reason=info.reason, metadata=dict(info.metadata))
+    return cls(message, reason=errors.reason_of(info.reason), metadata=dict(info.metadata))

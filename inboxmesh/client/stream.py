@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.mesh import AgentHandle
+from inboxmesh.client.status import ERROR_OF, from_rpc_error
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2
-from services import errors
-from services.client import AgentHandle
-from services.grpc_status import ERROR_OF, from_rpc_error
 
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
@@ -114,7 +115,7 @@ class InboxStream:
                 else:
                     if self._stopped or not self.agents:
                         return
-                    failure = errors.Unavailable("the stream ended")
+                    failure = errors.Unavailable("the stream ended", reason=Reason.STREAM_LOST)
             except grpc.aio.AioRpcError as exc:  # the subscribe write failed
                 if exc.code() not in _RETRYABLE:
                     raise from_rpc_error(exc) from None
@@ -125,7 +126,7 @@ class InboxStream:
                 if self._half_close is not None:
                     self._half_close.cancel()
                     self._half_close = None
-                self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered"))
+                self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered", reason=Reason.STREAM_LOST))
             failures += 1
             if self.max_failures is not None and failures > self.max_failures:
                 raise failure
@@ -207,7 +208,7 @@ class InboxStream:
         MeshError of the refusal when the mesh refused this ack (the stream
         goes on)."""
         if self._call is None:
-            raise errors.Unavailable("the inbox stream is not connected")
+            raise errors.Unavailable("the inbox stream is not connected", reason=Reason.STREAM_LOST)
         request_id = next(self._ack_ids)
         future = asyncio.get_running_loop().create_future()
         self._acks[request_id] = future
@@ -216,10 +217,10 @@ class InboxStream:
                 agent_id=agent_id, sequences=sequences, request_id=request_id, turn=turn)))
         except grpc.aio.AioRpcError as exc:
             self._forget(request_id, future)
-            raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}") from None
+            raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}", reason=Reason.STREAM_LOST) from None
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call ended or was half-closed
             self._forget(request_id, future)
-            raise errors.Unavailable(f"could not ack on the inbox stream: {exc}") from None
+            raise errors.Unavailable(f"could not ack on the inbox stream: {exc}", reason=Reason.STREAM_LOST) from None
         return await asyncio.wait_for(future, self.ack_timeout)
 
     def _forget(self, request_id: int, future: asyncio.Future) -> None:
@@ -257,7 +258,7 @@ def ack_error(acked: inbox_pb2.AckResponse) -> errors.MeshError:
     unary Ack would have raised it."""
     error = acked.error
     code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-    return ERROR_OF.get(code, errors.MeshError)(error.message or code.name, reason=error.reason or code.name,
+    return ERROR_OF.get(code, errors.MeshError)(error.message or code.name, reason=errors.reason_of(error.reason or code.name),
                                                 metadata=dict(error.metadata))
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from inboxmesh.client.mesh import AgentHandle, MeshClient
+from inboxmesh.client.stream import InboxStream
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.registry.v1 import registry_pb2 as reg
-from agent_host.inbox_stream import InboxStream
-from services.client import AgentHandle, MeshClient
 
 
 async def _next_message(stream: InboxStream, stream_iter, agent: AgentHandle):

@@ -9,7 +9,6 @@ import importlib
 import sys
 import time
 from dataclasses import replace
-
 from pathlib import Path
 
 from agent_host.config import KEEP_ALIVE_POLICIES, Budget, HostConfig
@@ -18,9 +17,9 @@ from agent_host.hoststore import AgentRecord
 from agent_host.models.scripted import POLICIES, ScriptedModel
 from agent_host.settings import model_settings, openai_model
 from agent_host.tools import ALL_TOOLS
+from inboxmesh.client.mesh import AgentHandle
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
-from services.client import AgentHandle
 
 _SHOWN = {"registered", "agent_spawned", "agent_woken", "turn_started", "turn_ended", "consumed", "sent", "tool",
           "task_completed", "agent_idle", "closed", "run_cancelled", "failed", "model", "resumed", "recovered"}

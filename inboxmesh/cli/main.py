@@ -23,24 +23,25 @@ import logging
 import signal
 import sys
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from google.protobuf import json_format
 
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import AgentHandle, MeshClient, envelope
+from inboxmesh.client.tracing import configure_tracing
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev_pb
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.registry.v1 import registry_pb2 as reg_pb
-from services import errors, settings
-from services.client import AgentHandle, MeshClient, envelope
-from services.telemetry import configure_tracing
+from services import settings
 
 log = logging.getLogger("inboxmesh")
 
 
 def _time(us: int) -> str:
-    return datetime.fromtimestamp(us / 1e6, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3] if us else "-"
+    return datetime.fromtimestamp(us / 1e6, tz=UTC).strftime("%H:%M:%S.%f")[:-3] if us else "-"
 
 
 def _print_json(message) -> None:
@@ -67,7 +68,7 @@ def _event_line(e: ev_pb.Event) -> str:
 
 # -- up ---------------------------------------------------------------------
 async def _up(args) -> int:
-    from services.demo import run_demo
+    from inboxmesh.cli.demo import run_demo
     from services.server import Mesh
 
     data = settings.data_dir(args.data_dir)
@@ -136,7 +137,7 @@ async def _up(args) -> int:
 
 
 async def _ioa_server(args) -> int:
-    from services.ioa.network import NetworkConfig, NetworkServer
+    from services.ioa_network.server import NetworkConfig, NetworkServer
 
     server = NetworkServer(NetworkConfig(host=args.host, port=args.port, history=args.history))
     try:
@@ -196,7 +197,7 @@ async def _send(args) -> int:
 
 
 async def _tail(args) -> int:
-    from agent_host.inbox_stream import InboxStream
+    from inboxmesh.client.stream import InboxStream
 
     async with _client(args) as client:
         me = _as(client, args.credential)
@@ -255,7 +256,7 @@ async def _events(args) -> int:
 
 
 async def _run(args) -> int:
-    from agent_host import cli_run
+    from inboxmesh.cli import run as cli_run
 
     data = settings.data_dir(args.data_dir)
     try:
@@ -370,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a top-level agent with a task on an agent host (live view, summary)")
     client_args(run)
-    from agent_host.cli_run import add_arguments
+    from inboxmesh.cli.run import add_arguments
 
     add_arguments(run)
     run.set_defaults(run=_run)

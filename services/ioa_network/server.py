@@ -23,12 +23,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.status import to_grpc
 from inboxmesh.ioa.v1 import network_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2_grpc
-from services import errors
 from services.clock import now_us
 from services.grpc_common import ErrorBoundaryInterceptor, receive_limit
-from services.grpc_status import to_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["IoaNetwork"].full_name
@@ -84,7 +85,7 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         if first.WhichOneof("frame") != "hello" or not _NODE_ID.fullmatch(node_id):
             await context.abort(*to_grpc(errors.InvalidArgument(
                 "the first frame must be hello with a node_id of 1-128 letters, digits, '.', '_' or '-'",
-                reason="BAD_NODE_ID", metadata={"field": "hello.node_id"})))
+                reason=Reason.BAD_NODE_ID, metadata={"field": "hello.node_id"})))
             return
         node = self._attach(first.hello.node_id)
         queue, stop = node.queue, node.stop
@@ -219,7 +220,7 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         node = self.nodes.get(request.node_id)
         if node is None:
             await context.abort(*to_grpc(errors.NotFound(f"no node {errors.clip(request.node_id)!r}",
-                                                         reason="NODE_NOT_FOUND")))
+                                                         reason=Reason.NODE_NOT_FOUND)))
         kind = request.kind
         if kind == pb.FAULT_KIND_DROP_CONNECTION:
             if node.stop is not None:
@@ -231,7 +232,7 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         elif kind == pb.FAULT_KIND_REORDER:
             node.reorder += request.count or 1
         else:
-            await context.abort(*to_grpc(errors.InvalidArgument(f"unknown fault kind {kind}", reason="BAD_KIND",
+            await context.abort(*to_grpc(errors.InvalidArgument(f"unknown fault kind {kind}", reason=Reason.BAD_KIND,
                                                                 metadata={"field": "kind"})))
         log.info("fault %s injected for node %s", pb.FaultKind.Name(kind), node.node_id)
         return pb.InjectFaultResponse()

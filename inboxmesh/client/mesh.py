@@ -13,6 +13,10 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 from opentelemetry import trace
 
+from inboxmesh.client import credentials, errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.client.status import error_info, from_rpc_error
+from inboxmesh.client.tracing import inject, tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev_pb
 from inboxmesh.events.v1 import events_pb2_grpc
@@ -24,9 +28,6 @@ from inboxmesh.routing.v1 import routing_pb2 as route_pb
 from inboxmesh.routing.v1 import routing_pb2_grpc
 from inboxmesh.runs.v1 import runs_pb2 as runs_pb
 from inboxmesh.runs.v1 import runs_pb2_grpc
-from services import auth, errors
-from services.grpc_status import error_info, from_rpc_error
-from services.telemetry import inject, tracer
 
 _IDEMPOTENT = {
     "inboxmesh.inbox.v1.InboxService": ["Send", "Ack", "GetMessageStatus", "ListDeadLetters"],
@@ -184,11 +185,11 @@ class MeshClient:
                 # a wait-for-ready call whose deadline passed before there was a connection
                 raise errors.DeadlineExceeded(
                     f"no connection to the mesh at {self.target} within the call's deadline (is it running?):"
-                    f" {exc.details()}", reason="MESH_UNREACHABLE") from None
+                    f" {exc.details()}", reason=Reason.MESH_UNREACHABLE) from None
             raise from_rpc_error(exc) from None
 
     def _admin_metadata(self):
-        return auth.metadata_for(self.admin_token) if self.admin_token else None
+        return credentials.metadata_for(self.admin_token) if self.admin_token else None
 
     async def register(
         self,
@@ -239,7 +240,7 @@ class MeshClient:
     async def ingress(self, token: str, source: route_pb.RouteInput, message_id: str, text: str,
                       **fields) -> route_pb.IngressResponse:
         request = route_pb.IngressRequest(source=source, message_id=message_id, text=text, **fields)
-        return await self._call(self.routing.Ingress(request, timeout=self.timeout, metadata=auth.metadata_for(token)))
+        return await self._call(self.routing.Ingress(request, timeout=self.timeout, metadata=credentials.metadata_for(token)))
 
     async def resolve_route(self, source: route_pb.RouteInput) -> route_pb.ResolvedRoute:
         return await self._call(self.routing.ResolveRoute(route_pb.ResolveRouteRequest(source=source),
@@ -251,7 +252,7 @@ class MeshClient:
 
     async def claim_session(self, token: str, session_key: str) -> AgentHandle:
         response = await self._call(self.routing.ClaimSession(route_pb.ClaimSessionRequest(session_key=session_key),
-                                                         timeout=self.timeout, metadata=auth.metadata_for(token)))
+                                                         timeout=self.timeout, metadata=credentials.metadata_for(token)))
         return self.agent(response.session_agent_id, response.credential)
 
 
@@ -262,7 +263,7 @@ class AgentHandle:
         self.client = client
         self.info = agent
         self.credential = credential
-        self.metadata = auth.metadata_for(credential)
+        self.metadata = credentials.metadata_for(credential)
         self.run_id = run_id
         """The run this agent was spawned for (children)."""
 
