@@ -219,3 +219,9 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
                                     stream_unary=_guard_streaming_request(handler.stream_unary, method))
         return handler._replace(request_deserializer=safe,
                                 stream_stream=_guard_streaming_request(handler.stream_stream, method))
+
+
+def mesh_interceptors(max_request_bytes: int, directory: Directory) -> list[grpc.aio.ServerInterceptor]:
+    """The server interceptors of a mesh process, outermost first."""
+    del directory  # for the authentication interceptor
+    return [ErrorBoundaryInterceptor(max_request_bytes)]

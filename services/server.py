@@ -23,7 +23,7 @@ from services.config import MeshConfig
 from services.directory import Directory
 from services.events.grpc_handler import EventServicer
 from services.events.service import EventsService
-from services.grpc_common import ErrorBoundaryInterceptor, receive_limit
+from services.grpc_common import mesh_interceptors, receive_limit
 from services.inbox.delivery import DeliveryHub
 from services.inbox.grpc_handler import InboxServicer
 from services.inbox.service import InboxService
@@ -124,7 +124,7 @@ class Mesh:
         return f"{self.config.host}:{self.port}"
 
     def _build_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=server_options(self.config), interceptors=[ErrorBoundaryInterceptor(self.config.max_request_bytes)])
+        server = grpc.aio.server(options=server_options(self.config), interceptors=mesh_interceptors(self.config.max_request_bytes, self.directory))
         wanted = self.config.services
         extra = []
         if "registry" in wanted:
