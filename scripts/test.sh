@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Set everything up, then run the whole test suite: once on the embedded
-# SQLite store (with the real-model scenario), then once more on the
-# JetStream store (a nats-server the tests start; INBOXMESH_TEST_STORE).
+# Set everything up, check lint (ruff) and types (mypy), then run the whole
+# test suite: once on the embedded SQLite store (with the real-model
+# scenario), then once more on the JetStream store (a nats-server the tests
+# start; INBOXMESH_TEST_STORE).
 # Set-up comes first, outside every test: .venv (scripts/_venv.sh), then
 # llama-server and the scenario's model weights (harness.prepare; the first
 # run builds and downloads, later runs find them in the cache). Both passes
-# run even when the first fails; the exit status is the first failure's.
+# run even when the first fails (and when lint or types fail); the exit
+# status is the first failure's.
 # Extra arguments go to pytest, and then only that one run is made (after
 # the same set-up).
 set -euo pipefail
@@ -46,6 +48,8 @@ if [ $# -gt 0 ]; then
   summary
   exit "$status"
 fi
+phase "lint (ruff)" .venv/bin/ruff check .
+phase "types (mypy)" .venv/bin/mypy
 phase "SQLite pass" .venv/bin/python -m pytest
 phase "JetStream pass" env INBOXMESH_TEST_STORE=jetstream .venv/bin/python -m pytest -q \
   --ignore=harness/test_real_llm.py --ignore=tests/test_generated_code.py
