@@ -252,27 +252,9 @@ def event_of(event_id: int, row: tuple) -> EventRecord:
     )
 
 
-class Store(abc.ABC):
-    """Durable state of the mesh. All methods are coroutines; results are
-    returned only after the change is durable."""
+class AgentStore(abc.ABC):
+    """Agents and their scopes: registration, look-up, close, credentials."""
 
-    fresh_delivery = True
-    """Whether just-appended messages may be streamed from memory
-    (mark_delivered): inbox sequences are contiguous and this process sees
-    every append. False for a store shared by several processes."""
-
-    def add_append_listener(self, callback: Callable[[str], None]) -> None:
-        """Call `callback(agent_id)` when another process appended to that
-        agent's inbox (a store only one process uses never does)."""
-
-    @abc.abstractmethod
-    async def start(self) -> None: ...
-
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """Finish queued writes and release resources. Safe to call twice."""
-
-    # -- registry -----------------------------------------------------------
     @abc.abstractmethod
     async def create_agent(self, record: AgentRecord) -> AgentRecord:
         """Store a new agent. Raises FailedPrecondition when its parent is
@@ -301,52 +283,20 @@ class Store(abc.ABC):
     async def set_credential(self, agent_id: str, credential_hash: bytes) -> AgentRecord:
         """Replace an open agent's credential (earlier ones stop working)."""
 
-    # -- subagent runs ------------------------------------------------------
-    @abc.abstractmethod
-    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits, *,
-                           resume: bool = False) -> AgentRecord:
-        """Store a new child and its run in one commit. Raises
-        ResourceExhausted (SPAWN_DEPTH / TOO_MANY_CHILDREN) when a limit
-        refuses it, plus what create_agent raises. `resume`: the agent was
-        stored by an earlier attempt whose run was not (a store that cannot
-        write both in one commit); store what is missing."""
 
-    @abc.abstractmethod
-    async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None: ...
+class InboxStore(abc.ABC):
+    """Inboxes: append, delivery, acks, the loop guard's frontier, dead letters."""
 
-    @abc.abstractmethod
-    async def list_runs(self, requester_id: str, include_archived: bool, after_key: str,
-                        limit: int) -> list[RunRecord]:
-        """Runs of one requester in creation order; `after_key` is the last run_id seen."""
+    fresh_delivery = True
+    """Whether just-appended messages may be streamed from memory
+    (mark_delivered): inbox sequences are contiguous and this process sees
+    every append. False for a store shared by several processes."""
 
-    @abc.abstractmethod
-    async def end_run(self, run_id: str, status: int, result: str, at_us: int,
-                      traceparent: str = "") -> tuple[RunRecord, bool]:
-        """End a running run (announce pending). Returns (run, already_ended):
-        when it had ended before, nothing changes."""
+    def add_append_listener(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(agent_id)` when another process appended to that
+        agent's inbox (a store only one process uses never does)."""
+        return  # nothing to register: only this process appends
 
-    @abc.abstractmethod
-    async def announce_run(self, run_id: str, at_us: int) -> AnnounceOutcome:
-        """Store a pending announce in the requester's inbox as the child,
-        with the run's stable announce id, and record the outcome, in one
-        commit. A run whose announce is settled is returned unchanged."""
-
-    @abc.abstractmethod
-    async def finish_cleanup(self, run_id: str, detail: str, at_us: int) -> RunRecord: ...
-
-    @abc.abstractmethod
-    async def archive_run(self, run_id: str, at_us: int) -> RunRecord: ...
-
-    @abc.abstractmethod
-    async def run_work(self, now_us: int, limit: int) -> RunWork: ...
-
-    # -- routing sessions ---------------------------------------------------
-    @abc.abstractmethod
-    async def session_agent(self, session_key: str, new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
-        """The agent of a routing session; `new_agent` is stored (and
-        returned with True) when the session has none yet."""
-
-    # -- inbox --------------------------------------------------------------
     @abc.abstractmethod
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
         """Store the messages in order, one outcome each. Duplicate, target
@@ -392,7 +342,57 @@ class Store(abc.ABC):
     ) -> tuple[list[MessageRecord], str]:
         """Dead letters in the order they died; returns (page, next key)."""
 
-    # -- events -------------------------------------------------------------
+
+class RunStore(abc.ABC):
+    """Subagent runs (spawn, end, announce, cleanup, archive, the sweeper's work) and routing sessions."""
+
+    @abc.abstractmethod
+    async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits, *,
+                           resume: bool = False) -> AgentRecord:
+        """Store a new child and its run in one commit. Raises
+        ResourceExhausted (SPAWN_DEPTH / TOO_MANY_CHILDREN) when a limit
+        refuses it, plus what create_agent raises. `resume`: the agent was
+        stored by an earlier attempt whose run was not (a store that cannot
+        write both in one commit); store what is missing."""
+
+    @abc.abstractmethod
+    async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_runs(self, requester_id: str, include_archived: bool, after_key: str,
+                        limit: int) -> list[RunRecord]:
+        """Runs of one requester in creation order; `after_key` is the last run_id seen."""
+
+    @abc.abstractmethod
+    async def end_run(self, run_id: str, status: int, result: str, at_us: int,
+                      traceparent: str = "") -> tuple[RunRecord, bool]:
+        """End a running run (announce pending). Returns (run, already_ended):
+        when it had ended before, nothing changes."""
+
+    @abc.abstractmethod
+    async def announce_run(self, run_id: str, at_us: int) -> AnnounceOutcome:
+        """Store a pending announce in the requester's inbox as the child,
+        with the run's stable announce id, and record the outcome, in one
+        commit. A run whose announce is settled is returned unchanged."""
+
+    @abc.abstractmethod
+    async def finish_cleanup(self, run_id: str, detail: str, at_us: int) -> RunRecord: ...
+
+    @abc.abstractmethod
+    async def archive_run(self, run_id: str, at_us: int) -> RunRecord: ...
+
+    @abc.abstractmethod
+    async def run_work(self, now_us: int, limit: int) -> RunWork: ...
+
+    @abc.abstractmethod
+    async def session_agent(self, session_key: str, new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
+        """The agent of a routing session; `new_agent` is stored (and
+        returned with True) when the session has none yet."""
+
+
+class EventStore(abc.ABC):
+    """The event record: what happened to every message, agent and run."""
+
     @abc.abstractmethod
     async def list_events(self, query: EventQuery) -> list[EventRecord]: ...
 
@@ -412,3 +412,16 @@ class Store(abc.ABC):
         commit that recorded events. Rows are in EVENT_ROW_FIELDS order, with
         contiguous ids from first_event_id. Events written by another process
         are not reported; watchers find them by reading the store."""
+
+
+class Store(AgentStore, InboxStore, RunStore, EventStore):
+    """Durable state of the mesh: every concern's interface, plus a lifecycle. All methods are
+    coroutines; results are returned only after the change is durable. A service that needs one concern
+    takes that interface, not this."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Finish queued writes and release resources. Safe to call twice."""
