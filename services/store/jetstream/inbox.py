@@ -25,7 +25,6 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from services.faults import crash_point
 from services.store import base
-from services.store import jetstream_kv as kvh
 from services.store.base import (
     ACCEPTED,
     CONSUMED,
@@ -45,11 +44,12 @@ from services.store.base import (
     SendOutcome,
     event_row,
 )
-from services.store.jetstream_keeper import stored_events
-from services.store.sqlite_ops import RECEIPT_NAME
+from services.store.jetstream import kv as kvh
+from services.store.jetstream.keeper import stored_events
+from services.store.sqlite.inbox import RECEIPT_NAME
 
 if TYPE_CHECKING:
-    from services.store.jetstream import JetStreamStore
+    from services.store.jetstream.store import JetStreamStore
 
 log = logging.getLogger(__name__)
 REJECTED = 0

@@ -16,7 +16,6 @@ from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.runs.v1 import runs_pb2
-from services.store import sqlite_ops as ops
 from services.store.base import (
     AGENT_OPEN,
     ANNOUNCE_PENDING,
@@ -36,6 +35,7 @@ from services.store.run_rules import (
     run_event,
     settle,
 )
+from services.store.sqlite import inbox as ops
 
 
 def load(conn: sqlite3.Connection, *, run_id: str = "", child_id: str = "") -> RunRecord | None:

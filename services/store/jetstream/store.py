@@ -34,7 +34,6 @@ from inboxmesh.runs.v1 import runs_pb2
 from services.config import StoreConfig
 from services.faults import crash_point
 from services.store import base
-from services.store import jetstream_kv as kvh
 from services.store.base import (
     AGENT_CLOSED,
     ANNOUNCE_PENDING,
@@ -47,8 +46,9 @@ from services.store.base import (
     RunWork,
     SpawnLimits,
 )
-from services.store.jetstream_inbox import InboxLog
-from services.store.jetstream_keeper import EVENT_DEDUP_WINDOW_S, EventKeeper, dedup_id
+from services.store.jetstream import kv as kvh
+from services.store.jetstream.inbox import InboxLog
+from services.store.jetstream.keeper import EVENT_DEDUP_WINDOW_S, EventKeeper, dedup_id
 from services.store.run_rules import (
     STATUS_NAME,
     announce_envelope,

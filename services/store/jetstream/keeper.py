@@ -43,8 +43,8 @@ from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.store import base
-from services.store import jetstream_kv as kvh
 from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, RunRecord, event_row
+from services.store.jetstream import kv as kvh
 
 log = logging.getLogger(__name__)
 EVENT_DEDUP_WINDOW_S = 300.0

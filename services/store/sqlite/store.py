@@ -25,8 +25,6 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from services.config import StoreConfig
 from services.store import base
-from services.store import sqlite_ops as ops
-from services.store import sqlite_runs as runs
 from services.store.base import (
     AGENT_OPEN,
     AckOutcome,
@@ -43,9 +41,11 @@ from services.store.base import (
     SendOutcome,
     SpawnLimits,
 )
-from services.store.sqlite_ops import AGENT_COLUMNS, EVENT_COLUMNS, MESSAGE_COLUMNS, agent_of, message_of
-from services.store.sqlite_runner import EventIds, Writer, connect
-from services.store.sqlite_schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE
+from services.store.sqlite import inbox as ops
+from services.store.sqlite import runs
+from services.store.sqlite.inbox import AGENT_COLUMNS, EVENT_COLUMNS, MESSAGE_COLUMNS, agent_of, message_of
+from services.store.sqlite.schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE
+from services.store.sqlite.writer import EventIds, Writer, connect
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
