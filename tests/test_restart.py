@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from inboxmesh.client import errors
 from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
@@ -68,10 +69,11 @@ async def test_kill_9_loses_nothing_accepted_and_consumes_everything_once(tmp_pa
                         accepted[r.message_id] = r.sequence
 
             sender = asyncio.create_task(blast())
-            while len(accepted) < 400:
-                await asyncio.sleep(0.01)
+            await eventually(lambda: len(accepted) >= 400, timeout=60, message="400 messages accepted")
             proc.kill()
-            with pytest.raises(Exception):
+            # the Send in flight is retried (UNAVAILABLE is retryable) and the retry waits for a connection
+            # until its deadline
+            with pytest.raises(errors.DeadlineExceeded):
                 await sender
     accepted_before_kill = dict(accepted)
     with MeshProcess(tmp_path) as proc:
