@@ -7,6 +7,7 @@ exchange to the end."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shlex
@@ -60,8 +61,10 @@ class Local:
         if own:  # the service's own port, as the others address it
             text = re.sub(r"(--port|-p) \d+", lambda m: f"{m.group(1)} {self.port(name, own.group(1))}", text)
         for other in services:
-            text = re.sub(rf"\b{re.escape(other)}:(\d+)", lambda m, o=other: f"127.0.0.1:{self.port(o, m.group(1))}",
-                          text)
+            def local_address(m: re.Match[str], other: str = other) -> str:
+                return f"127.0.0.1:{self.port(other, m.group(1))}"
+
+            text = re.sub(rf"\b{re.escape(other)}:(\d+)", local_address, text)
         text = text.replace("0.0.0.0", "127.0.0.1")
         argv = shlex.split(text)
         executable = {"inboxmesh": str(Path(sys.executable).parent / "inboxmesh"),
@@ -76,6 +79,8 @@ class Local:
         self.procs[name] = subprocess.Popen(self.argv(name, service["command"]), cwd=ROOT, env=env, stdout=log,
                                             stderr=subprocess.STDOUT)
         own = re.search(r"(?:--port|-p) (\d+)", service["command"])
+        if own is None:
+            raise AssertionError(f"{name}'s command in compose.yaml names no port: {service['command']}")
         self.wait_listening(name, self.port(name, own.group(1)))
 
     def wait_listening(self, name: str, port: int) -> None:
@@ -107,9 +112,16 @@ async def test_the_compose_services_form_a_working_mesh(tmp_path):
         relay = f"127.0.0.1:{local.port('relay', '7403')}"
         token = load()["registry"]["environment"]["INBOXMESH_ADMIN_TOKEN"]
         host = load()["agent-host"]
-        done = subprocess.run(local.argv("agent-host", host["command"]), cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        agent_host = await asyncio.create_subprocess_exec(*local.argv("agent-host", host["command"]), cwd=ROOT,
+                                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(agent_host.communicate(), timeout=120)
+        finally:
+            if agent_host.returncode is None:
+                agent_host.kill()
+                await agent_host.wait()
+        stdout, stderr = out.decode(), err.decode()
+        assert agent_host.returncode == 0, stdout[-3000:] + stderr[-3000:]
         async with MeshClient(inbox_2, admin_token=token) as second, MeshClient(relay, admin_token=token) as third:
             events = await second.admin_events(limit=1000)  # what the host did through inbox-1, seen from inbox-2
             consumed = [e for e in events if e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED]
@@ -117,7 +129,7 @@ async def test_the_compose_services_form_a_working_mesh(tmp_path):
             assert len(consumed) >= 6 and len(completed) == 3, "the sibling exchange ran to the end"
             lead = await second.register("seen-everywhere")
             assert (await third.agent(lead.info, lead.credential).get()).name == "seen-everywhere"
-        assert "ABC-12345" in done.stdout
+        assert "ABC-12345" in stdout
         assert inbox_1 in " ".join(local.argv("agent-host", host["command"]))
     finally:
         local.stop()
