@@ -191,8 +191,8 @@ class MessageStrategies:
             key_fd, value_fd = fd.message_type.fields_by_name["key"], fd.message_type.fields_by_name["value"]
             if value_fd.type == FieldDescriptor.TYPE_MESSAGE and depth + 1 >= MAX_DEPTH:
                 return None
-            typical = st.dictionaries(self._single(key_fd, depth, hostile, False),
-                                      self._single(value_fd, depth, hostile, False), max_size=3)
+            typical: st.SearchStrategy = st.dictionaries(self._single(key_fd, depth, hostile, False),
+                                                         self._single(value_fd, depth, hostile, False), max_size=3)
             if not hostile:
                 return typical
             odd = st.one_of(
@@ -332,11 +332,12 @@ def at_limits(base: Message, value_of: Callable[[FieldDescriptor], str],
     one item of a repeated field), each oneof member in turn."""
     out: list[tuple[str, Message]] = []
 
-    def variant(name: str, change: Callable[[Message], None]) -> None:
+    def variant(name: str) -> Message:
+        """A copy of base listed under `name`, for the caller to change."""
         message = type(base)()
         message.CopyFrom(base)
-        change(message)
         out.append((name, message))
+        return message
 
     for fd in base.DESCRIPTOR.fields:
         repeated = fd.label == FieldDescriptor.LABEL_REPEATED
@@ -345,11 +346,9 @@ def at_limits(base: Message, value_of: Callable[[FieldDescriptor], str],
             if value_fd.type == FieldDescriptor.TYPE_MESSAGE or key_fd.type != FieldDescriptor.TYPE_STRING:
                 continue
             sample = "x" if value_fd.type == FieldDescriptor.TYPE_STRING else 0
-            variant(f"{fd.name}{{600 entries}}",
-                    lambda m, fd=fd, v=sample: getattr(m, fd.name).update({f"k{i}": v for i in range(600)}))
+            getattr(variant(f"{fd.name}{{600 entries}}"), fd.name).update({f"k{i}": sample for i in range(600)})
             for key in _extremes(key_fd):
-                variant(f"{fd.name}{{{short(key)}: ...}}",
-                        lambda m, fd=fd, k=key, v=sample: getattr(m, fd.name).update({k: v}))
+                getattr(variant(f"{fd.name}{{{short(key)}: ...}}"), fd.name).update({key: sample})
         elif fd.type == FieldDescriptor.TYPE_MESSAGE:
             if depth + 1 >= MAX_DEPTH:
                 continue
@@ -357,20 +356,20 @@ def at_limits(base: Message, value_of: Callable[[FieldDescriptor], str],
                 filled(fd.message_type, value_of, depth + 1)
             for path, sub in at_limits(inner, value_of, depth + 1):
                 if repeated:
-                    variant(f"{fd.name}[0].{path}", lambda m, fd=fd, sub=sub: getattr(m, fd.name).add().CopyFrom(sub))
+                    getattr(variant(f"{fd.name}[0].{path}"), fd.name).add().CopyFrom(sub)
                 else:
-                    variant(f"{fd.name}.{path}", lambda m, fd=fd, sub=sub: getattr(m, fd.name).CopyFrom(sub))
+                    getattr(variant(f"{fd.name}.{path}"), fd.name).CopyFrom(sub)
             if repeated:
-                variant(f"{fd.name}[200 items]", lambda m, fd=fd, item=inner: getattr(m, fd.name).extend([item] * 200))
+                getattr(variant(f"{fd.name}[200 items]"), fd.name).extend([inner] * 200)
         else:
             for value in _extremes(fd):
                 if repeated:
-                    variant(f"{fd.name}[{short(value)}]", lambda m, fd=fd, v=value: getattr(m, fd.name).append(v))
+                    getattr(variant(f"{fd.name}[{short(value)}]"), fd.name).append(value)
                 else:
-                    variant(f"{fd.name}={short(value)}", lambda m, fd=fd, v=value: setattr(m, fd.name, v))
+                    setattr(variant(f"{fd.name}={short(value)}"), fd.name, value)
             if repeated and fd.type != FieldDescriptor.TYPE_BOOL:
                 many = {FieldDescriptor.TYPE_STRING: "x", FieldDescriptor.TYPE_BYTES: b"x"}.get(fd.type, 1)
-                variant(f"{fd.name}[{MANY} items]", lambda m, fd=fd, v=many: getattr(m, fd.name).extend([v] * MANY))
+                getattr(variant(f"{fd.name}[{MANY} items]"), fd.name).extend([many] * MANY)
     return out
 
 

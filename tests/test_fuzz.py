@@ -49,6 +49,7 @@ from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc, relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from services.config import IoaConfig, RunsConfig
+from services.ioa.relay import IoaRelay
 from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
@@ -125,7 +126,7 @@ class World:
                          runs=RunsConfig(max_active_children=100_000))  # the fuzzer registers many children
         self.mesh = Mesh(config)
         await self.mesh.start()
-        await self.mesh.relay.wait_connected(10)
+        await self.relay.wait_connected(10)
         self.mesh_channel = grpc.aio.insecure_channel(self.mesh.address, options=_CHANNEL_OPTIONS)
         self.network_channel = grpc.aio.insecure_channel(self.network.address, options=_CHANNEL_OPTIONS)
         self.channels = {name: self.mesh_channel for name in await served_services(self.mesh_channel)}
@@ -142,6 +143,12 @@ class World:
             await channel.close()
         await self.mesh.stop(grace=0.5)
         await self.network.stop(grace=0.2)
+
+    @property
+    def relay(self) -> IoaRelay:
+        """The mesh's IOA relay (its config names the network)."""
+        assert self.mesh.relay is not None, "the mesh has an IOA config, hence a relay"
+        return self.mesh.relay
 
 
 async def served_services(channel: grpc.aio.Channel) -> set[str]:
@@ -196,8 +203,8 @@ class Actors:
         (`filled`); empty where empty is the ordinary choice."""
         lead, child = self.lead.agent_id, self.child.agent_id
         return {
-            "agent_id": lead, "parent_id": lead, "requester_id": lead, "recipient": child, "child_id": child, "agent": lead,
-            "run_id": self.child.run_id, "credentials": self.lead.credential, "message_id": UNIQUE,
+            "agent_id": lead, "parent_id": lead, "requester_id": lead, "recipient": child, "child_id": child,
+            "agent": lead, "run_id": self.child.run_id, "credentials": self.lead.credential, "message_id": UNIQUE,
             "request_id": UNIQUE, "task_message_id": UNIQUE, "ioa_message_id": UNIQUE, "name": "fuzz",
             "text": "fuzz", "task": "fuzz", "space": "fuzz-space", "address": f"ioa:{NODE}/{lead}",
             "node_id": "fuzz-node-9", "node": NODE, "channel": "slack", "team_id": "T1", "id": "p1",
@@ -329,7 +336,8 @@ async def sweep(world: World, rpc: Rpc, team: Actors) -> None:
         return outcome
 
     prefixes = [[]] + ([[opener]] if opener is not None and rpc.method.client_streaming else [])
-    chosen, best = ("none", ()), 9
+    chosen: tuple[str, tuple[tuple[str, str], ...]] = ("none", ())
+    best = 9
     for label, value in [("none", None), *team.credentials().items()]:
         metadata = (("authorization", "Bearer " + value),) if value else ()
         rank = _rank(await one(case_of(label, metadata, prefixes[-1] + [base]), "(plausible request)"))
@@ -375,8 +383,8 @@ async def check_still_serving(world: World, reconnects: int) -> None:
     nodes = await network_pb2_grpc.IoaNetworkStub(world.network_channel).NetworkStatus(
         net.NetworkStatusRequest(), timeout=10)
     assert any(n.node_id == NODE and n.connected for n in nodes.nodes), nodes
-    assert world.mesh.relay.reconnects == reconnects, (
-        f"the relay lost its IOA connection during the batch ({world.mesh.relay.reconnects - reconnects} times)")
+    assert world.relay.reconnects == reconnects, (
+        f"the relay lost its IOA connection during the batch ({world.relay.reconnects - reconnects} times)")
 
 
 async def check_canary(world: World, receipt: pb.Receipt) -> None:
@@ -421,7 +429,7 @@ async def batch(world: World, rpc: Rpc):
     assert rpc.service in world.channels, f"no server here serves {rpc.service}"
     team = await actors(world)
     canary = await send_canary(world)
-    reconnects = world.mesh.relay.reconnects
+    reconnects = world.relay.reconnects
     failed: BaseException | None = None
     try:
         yield team
