@@ -12,6 +12,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from opentelemetry import trace
@@ -22,6 +23,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from inboxmesh.client.mesh import MeshClient
 from services.config import InboxLimits, MeshConfig, StoreConfig
 from services.server import Mesh
+
+if TYPE_CHECKING:
+    from harness.nats import NatsNode
 
 ADMIN_TOKEN = "test-admin-token"
 _EXPORTER = InMemorySpanExporter()
@@ -44,7 +48,7 @@ STORE = os.environ.get("INBOXMESH_TEST_STORE", "sqlite")
 """Which store the mesh fixtures use: sqlite (default) or jetstream (a
 nats-server started once for the session; each config gets its own
 namespace on it)."""
-_NATS: dict[str, object] = {}
+_NATS: dict[str, NatsNode] = {}
 
 
 def store_config(tmp_path: Path) -> StoreConfig:

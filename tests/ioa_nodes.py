@@ -34,6 +34,7 @@ async def start_node(network, tmp_path, node_id, **ioa) -> Node:
     await mesh.start()
     node = Node(mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN))
     try:
+        assert mesh.relay is not None, "an IOA config gives the mesh a relay"
         await mesh.relay.wait_connected(10)
     except BaseException:
         await node.stop()

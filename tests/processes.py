@@ -19,14 +19,15 @@ class MeshProcess:
                  env: dict[str, str] | None = None):
         self.data_dir = data_dir
         self.env = {**os.environ, **(env or {})}
-        self.args = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up", "--port", "0", "--no-demo",
-                     "--data-dir", str(data_dir), "--admin-token", admin_token, *extra]
+        self.args = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up", "--port", "0",
+                     "--no-demo", "--data-dir", str(data_dir), "--admin-token", admin_token, *extra]
         self.proc: subprocess.Popen | None = None
         self.address = ""
 
     def start(self, timeout: float = 30.0) -> str:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      cwd=Path(__file__).resolve().parent.parent, env=self.env)
+        assert self.proc.stdout is not None, "stdout is a pipe"
         deadline = time.monotonic() + timeout
         seen = []
         while time.monotonic() < deadline:
@@ -40,6 +41,12 @@ class MeshProcess:
                 return self.address
         self.kill()
         raise RuntimeError(f"mesh process did not start: {''.join(seen)}")
+
+    def wait(self, timeout: float) -> int:
+        """The process's exit code, waiting up to timeout for it to exit."""
+        if self.proc is None:
+            raise RuntimeError("the mesh process was never started")
+        return self.proc.wait(timeout)
 
     def kill(self) -> None:
         """kill -9: no chance to flush or say goodbye."""

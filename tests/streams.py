@@ -9,6 +9,7 @@ import contextlib
 import grpc
 
 from inboxmesh.client.mesh import AgentHandle
+from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from tests.fixtures import eventually
 
@@ -17,13 +18,13 @@ class Collector:
     def __init__(self, agent: AgentHandle, *, max_in_flight: int = 0, extra=(), auto_ack: bool = False):
         self.agent = agent
         self.call = agent.subscribe(max_in_flight, extra=extra)
-        self.messages = []
+        self.messages: list[envelope_pb2.Envelope] = []
         self.events: list[pb.SubscriptionEvent] = []
         self.heartbeats = 0
         self.error: grpc.aio.AioRpcError | None = None
         self.ended = asyncio.Event()
         self.auto_ack = auto_ack
-        self.consumed = []
+        self.consumed: list[envelope_pb2.Envelope] = []
         self.task = asyncio.create_task(self._run())
 
     async def _run(self):

@@ -54,8 +54,9 @@ class AddressHolder:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        self._server.close()
-        await self._server.wait_closed()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
 
     async def _drop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.attempts += 1
@@ -136,7 +137,7 @@ async def test_an_ack_whose_mesh_died_after_storing_it_is_retried_once_the_mesh_
             inbox = Collector(b)
             await inbox.wait_for(1)
             acking = asyncio.create_task(b.ack([receipt.sequence]))
-            assert await asyncio.to_thread(crashing.proc.wait, 30) == 137, "the mesh died after storing the ack"
+            assert await asyncio.to_thread(crashing.wait, 30) == 137, "the mesh died after storing the ack"
             await inbox.ended.wait()
             async with AddressHolder(port) as holder:
                 await holder.until_failed_or_waiting(acking)

@@ -21,7 +21,7 @@ async def family(client):
 
 
 async def _responses(call, kind, count, timeout=10):
-    found = []
+    found: list = []
     async with asyncio.timeout(timeout):
         while len(found) < count:
             response = await call.read()

@@ -5,6 +5,7 @@ import asyncio
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
 
 from inboxmesh.client import errors
 from inboxmesh.client.tracing import trace_id_of
@@ -26,7 +27,7 @@ async def test_send_enqueue_deliver_ack_form_one_trace(client, spans):
         assert trace_id, "the delivered envelope carries W3C trace context"
 
         def by_name():
-            found = {}
+            found: dict[str, list[ReadableSpan]] = {}
             for span in spans.get_finished_spans():
                 if format(span.context.trace_id, "032x") == trace_id:
                     found.setdefault(span.name, []).append(span)

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _load_generator():
     spec = importlib.util.spec_from_file_location("protos_generate", ROOT / "protos" / "generate.py")
+    assert spec is not None and spec.loader is not None, "protos/generate.py cannot be loaded"
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -25,7 +26,8 @@ def test_generated_package_is_up_to_date(tmp_path):
         for p in (ROOT / "inboxmesh").rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and generator.is_generated(p.relative_to(ROOT))
     }
-    assert fresh == committed, f"files differ: only fresh {sorted(fresh - committed)}, only committed {sorted(committed - fresh)}"
+    assert fresh == committed, (
+        f"files differ: only fresh {sorted(fresh - committed)}, only committed {sorted(committed - fresh)}")
     stale = [str(rel) for rel in sorted(fresh) if (tmp_path / rel).read_bytes() != (ROOT / rel).read_bytes()]
     assert not stale, f"regenerate with `python protos/generate.py`: stale {stale}"
 

@@ -141,7 +141,8 @@ async def test_hop_limits_stop_loops_and_inbound_messages_are_never_sent_back(no
     last = await a.reply(back, "ping", hop_count=back.hop_count + 2)
     assert last.status == pb.RECEIPT_STATUS_NOT_PERMITTED
     # an IOA-origin envelope cannot be sent on by an agent (only the relay makes them)
-    claim = env_pb.Envelope(message_id="m", recipient=beta.address(b), origin=env_pb.Origin(kind=env_pb.ORIGIN_KIND_IOA))
+    claim = env_pb.Envelope(message_id="m", recipient=beta.address(b),
+                            origin=env_pb.Origin(kind=env_pb.ORIGIN_KIND_IOA))
     with pytest.raises(errors.PermissionDenied):
         await a.send_batch([claim])
 
@@ -208,12 +209,14 @@ async def test_one_trace_and_the_event_record_show_every_hop(nodes, spans):
     finally:
         await sub.stop()
     finished = spans.get_finished_spans()
-    send = next(s for s in finished if s.name == "send" and s.attributes.get("messaging.message.id") == receipt.message_id)
+    send = next(s for s in finished
+                if s.name == "send" and s.attributes.get("messaging.message.id") == receipt.message_id)
     in_trace = [s.name for s in finished if s.context.trace_id == send.context.trace_id]
     for name in ("send", "ioa.publish", "ioa.receive", "enqueue", "deliver", "ack"):
         assert name in in_trace, (name, in_trace)
     alpha_events = await alpha.client.admin_events(agent_id=a.agent_id)
-    kinds_a = [(e.kind, e.detail.split()[0] if e.detail else "") for e in alpha_events if e.message_id == receipt.message_id]
+    kinds_a = [(e.kind, e.detail.split()[0] if e.detail else "")
+               for e in alpha_events if e.message_id == receipt.message_id]
     assert (ev.EVENT_KIND_IOA_PUBLISHED, f"alpha:{a.agent_id}:{receipt.message_id}") in kinds_a
     assert (ev.EVENT_KIND_MESSAGE_SENT, "accepted") in kinds_a
     beta_events = [e for e in await beta.client.admin_events(agent_id=b.agent_id) if e.message_id == got.message_id]

@@ -39,7 +39,8 @@ class NodeClient:
 
     async def publish(self, ioa_id, *, to=None, space=None, text=""):
         self.publish_id += 1
-        message = net.IoaMessage(ioa_message_id=ioa_id, text=text, **{"from": net.Address(node="spoofed", agent="me")})
+        message = net.IoaMessage(ioa_message_id=ioa_id, text=text)
+        getattr(message, "from").CopyFrom(net.Address(node="spoofed", agent="me"))  # `from` is a Python keyword
         if to:
             message.direct.CopyFrom(net.Address(node=to[0], agent=to[1]))
         if space:

@@ -47,7 +47,7 @@ async def nodes(network, tmp_path):
             await node.stop()
 
 
-async def _fault(network, node_id: str, kind: int, count: int = 0) -> None:
+async def _fault(network, node_id: str, kind: net.FaultKind, count: int = 0) -> None:
     async with grpc.aio.insecure_channel(network.address) as channel:
         await network_pb2_grpc.IoaNetworkStub(channel).InjectFault(
             net.InjectFaultRequest(node_id=node_id, kind=kind, count=count))
@@ -82,8 +82,9 @@ async def test_first_sends_read_accepted_through_drops_redeliveries_and_duplicat
         cycle = [("south", net.FAULT_KIND_DROP_CONNECTION, 0), ("north", net.FAULT_KIND_DROP_CONNECTION, 0),
                  ("south", net.FAULT_KIND_DUPLICATE, 5), ("north", net.FAULT_KIND_DUPLICATE, 5)]
         for step in range(20):
-            await eventually(lambda: len(receipts) + len(failures) >= 10 * (step + 1) or len(receipts)
-                             + len(failures) == 200, timeout=30, message=f"{10 * (step + 1)} sends answered")
+            answered = 10 * (step + 1)
+            await eventually(lambda answered=answered: len(receipts) + len(failures) >= answered
+                             or len(receipts) + len(failures) == 200, timeout=30, message=f"{answered} sends answered")
             node_id, kind, count = cycle[step % len(cycle)]
             await _fault(network, node_id, kind, count)
 
@@ -214,8 +215,8 @@ class RawNode:
 
     async def send(self, ioa_id, to, headers):
         message = net.IoaMessage(ioa_message_id=ioa_id, text="hi", headers={"inboxmesh-relay": "raw/1", **headers},
-                                 direct=net.Address(node=to[0], agent=to[1]),
-                                 **{"from": net.Address(node=self.node_id, agent="me")})
+                                 direct=net.Address(node=to[0], agent=to[1]))
+        getattr(message, "from").CopyFrom(net.Address(node=self.node_id, agent="me"))  # `from` is a Python keyword
         await self.call.write(net.NodeFrame(publish=net.Publish(message=message, publish_id=1)))
 
     async def receipt(self, ioa_id, timeout=10):
@@ -252,7 +253,8 @@ async def test_inbound_trails_and_hop_counts_over_the_limits_are_refused(nodes, 
                 assert receipt["status"] == "not_permitted", (ioa_id, receipt)
                 assert len(receipt["detail"]) < 200, "the refusal does not echo the header"
             # plain entries from another node are that node's ids; the sender ends the trail
-            await raw.send("ok", ("south", b.agent_id), {trails.HEADER: json.dumps(["helper", "ioa:south/" + b.agent_id])})
+            await raw.send("ok", ("south", b.agent_id),
+                           {trails.HEADER: json.dumps(["helper", "ioa:south/" + b.agent_id])})
             receipt = await raw.receipt("ok")
             assert receipt["status"] == "accepted"
         finally:

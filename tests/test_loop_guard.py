@@ -2,6 +2,7 @@
 (no project client code; they never copy hop_count or trail) that answer each other forever are refused at
 the documented limit, on one mesh and across two meshes on an IOA network."""
 
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -29,7 +30,7 @@ class RawAgent:
         self.auth = (("authorization", f"Bearer {credential}"),)
         self.inbox = inbox_pb2_grpc.InboxServiceStub(channel)
         self.registry = registry_pb2_grpc.RegistryServiceStub(channel)
-        self._deliveries = None
+        self._deliveries: AsyncIterator[pb.SubscribeResponse] | None = None
         self._pending: list[env_pb.Envelope] = []
         self._count = 0
 
@@ -37,7 +38,7 @@ class RawAgent:
     async def register(cls, channel, name: str, parent: "RawAgent | None" = None) -> "RawAgent":
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         request = reg.RegisterAgentRequest(name=name)
-        metadata = ()
+        metadata: tuple[tuple[str, str], ...] = ()
         if parent is not None:
             request.parent_id, request.mode = parent.agent.agent_id, reg.AGENT_MODE_ASYNC
             metadata = parent.auth

@@ -125,6 +125,7 @@ async def test_cli_tail_shows_messages_live(tmp_path):
                 sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "tail", "--as", child.credential,
                 "--consume", "--data-dir", str(tmp_path), cwd=ROOT, stdout=asyncio.subprocess.PIPE)
             try:
+                assert tail.stdout is not None, "stdout is a pipe"
                 await eventually(lambda: _subscribed(lead, child.agent_id), 20)
                 await lead.send(child.agent_id, "live one")
                 first = await asyncio.wait_for(tail.stdout.readline(), 20)
@@ -202,6 +203,7 @@ def test_ioa_network_and_two_meshes_as_separate_processes(tmp_path):
     network = subprocess.Popen([sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "ioa-server",
                                 "--port", "0"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
+        assert network.stdout is not None, "stdout is a pipe"
         address = network.stdout.readline().split()[-1]
         with MeshProcess(tmp_path / "a", "--ioa-network", address, "--node-id", "north"), \
                 MeshProcess(tmp_path / "b", "--ioa-network", address, "--node-id", "south"):
@@ -217,4 +219,5 @@ def test_ioa_network_and_two_meshes_as_separate_processes(tmp_path):
     finally:
         network.terminate()
         network.wait(10)
-        network.stdout.close()
+        if network.stdout is not None:
+            network.stdout.close()

@@ -53,7 +53,7 @@ async def test_concurrent_senders_keep_pair_fifo_and_one_inbox_order(client, pla
         assert len(set(all_sequences)) == total, "sequences must be unique"
         if contiguous_sequences():
             assert all_sequences == list(range(1, total + 1)), "sequences must be contiguous"
-        for texts, sequences in results:
+        for _, sequences in results:
             assert sequences == sorted(sequences), "a sender's messages must keep their order in the inbox"
         sub = sub or Collector(recipient, auto_ack=True)
         got = await sub.wait_for(total, timeout=30)

@@ -252,7 +252,7 @@ def test_validation_error_in_a_file_names_the_file_and_key(tmp_path: Path) -> No
     assert caught.value.metadata == {"field": "agents.list[0].modle", "source": str(path)}
 
 
-def _agents(*entries: dict) -> dict:
+def _agents(*entries: object) -> dict:
     return {"agents": {"list": list(entries)}}
 
 

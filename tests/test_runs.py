@@ -25,7 +25,7 @@ from tests.streams import Collector
 K = ev.EventKind
 
 
-def spec(task: str = "do it", cleanup: int = reg.RUN_CLEANUP_KEEP, **fields) -> reg.RunSpec:
+def spec(task: str = "do it", cleanup: reg.RunCleanup = reg.RUN_CLEANUP_KEEP, **fields) -> reg.RunSpec:
     return reg.RunSpec(task=task, task_message_id=f"task-{task.replace(' ', '-')}", cleanup=cleanup, **fields)
 
 
@@ -95,7 +95,7 @@ async def test_concurrent_completion_paths_announce_exactly_once(client):
             for v in views:
                 await v.close()
         assert not [r for r in results if isinstance(r, BaseException)]
-        fresh = [r for r in results[:5] if not r.already_ended]
+        fresh = [r for r in results[:5] if not isinstance(r, BaseException) and not r.already_ended]
         run = await client.admin_run(run_id=child.run_id)
         assert len(fresh) <= 1 and run.status != runs.RUN_STATUS_RUNNING
         record = await Record.read(client)
@@ -161,7 +161,7 @@ async def test_a_full_requester_inbox_defers_the_announce_until_there_is_room(cl
 
 
 # -- restarts in every phase -----------------------------------------------------
-async def _spawned(proc: MeshProcess, cleanup: int):
+async def _spawned(proc: MeshProcess, cleanup: reg.RunCleanup):
     async with MeshClient(proc.address, admin_token=ADMIN_TOKEN) as client:
         lead = await client.register("lead")
         child = await lead.spawn("worker", run=spec("job", cleanup=cleanup))
@@ -201,7 +201,7 @@ async def test_a_restart_in_every_phase_announces_exactly_once(tmp_path, phase):
             if crash_at:
                 with pytest.raises(errors.MeshError):  # the process dies inside the call
                     await child.end_run("the result")
-                assert proc.proc.wait(10) == 137
+                assert proc.wait(10) == 137
             else:
                 proc.kill()  # kill -9 while the run is running
     if not crash_at:
