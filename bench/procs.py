@@ -13,6 +13,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from typing import IO, NoReturn
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -37,6 +39,9 @@ class Child:
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                      text=True, bufsize=1, env=env)
+        assert self.proc.stdin is not None and self.proc.stdout is not None, "both are pipes"
+        self._stdin: IO[str] = self.proc.stdin
+        self._stdout: IO[str] = self.proc.stdout
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -45,18 +50,18 @@ class Child:
         return self.proc.pid
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._stdout:
             self.lines.put(line.rstrip("\n"))
         self.lines.put(None)
 
     def send(self, command: str) -> None:
         try:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
+            self._stdin.write(command + "\n")
+            self._stdin.flush()
         except BrokenPipeError:
             self.fail(f"exited (rc={self.proc.wait()}) before '{command}'")
 
-    def expect(self, prefix: str, timeout: float = 120, others: list[Child] = ()) -> str:
+    def expect(self, prefix: str, timeout: float = 120, others: Sequence[Child] = ()) -> str:
         """Wait for a stdout line starting with `prefix`; return the rest of it.
         Fails at the deadline or as soon as one of `others` has exited."""
         deadline = time.monotonic() + timeout
@@ -78,7 +83,7 @@ class Child:
     def cpu(self) -> float:
         return proc_cpu_seconds(self.proc.pid)
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str) -> NoReturn:
         self.stderr.seek(0)
         raise SystemExit(f"{self.name} {why}; its stderr:\n{self.stderr.read()[-4000:]}")
 
@@ -86,7 +91,7 @@ class Child:
         """Close stdin (a bench child then exits); SIGTERM it by PID after 2 s
         (a mesh server ignores stdin), SIGKILL after 5 s more."""
         try:
-            self.proc.stdin.close()
+            self._stdin.close()
         except OSError:
             pass
         for wait, stop in ((2, self.proc.terminate), (5, self.proc.kill)):
