@@ -22,6 +22,8 @@ from inboxmesh.events.v1 import events_pb2 as ev_pb
 from inboxmesh.events.v1 import events_pb2_grpc
 from inboxmesh.inbox.v1 import inbox_pb2 as inbox_pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
+from inboxmesh.ioa.v1 import relay_pb2 as relay_pb
+from inboxmesh.ioa.v1 import relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2 as reg_pb
 from inboxmesh.registry.v1 import registry_pb2_grpc
 from inboxmesh.routing.v1 import routing_pb2 as route_pb
@@ -36,6 +38,7 @@ _IDEMPOTENT = {
                                               "CloseAgent"],
     "inboxmesh.events.v1.EventService": ["ListEvents"],
     "inboxmesh.runs.v1.SubagentRunService": ["EndRun", "GetRun", "ListRuns"],
+    "inboxmesh.ioa.v1.IoaRelayService": ["RelayStatus", "MapAddress", "SpaceRead"],
 }
 RETRY_POLICY = {
     "maxAttempts": 5,
@@ -49,7 +52,7 @@ RETRY_POLICY = {
 def unary_methods() -> list[tuple[str, str]]:
     """(service, method) of every unary RPC of the services this client calls."""
     return [(service.full_name, method.name)
-            for module in (reg_pb, inbox_pb, ev_pb, runs_pb, route_pb)
+            for module in (reg_pb, inbox_pb, ev_pb, runs_pb, route_pb, relay_pb)
             for service in module.DESCRIPTOR.services_by_name.values()
             for method in service.methods if not (method.client_streaming or method.server_streaming)]
 
@@ -65,7 +68,7 @@ def service_config(*, wait_for_ready: bool = True) -> str:
     client makes carries a deadline. Streams (Subscribe, Consume,
     SendStream, WatchEvents) have no deadline and keep failing fast: their
     owners resubscribe with their own backoff."""
-    def names(methods):
+    def names(methods: list[tuple[str, str]]) -> list[dict[str, str]]:
         return [{"service": s, "method": m} for s, m in methods]
 
     idempotent = [(s, m) for s, methods in _IDEMPOTENT.items() for m in methods]
@@ -131,7 +134,8 @@ def envelope(
     return env_pb.Envelope(
         message_id=message_id or new_message_id(),
         recipient=recipient,
-        kind=kind,
+        # the generated stub takes only MessageKind members; proto3 enums are open and any int is sent as it is
+        kind=kind,  # type: ignore[arg-type]
         content=env_pb.Content(text=text, data=data, media_type=media_type),
         in_reply_to=in_reply_to,
         conversation_id=conversation_id,
@@ -166,6 +170,7 @@ class MeshClient:
         self.events = events_pb2_grpc.EventServiceStub(self.channel)
         self.runs = runs_pb2_grpc.SubagentRunServiceStub(self.channel)
         self.routing = routing_pb2_grpc.RoutingServiceStub(self.channel)
+        self.relay = relay_pb2_grpc.IoaRelayServiceStub(self.channel)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -224,7 +229,8 @@ class MeshClient:
             filter=ev_pb.EventFilter(message_id=message_id, sender=sender, agent_id=agent_id),
             after_event_id=after, limit=limit,
         )
-        response = await self._call(self.events.ListEvents(request, timeout=self.timeout, metadata=self._admin_metadata()))
+        response = await self._call(self.events.ListEvents(request, timeout=self.timeout,
+                                                           metadata=self._admin_metadata()))
         return list(response.events)
 
     async def sweep_runs(self) -> runs_pb.SweepRunsResponse:
@@ -240,7 +246,8 @@ class MeshClient:
     async def ingress(self, token: str, source: route_pb.RouteInput, message_id: str, text: str,
                       **fields) -> route_pb.IngressResponse:
         request = route_pb.IngressRequest(source=source, message_id=message_id, text=text, **fields)
-        return await self._call(self.routing.Ingress(request, timeout=self.timeout, metadata=credentials.metadata_for(token)))
+        return await self._call(self.routing.Ingress(request, timeout=self.timeout,
+                                                     metadata=credentials.metadata_for(token)))
 
     async def resolve_route(self, source: route_pb.RouteInput) -> route_pb.ResolvedRoute:
         return await self._call(self.routing.ResolveRoute(route_pb.ResolveRouteRequest(source=source),
@@ -252,7 +259,8 @@ class MeshClient:
 
     async def claim_session(self, token: str, session_key: str) -> AgentHandle:
         response = await self._call(self.routing.ClaimSession(route_pb.ClaimSessionRequest(session_key=session_key),
-                                                         timeout=self.timeout, metadata=credentials.metadata_for(token)))
+                                                              timeout=self.timeout,
+                                                              metadata=credentials.metadata_for(token)))
         return self.agent(response.session_agent_id, response.credential)
 
 
@@ -285,7 +293,9 @@ class AgentHandle:
         """Register a child of this agent (and its run); retried like register."""
         response = await self.client._call(
             self.client.registry.RegisterAgent(
-                reg_pb.RegisterAgentRequest(name=name, mode=mode, parent_id=self.agent_id, metadata=metadata or {},
+                # mode: the generated stub takes only AgentMode members (see envelope())
+                reg_pb.RegisterAgentRequest(name=name, mode=mode,  # type: ignore[arg-type]
+                                            parent_id=self.agent_id, metadata=metadata or {},
                                             inbox_capacity=inbox_capacity, run=run,
                                             request_id=request_id or _request_id()),
                 **self._opts(),
@@ -301,8 +311,8 @@ class AgentHandle:
     async def get_run(self, *, run_id: str = "", child_id: str = "") -> runs_pb.SubagentRun:
         if not run_id and not child_id:
             child_id = self.agent_id
-        return await self.client._call(self.client.runs.GetRun(runs_pb.GetRunRequest(run_id=run_id, child_id=child_id),
-                                                   **self._opts()))
+        return await self.client._call(self.client.runs.GetRun(
+            runs_pb.GetRunRequest(run_id=run_id, child_id=child_id), **self._opts()))
 
     async def list_runs(self, *, requester_id: str = "", include_archived: bool = False) -> list[runs_pb.SubagentRun]:
         runs, token = [], ""
@@ -365,11 +375,12 @@ class AgentHandle:
             spans.append(span)
         return spans
 
-    async def send_batch(self, envelopes: list[env_pb.Envelope], timeout: float | None = None) -> list[inbox_pb.Receipt]:
+    async def send_batch(self, envelopes: list[env_pb.Envelope],
+                         timeout: float | None = None) -> list[inbox_pb.Receipt]:
         spans = self._traced(envelopes)
         try:
             response = await self.client._call(self.client.inbox.Send(inbox_pb.SendRequest(messages=envelopes),
-                                                          **self._opts(timeout)))
+                                                                      **self._opts(timeout)))
         finally:
             for span in spans:
                 span.end()
@@ -432,7 +443,7 @@ class AgentHandle:
 
     # -- events -------------------------------------------------------------
     async def events(
-        self, *, message_id: str = "", sender: str = "", agent_id: str = "", kinds: Iterable[int] = (),
+        self, *, message_id: str = "", sender: str = "", agent_id: str = "", kinds: Iterable[ev_pb.EventKind] = (),
         after: int = 0, limit: int = 1000,
     ) -> list[ev_pb.Event]:
         request = ev_pb.ListEventsRequest(
@@ -442,8 +453,14 @@ class AgentHandle:
         response = await self.client._call(self.client.events.ListEvents(request, **self._opts()))
         return list(response.events)
 
+    async def record_events(self, events: list[ev_pb.Event], timeout: float | None = None) -> None:
+        """Record runtime events about this agent (turns, wakes, spawns: docs/lifecycle.md) in the mesh's
+        event record."""
+        await self.client._call(self.client.events.RecordEvents(ev_pb.RecordEventsRequest(events=events),
+                                                                **self._opts(timeout)))
+
     async def watch_events(
-        self, *, agent_id: str = "", sender: str = "", message_id: str = "", kinds: Iterable[int] = (),
+        self, *, agent_id: str = "", sender: str = "", message_id: str = "", kinds: Iterable[ev_pb.EventKind] = (),
         from_now: bool = False, after: int = 0,
     ) -> AsyncIterator[ev_pb.Event]:
         call = self.client.events.WatchEvents(
@@ -461,3 +478,20 @@ class AgentHandle:
             raise from_rpc_error(exc) from None
         finally:
             call.cancel()
+
+    # -- IOA relay (a mesh without one answers UNIMPLEMENTED: MeshError with reason "UNIMPLEMENTED") -----
+    async def map_address(self, agent_id: str) -> str:
+        """The IOA address ("ioa:<node>/<agent>") of a local agent of this mesh."""
+        response = await self.client._call(
+            self.client.relay.MapAddress(relay_pb.MapAddressRequest(agent_id=agent_id), **self._opts()))
+        return response.address
+
+    async def space_send(self, space: str, text: str) -> relay_pb.SpaceSendResponse:
+        """Post in a shared IOA space as this agent (joining it when needed)."""
+        return await self.client._call(
+            self.client.relay.SpaceSend(relay_pb.SpaceSendRequest(space=space, text=text), **self._opts()))
+
+    async def space_read(self, space: str, after: int = 0) -> relay_pb.SpaceReadResponse:
+        """A shared IOA space's messages after position `after`."""
+        return await self.client._call(
+            self.client.relay.SpaceRead(relay_pb.SpaceReadRequest(space=space, after_seq=after), **self._opts()))

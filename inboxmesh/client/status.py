@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]  # ships no type information
 
 from inboxmesh.client import errors
 
@@ -33,7 +33,7 @@ ERROR_OF: dict[grpc.StatusCode, type[errors.MeshError]] = {code: cls for cls, co
 def status_code_of(exc: errors.MeshError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in STATUS_OF:
-            return STATUS_OF[cls]  # type: ignore[index]
+            return STATUS_OF[cls]
     return grpc.StatusCode.UNKNOWN
 
 

@@ -21,11 +21,13 @@ so that queue cannot outgrow agents x max_in_flight.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import grpc
 
@@ -39,7 +41,13 @@ from inboxmesh.inbox.v1 import inbox_pb2
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
-_ENDED = object()
+
+
+class _End:
+    """The reader's last item: the call ended without an error."""
+
+
+_ENDED = _End()
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -49,6 +57,23 @@ class StreamItem:
 
     messages: list[envelope_pb2.Envelope] = field(default_factory=list)
     agent_event: inbox_pb2.SubscriptionEvent | None = None
+
+
+_Item: TypeAlias = StreamItem | grpc.aio.AioRpcError | _End
+
+
+class _Items(asyncio.Queue[_Item]):
+    """What the reader hands over (StreamItem, a failed call's AioRpcError, or _ENDED), with a look at
+    the next one. Unbounded: deliveries are bounded by the mesh (max_in_flight per agent)."""
+
+    _queue: collections.deque[_Item]  # asyncio.Queue's storage, declared the way LifoQueue does
+
+    def _init(self, maxsize: int) -> None:
+        self._queue = collections.deque()
+
+    def peek(self) -> _Item:
+        """The next item, left in the queue (the queue must not be empty)."""
+        return self._queue[0]
 
 
 class InboxStream:
@@ -77,7 +102,7 @@ class InboxStream:
         self.max_failures = max_failures
         self.ack_timeout = ack_timeout
         self.reconnects = 0
-        self._call = None
+        self._call: grpc.aio.StreamStreamCall | None = None
         self._write_lock = asyncio.Lock()
         self._acks: dict[int, asyncio.Future] = {}
         self._ack_ids = itertools.count(1)
@@ -89,29 +114,30 @@ class InboxStream:
         if self._call is not None:
             self._call.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[StreamItem]:
+    async def __aiter__(self) -> AsyncGenerator[StreamItem, None]:
         failures = 0
         while self.agents and not self._stopped:
             first = next(iter(self.agents.values()))
             call = self._call = first.client.inbox.Consume()
-            items: asyncio.Queue = asyncio.Queue()
+            items = _Items()
             reader = asyncio.create_task(self._read(call, items))
             failure: errors.MeshError | None = None
             try:
                 await self._write(inbox_pb2.ConsumeRequest(subscribe=inbox_pb2.SubscribeRequest(
                     credentials=[a.credential for a in self.agents.values()], max_in_flight=self.max_in_flight)))
-                while (item := await items.get()) is not _ENDED:
-                    if isinstance(item, StreamItem) and item.messages:
-                        item = self._coalesce(item, items)
-                    if isinstance(item, grpc.aio.AioRpcError):
-                        if self._stopped:
-                            return
-                        if item.code() not in _RETRYABLE:
-                            raise from_rpc_error(item) from None
-                        failure = from_rpc_error(item)
-                        break
-                    failures = 0
-                    yield item
+                while not isinstance(item := await items.get(), _End):
+                    if isinstance(item, StreamItem):
+                        if item.messages:
+                            item = self._coalesce(item, items)
+                        failures = 0
+                        yield item
+                        continue
+                    if self._stopped:  # item is the failed call's AioRpcError
+                        return
+                    if item.code() not in _RETRYABLE:
+                        raise from_rpc_error(item) from None
+                    failure = from_rpc_error(item)
+                    break
                 else:
                     if self._stopped or not self.agents:
                         return
@@ -126,7 +152,8 @@ class InboxStream:
                 if self._half_close is not None:
                     self._half_close.cancel()
                     self._half_close = None
-                self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered", reason=Reason.STREAM_LOST))
+                self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered",
+                                                   reason=Reason.STREAM_LOST))
             failures += 1
             if self.max_failures is not None and failures > self.max_failures:
                 raise failure
@@ -136,17 +163,18 @@ class InboxStream:
             await asyncio.sleep(delay)
 
     @staticmethod
-    def _coalesce(item: StreamItem, items: asyncio.Queue) -> StreamItem:
+    def _coalesce(item: StreamItem, items: _Items) -> StreamItem:
         """Join deliveries already waiting behind this one, so a host takes
         everything pending in one go (one ack, one turn)."""
         while not items.empty():
-            following = items._queue[0]  # peek: only plain deliveries are joined, in order
+            following = items.peek()  # only plain deliveries are joined, in order
             if not (isinstance(following, StreamItem) and following.messages):
                 break
-            item.messages.extend(items.get_nowait().messages)
+            items.get_nowait()
+            item.messages.extend(following.messages)
         return item
 
-    async def _read(self, call, items: asyncio.Queue) -> None:
+    async def _read(self, call: grpc.aio.StreamStreamCall, items: _Items) -> None:
         try:
             async for response in call:
                 which = response.WhichOneof("event")
@@ -183,7 +211,10 @@ class InboxStream:
             future.set_result(list(acked.results))
 
     async def _write(self, request: inbox_pb2.ConsumeRequest) -> None:
+        """Write on the current call (the one open when the write's turn comes)."""
         async with self._write_lock:
+            if self._call is None:  # never connected (ack() refuses before that)
+                raise errors.Unavailable("the inbox stream is not connected", reason=Reason.STREAM_LOST)
             await self._call.write(request)
 
     async def _done_writing(self, call) -> None:
@@ -217,10 +248,12 @@ class InboxStream:
                 agent_id=agent_id, sequences=sequences, request_id=request_id, turn=turn)))
         except grpc.aio.AioRpcError as exc:
             self._forget(request_id, future)
-            raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}", reason=Reason.STREAM_LOST) from None
+            raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}",
+                                     reason=Reason.STREAM_LOST) from None
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call ended or was half-closed
             self._forget(request_id, future)
-            raise errors.Unavailable(f"could not ack on the inbox stream: {exc}", reason=Reason.STREAM_LOST) from None
+            raise errors.Unavailable(f"could not ack on the inbox stream: {exc}",
+                                     reason=Reason.STREAM_LOST) from None
         return await asyncio.wait_for(future, self.ack_timeout)
 
     def _forget(self, request_id: int, future: asyncio.Future) -> None:
@@ -258,7 +291,8 @@ def ack_error(acked: inbox_pb2.AckResponse) -> errors.MeshError:
     unary Ack would have raised it."""
     error = acked.error
     code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-    return ERROR_OF.get(code, errors.MeshError)(error.message or code.name, reason=errors.reason_of(error.reason or code.name),
+    return ERROR_OF.get(code, errors.MeshError)(error.message or code.name,
+                                                reason=errors.reason_of(error.reason or code.name),
                                                 metadata=dict(error.metadata))
 
 

@@ -83,7 +83,9 @@ def configure_tracing(exporter_name: str | None = None, service_name: str = "inb
         exporter = ConsoleSpanExporter()
     elif exporter_name == "otlp":
         try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
+                OTLPSpanExporter,  # optional: not installed by the project's set-up
+            )
         except ImportError as exc:
             raise SystemExit(
                 "INBOXMESH_TRACES=otlp needs `pip install opentelemetry-exporter-otlp-proto-grpc`"
