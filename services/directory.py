@@ -61,14 +61,16 @@ class Directory:
     async def require(self, agent_id: str) -> AgentRecord:
         record = await self.get(agent_id)
         if record is None:
-            raise errors.NotFound(f"no agent {agent_id!r}", reason=Reason.AGENT_NOT_FOUND, metadata={"agent_id": agent_id})
+            raise errors.NotFound(f"no agent {agent_id!r}", reason=Reason.AGENT_NOT_FOUND,
+                                  metadata={"agent_id": agent_id})
         return record
 
     async def fresh(self, agent_id: str) -> AgentRecord:
         """The record as stored now (state included)."""
         record = await self._store.get_agent(agent_id)
         if record is None:
-            raise errors.NotFound(f"no agent {agent_id!r}", reason=Reason.AGENT_NOT_FOUND, metadata={"agent_id": agent_id})
+            raise errors.NotFound(f"no agent {agent_id!r}", reason=Reason.AGENT_NOT_FOUND,
+                                  metadata={"agent_id": agent_id})
         self.remember(record)
         return record
 
@@ -113,8 +115,8 @@ class Directory:
                 self.remember(record)
         if record is None or not auth.hashes_match(credential, record.credential_hash):
             raise errors.Unauthenticated(
-                f"credential for {agent_id!r} is not valid", reason=Reason.BAD_CREDENTIAL, metadata={"agent_id": agent_id}
-            )
+                f"credential for {agent_id!r} is not valid", reason=Reason.BAD_CREDENTIAL,
+                metadata={"agent_id": agent_id})
         if len(self._verified) >= _MAX_CACHED:
             self._verified.pop(next(iter(self._verified)))
         self._verified[credential] = agent_id

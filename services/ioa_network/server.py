@@ -87,8 +87,7 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
                 "the first frame must be hello with a node_id of 1-128 letters, digits, '.', '_' or '-'",
                 reason=Reason.BAD_NODE_ID, metadata={"field": "hello.node_id"})))
             return
-        node = self._attach(first.hello.node_id)
-        queue, stop = node.queue, node.stop
+        node, queue, stop = self._attach(first.hello.node_id)
         redeliver = list(node.recent)
         await context.write(pb.NetworkFrame(welcome=pb.Welcome(node_id=node.node_id, redelivering=len(redeliver))))
         for message in redeliver:
@@ -102,18 +101,20 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
                 node.connected = False
             log.info("node %s disconnected", node.node_id)
 
-    def _attach(self, node_id: str) -> _Node:
+    def _attach(self, node_id: str) -> tuple[_Node, asyncio.Queue, asyncio.Event]:
+        """The node's record with its new connection's queue and stop event."""
         node = self.nodes.get(node_id)
         if node is None:
             node = self.nodes[node_id] = _Node(node_id, collections.deque(maxlen=self.config.history))
         if node.stop is not None:
             node.stop.set()  # a node has one connection: the newer one wins
-        node.queue = asyncio.Queue(maxsize=self.config.queue_limit)
-        node.stop = asyncio.Event()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.config.queue_limit)
+        stop = asyncio.Event()
+        node.queue, node.stop = queue, stop
         node.connected = True
         node.connections += 1
         log.info("node %s connected (connection %d)", node_id, node.connections)
-        return node
+        return node, queue, stop
 
     async def _read(self, node: _Node, frames) -> None:
         async for frame in frames:
@@ -168,7 +169,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
             node.queue.put_nowait(frame)
         except asyncio.QueueFull:
             log.warning("node %s is %d frames behind: disconnecting it", node.node_id, self.config.queue_limit)
-            node.stop.set()
+            if node.stop is not None:
+                node.stop.set()
 
     # -- routing ------------------------------------------------------------
     def route(self, sender: _Node, message: pb.IoaMessage) -> tuple[pb.PublishResult, list[_Node]]:
@@ -194,7 +196,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         elif target == "space":
             space = message.space
             if space not in sender.spaces:
-                result.status, result.detail = pb.PUBLISH_STATUS_NOT_A_MEMBER, f"{sender.node_id} has not joined {space}"
+                result.status = pb.PUBLISH_STATUS_NOT_A_MEMBER
+                result.detail = f"{sender.node_id} has not joined {space}"
                 return result, targets
             self._space_seq[space] += 1
             message.space_seq = self._space_seq[space]
@@ -218,9 +221,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
 
     async def InjectFault(self, request: pb.InjectFaultRequest, context) -> pb.InjectFaultResponse:
         node = self.nodes.get(request.node_id)
-        if node is None:
-            await context.abort(*to_grpc(errors.NotFound(f"no node {errors.clip(request.node_id)!r}",
-                                                         reason=Reason.NODE_NOT_FOUND)))
+        if node is None:  # refused with ErrorInfo by ErrorBoundaryInterceptor, as every MeshError
+            raise errors.NotFound(f"no node {errors.clip(request.node_id)!r}", reason=Reason.NODE_NOT_FOUND)
         kind = request.kind
         if kind == pb.FAULT_KIND_DROP_CONNECTION:
             if node.stop is not None:
@@ -232,8 +234,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         elif kind == pb.FAULT_KIND_REORDER:
             node.reorder += request.count or 1
         else:
-            await context.abort(*to_grpc(errors.InvalidArgument(f"unknown fault kind {kind}", reason=Reason.BAD_KIND,
-                                                                metadata={"field": "kind"})))
+            raise errors.InvalidArgument(f"unknown fault kind {kind}", reason=Reason.BAD_KIND,
+                                         metadata={"field": "kind"})
         log.info("fault %s injected for node %s", pb.FaultKind.Name(kind), node.node_id)
         return pb.InjectFaultResponse()
 
