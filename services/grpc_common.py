@@ -1,5 +1,5 @@
-"""What every servicer shares: turning MeshErrors into statuses, finding the
-caller, and limiting the damage of an unexpected exception."""
+"""What every servicer shares: turning MeshErrors into statuses, limiting the damage of an unexpected
+exception, and the server interceptors of a mesh (authentication among them: services/auth_policy.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import grpc
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.client.status import to_grpc
-from services import auth
-from services.directory import Caller, Directory
+from services.auth_policy import AuthInterceptor
+from services.directory import Directory
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,6 @@ def streaming(method):
             await _abort(context, exc, method.__qualname__)
 
     return wrapper
-
-
-def bearer(context: grpc.aio.ServicerContext) -> str | None:
-    return auth.bearer_from_metadata(context.invocation_metadata())
-
-
-async def caller_of(context: grpc.aio.ServicerContext, directory: Directory) -> Caller:
-    caller = await directory.authenticate(bearer(context))
-    assert caller is not None
-    return caller
 
 
 class _Undecodable:
@@ -194,10 +184,10 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
     """Every RPC of a server ends in a documented status: request bytes that are not the method's message
     are refused with INVALID_ARGUMENT and the reason UNDECODABLE_REQUEST (grpc's own handling answers
     UNKNOWN with a Python traceback text), a request over max_request_bytes is RESOURCE_EXHAUSTED with the
-    reason REQUEST_TOO_LARGE (give gRPC's own receive limit some room above it: see receive_limit), a MeshError that escapes a handler becomes its status with
-    ErrorInfo, and any other exception is logged and answered INTERNAL with ErrorInfo, never UNKNOWN. A
-    streaming RPC gets the refusal when it reaches the undecodable message; what came before it was
-    handled."""
+    reason REQUEST_TOO_LARGE (give gRPC's own receive limit some room above it: see receive_limit), a
+    MeshError that escapes a handler (or an interceptor inside this one) becomes its status with ErrorInfo,
+    and any other exception is logged and answered INTERNAL with ErrorInfo, never UNKNOWN. A streaming RPC
+    gets the refusal when it reaches the undecodable message; what came before it was handled."""
 
     def __init__(self, max_request_bytes: int):
         self.max_request_bytes = max_request_bytes
@@ -222,6 +212,7 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
 
 
 def mesh_interceptors(max_request_bytes: int, directory: Directory) -> list[grpc.aio.ServerInterceptor]:
-    """The server interceptors of a mesh process, outermost first."""
-    del directory  # for the authentication interceptor
-    return [ErrorBoundaryInterceptor(max_request_bytes)]
+    """The server interceptors of a mesh process, outermost first: the error boundary, so that a refusal of
+    the authentication inside it (and an undecodable request, checked before anyone is authenticated)
+    carries ErrorInfo; then authentication by the policy of services/auth_policy.py."""
+    return [ErrorBoundaryInterceptor(max_request_bytes), AuthInterceptor(directory)]

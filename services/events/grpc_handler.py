@@ -4,29 +4,30 @@ from __future__ import annotations
 
 from inboxmesh.events.v1 import events_pb2 as pb
 from inboxmesh.events.v1 import events_pb2_grpc
+from services.auth_policy import authenticated
 from services.directory import Directory
 from services.events.service import EventsService
-from services.grpc_common import caller_of, streaming, unary
+from services.grpc_common import streaming, unary
 
 
 class EventServicer(events_pb2_grpc.EventServiceServicer):
     def __init__(self, service: EventsService, directory: Directory):
         self._service = service
-        self._directory = directory
+        del directory  # authentication is the interceptor's (services/auth_policy.py)
 
     @unary
     async def ListEvents(self, request: pb.ListEventsRequest, context) -> pb.ListEventsResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         events = await self._service.list(caller, request.filter, request.after_event_id, request.limit)
         return pb.ListEventsResponse(events=events)
 
     @unary
     async def RecordEvents(self, request: pb.RecordEventsRequest, context) -> pb.RecordEventsResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         return pb.RecordEventsResponse(event_ids=await self._service.record(caller, list(request.events)))
 
     @streaming
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         async for events in self._service.watch(caller, request.filter, request.after_event_id, request.from_now):
             yield pb.WatchEventsResponse(events=events)

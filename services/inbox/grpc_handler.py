@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 import grpc
 
@@ -12,8 +13,9 @@ from inboxmesh.client.errors import Reason
 from inboxmesh.client.status import status_code_of, to_grpc
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
+from services.auth_policy import authenticated
 from services.directory import Caller, Directory
-from services.grpc_common import bearer, caller_of, streaming, unary
+from services.grpc_common import streaming, unary
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.inbox.service import InboxService
 from services.store.base import AckOutcome, MessageRecord, SendOutcome
@@ -36,7 +38,7 @@ def receipt_pb(outcome: SendOutcome) -> pb.Receipt:
     return pb.Receipt(
         message_id=outcome.message_id,
         recipient=outcome.recipient,
-        status=outcome.status,
+        status=cast(pb.ReceiptStatus, outcome.status),  # the store keeps enums as ints
         sequence=outcome.sequence,
         stored_at_us=outcome.stored_at_us,
         detail=outcome.detail,
@@ -44,7 +46,8 @@ def receipt_pb(outcome: SendOutcome) -> pb.Receipt:
 
 
 def ack_result_pb(outcome: AckOutcome) -> pb.AckResult:
-    return pb.AckResult(sequence=outcome.sequence, message_id=outcome.message_id, status=outcome.status)
+    return pb.AckResult(sequence=outcome.sequence, message_id=outcome.message_id,
+                        status=cast(pb.AckStatus, outcome.status))
 
 
 def ack_error_pb(request: pb.AckRequest, agent_id: str, exc: errors.MeshError) -> pb.SubscribeResponse:
@@ -63,7 +66,7 @@ def _shown(value: str) -> str:
 def status_pb(record: MessageRecord) -> pb.MessageStatus:
     return pb.MessageStatus(
         envelope=record.envelope,
-        state=record.state,
+        state=cast(pb.MessageState, record.state),
         delivery_attempts=record.attempts,
         stored_at_us=record.stored_at_us,
         delivered_at_us=record.delivered_at_us,
@@ -90,24 +93,23 @@ async def _write(context: grpc.aio.ServicerContext, response: pb.SubscribeRespon
 class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
     def __init__(self, service: InboxService, directory: Directory):
         self._service = service
-        self._directory = directory
+        del directory  # authentication is the interceptor's (services/auth_policy.py)
 
     @unary
     async def Send(self, request: pb.SendRequest, context) -> pb.SendResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         outcomes = await self._service.send(caller, list(request.messages))
         return pb.SendResponse(receipts=[receipt_pb(o) for o in outcomes])
 
     @streaming
     async def SendStream(self, request_iterator, context):
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         async for request in request_iterator:
             outcomes = await self._service.send(caller, list(request.messages))
             yield pb.SendResponse(receipts=[receipt_pb(o) for o in outcomes])
 
     async def _open(self, request: pb.SubscribeRequest, context) -> tuple[Subscription, dict[str, Caller]]:
-        credentials = list(request.credentials) or [bearer(context)]
-        callers = [await self._directory.authenticate(c) for c in credentials]
+        callers = list(authenticated().callers)  # one per credential of the request (services/auth_policy.py)
         subscription = await self._service.subscribe(callers, request.max_in_flight, context.peer())
         return subscription, {c.agent.agent_id: c for c in callers if c.agent is not None}
 
@@ -142,7 +144,8 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
         try:
             first = await anext(requests)
             if first.WhichOneof("request") != "subscribe":
-                raise errors.InvalidArgument("the first ConsumeRequest must be `subscribe`", reason=Reason.SUBSCRIBE_FIRST)
+                raise errors.InvalidArgument("the first ConsumeRequest must be `subscribe`",
+                                             reason=Reason.SUBSCRIBE_FIRST)
             subscription, callers = await self._open(first.subscribe, context)
         except StopAsyncIteration:
             return
@@ -248,18 +251,18 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
 
     @unary
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
-        caller = await caller_of(context, self._directory)
-        outcomes = await self._service.ack(caller, request.agent_id, list(request.sequences), request.turn)
-        return pb.AckResponse(results=[ack_result_pb(o) for o in outcomes], agent_id=caller.agent.agent_id)
+        call = authenticated()
+        outcomes = await self._service.ack(call.caller, request.agent_id, list(request.sequences), request.turn)
+        return pb.AckResponse(results=[ack_result_pb(o) for o in outcomes], agent_id=call.agent.agent_id)
 
     @unary
     async def GetMessageStatus(self, request: pb.GetMessageStatusRequest, context) -> pb.GetMessageStatusResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         return pb.GetMessageStatusResponse(status=status_pb(await self._service.status(caller, request.key)))
 
     @unary
     async def ListDeadLetters(self, request: pb.ListDeadLettersRequest, context) -> pb.ListDeadLettersResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         records, token = await self._service.dead_letters(
             caller, recipient=request.recipient, sender=request.sender, size=request.page_size,
             page_token=request.page_token,

@@ -7,8 +7,9 @@ from inboxmesh.client.errors import Reason
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import relay_pb2 as pb
 from inboxmesh.ioa.v1 import relay_pb2_grpc
+from services.auth_policy import authenticated
 from services.directory import Directory
-from services.grpc_common import caller_of, unary
+from services.grpc_common import unary
 from services.ioa.relay import IoaRelay, address_of, parse_address
 from services.validation import check_text
 
@@ -20,7 +21,6 @@ class IoaRelayServicer(relay_pb2_grpc.IoaRelayServiceServicer):
 
     @unary
     async def RelayStatus(self, request, context) -> pb.RelayStatusResponse:
-        await caller_of(context, self._directory)
         relay = self._relay
         return pb.RelayStatusResponse(
             node_id=relay.node_id, network=relay.config.network, connected=relay.connected.is_set(),
@@ -29,7 +29,7 @@ class IoaRelayServicer(relay_pb2_grpc.IoaRelayServiceServicer):
 
     @unary
     async def MapAddress(self, request: pb.MapAddressRequest, context) -> pb.MapAddressResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         which = request.WhichOneof("subject")
         if which == "agent_id":
             agent = await self._directory.require(request.agent_id)
@@ -45,15 +45,13 @@ class IoaRelayServicer(relay_pb2_grpc.IoaRelayServiceServicer):
 
     @unary
     async def SpaceSend(self, request: pb.SpaceSendRequest, context) -> pb.SpaceSendResponse:
-        caller = await caller_of(context, self._directory)
-        agent = caller.require_agent("posting to a space")
+        agent = authenticated().agent
         check_text("space", request.space, max_len=128, required=True)
         result = await self._relay.space_send(agent.agent_id, request.space, request.text)
         return pb.SpaceSendResponse(ioa_message_id=result.ioa_message_id, status=result.status, detail=result.detail)
 
     @unary
     async def SpaceRead(self, request: pb.SpaceReadRequest, context) -> pb.SpaceReadResponse:
-        await caller_of(context, self._directory)
         check_text("space", request.space, max_len=128, required=True)
         messages = await self._relay.space_read(request.space, request.after_seq, request.limit or 100)
         return pb.SpaceReadResponse(messages=messages)

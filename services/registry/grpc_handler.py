@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from inboxmesh.registry.v1 import registry_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2_grpc
+from services.auth_policy import authenticated
 from services.directory import Directory
-from services.grpc_common import bearer, caller_of, unary
+from services.grpc_common import unary
 from services.registry.service import RegistryService
 from services.store.base import AgentRecord
 
@@ -14,10 +17,10 @@ def agent_pb(record: AgentRecord) -> pb.Agent:
     return pb.Agent(
         agent_id=record.agent_id,
         name=record.name,
-        mode=record.mode,
+        mode=cast(pb.AgentMode, record.mode),  # the store keeps enums as ints
         parent_id=record.parent_id,
         scope_id=record.scope_id,
-        state=record.state,
+        state=cast(pb.AgentState, record.state),
         metadata=record.metadata,
         created_at_us=record.created_at_us,
         closed_at_us=record.closed_at_us,
@@ -30,11 +33,11 @@ def agent_pb(record: AgentRecord) -> pb.Agent:
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     def __init__(self, service: RegistryService, directory: Directory):
         self._service = service
-        self._directory = directory
+        del directory  # authentication is the interceptor's (services/auth_policy.py)
 
     @unary
     async def RegisterAgent(self, request: pb.RegisterAgentRequest, context) -> pb.RegisterAgentResponse:
-        caller = await self._directory.authenticate(bearer(context), allow_anonymous=True)
+        caller = authenticated().caller_or_anonymous
         record, credential, run_id = await self._service.register(
             caller,
             name=request.name,
@@ -49,18 +52,18 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     @unary
     async def GetAgent(self, request: pb.GetAgentRequest, context) -> pb.GetAgentResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         return pb.GetAgentResponse(agent=agent_pb(await self._service.get(caller, request.agent_id)))
 
     @unary
     async def ResolveAgent(self, request: pb.ResolveAgentRequest, context) -> pb.ResolveAgentResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         record = await self._service.resolve(caller, request.name, request.scope_id, request.include_closed)
         return pb.ResolveAgentResponse(agent=agent_pb(record))
 
     @unary
     async def ListAgents(self, request: pb.ListAgentsRequest, context) -> pb.ListAgentsResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         found, token = await self._service.list(
             caller,
             scope_id=request.scope_id,
@@ -73,7 +76,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     @unary
     async def CloseAgent(self, request: pb.CloseAgentRequest, context) -> pb.CloseAgentResponse:
-        caller = await caller_of(context, self._directory)
+        caller = authenticated().caller
         outcome = await self._service.close(caller, request.agent_id, request.reason)
         return pb.CloseAgentResponse(
             closed_agent_ids=[a.agent_id for a in outcome.closed], dead_lettered=len(outcome.dead_lettered)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from inboxmesh.routing.v1 import routing_pb2 as pb
 from inboxmesh.routing.v1 import routing_pb2_grpc
-from services.grpc_common import bearer, unary
+from services.auth_policy import authenticated
+from services.grpc_common import unary
 from services.inbox.grpc_handler import receipt_pb
 from services.routing.service import RoutingService, route_pb
 
@@ -15,7 +16,7 @@ class RoutingServicer(routing_pb2_grpc.RoutingServiceServicer):
 
     @unary
     async def Ingress(self, request: pb.IngressRequest, context) -> pb.IngressResponse:
-        route, agent, created, outcome = await self._service.ingress(bearer(context), request)
+        route, agent, created, outcome = await self._service.ingress(authenticated().token, request)
         return pb.IngressResponse(route=route_pb(route), session_agent_id=agent.agent_id, session_created=created,
                                   receipt=receipt_pb(outcome))
 
@@ -30,4 +31,4 @@ class RoutingServicer(routing_pb2_grpc.RoutingServiceServicer):
 
     @unary
     async def ClaimSession(self, request: pb.ClaimSessionRequest, context) -> pb.ClaimSessionResponse:
-        return await self._service.claim(bearer(context), request.session_key)
+        return await self._service.claim(authenticated().token, request.session_key)
