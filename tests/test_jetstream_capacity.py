@@ -38,14 +38,14 @@ async def test_a_message_over_capacity_is_not_delivered_before_its_sender_settle
     try:
         await held.wait_for(2)
         # a third sender is between its publish and its capacity check: the message is on the subject
-        inbox = mesh.store.inbox
+        messages = mesh.store.inbox.messages
         third = env_pb.Envelope(message_id="third", sender=lead.agent_id, recipient=sink.agent_id,
                                 content=env_pb.Content(text="over"), stored_at_us=now_us())
-        ack = await inbox.js.publish(inbox.subject(sink.agent_id), third.SerializeToString())
+        ack = await mesh.store.conn.js.publish(messages.subject(sink.agent_id), third.SerializeToString())
         batch = await mesh.store.next_deliveries(sink.agent_id, max(r.sequence for r in first), 10, 5, now_us(),
                                                  in_flight=2)
         assert batch.messages == [] and batch.held_back, "nothing beyond the capacity is delivered"
-        assert await inbox._reject(sink.agent_id, ack.seq), "the sender can still take its message back"
+        assert await messages.reject(sink.agent_id, ack.seq), "the sender can still take its message back"
         # a fresh subscriber (nothing in flight) gets the two accepted messages again, not the one taken back
         batch = await mesh.store.next_deliveries(sink.agent_id, 0, 10, 5, now_us(), in_flight=0)
         assert [m.sequence for m in batch.messages] == [r.sequence for r in first]

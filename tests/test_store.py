@@ -11,7 +11,7 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services import auth
 from services.clock import now_us
 from services.config import StoreConfig
-from services.store.base import ACCEPTED, AGENT_OPEN, TARGET_CLOSED, AgentRecord, AppendItem, EventQuery
+from services.store.base import ACCEPTED, AGENT_OPEN, TARGET_CLOSED, AgentRecord, AppendItem, EventQuery, EventRow
 from services.store.sqlite import SqliteStore
 
 
@@ -89,17 +89,18 @@ async def test_sends_racing_a_close_are_accepted_then_dead_lettered_or_refused(s
 
 
 async def test_a_failing_operation_does_not_sink_its_batch(store):
-    lead = await _agent(store, "lead")
+    await _agent(store, "lead")
 
     def boom(conn, events):
         conn.execute("INSERT INTO meta VALUES ('x', 'y')")
-        events.append((1, 1, "agt_boom", "", "", "", 0, "must not be recorded", ""))
+        events.append(EventRow(1, 1, "agt_boom", detail="must not be recorded"))
         raise errors.FailedPrecondition("deliberate")
 
     failing = store.writer.run(boom)
     fine = _agent(store, "fine")
     results = await asyncio.gather(failing, fine, return_exceptions=True)
     assert isinstance(results[0], errors.FailedPrecondition)
+    assert isinstance(results[1], AgentRecord)
     assert (await store.get_agent(results[1].agent_id)).name == "fine"
     assert await store._read(lambda c: c.execute("SELECT count(*) FROM meta WHERE key='x'").fetchone()[0]) == 0
     assert not [e for e in await store.list_events(EventQuery(agent_id="agt_boom")) if e.detail]
@@ -108,16 +109,15 @@ async def test_a_failing_operation_does_not_sink_its_batch(store):
 async def test_an_event_the_table_cannot_hold_fails_its_operation_only(store):
     """An event value SQLite cannot bind (an int past 64 bits) used to escape the commit and leave the
     transaction open: every later write of the mesh then failed."""
-    from services.store.base import event_row
-
     def overflowing(conn, events):
         conn.execute("INSERT INTO meta VALUES ('z', 'y')")
-        events.append(event_row(now_us(), 1, "agt_over", seq=2**64 - 1, detail="too big"))
+        events.append(EventRow(now_us(), 1, "agt_over", seq=2**64 - 1, detail="too big"))
 
     failing = store.writer.run(overflowing)
     fine = _agent(store, "fine")
     results = await asyncio.gather(failing, fine, return_exceptions=True)
     assert isinstance(results[0], errors.Internal), results[0]
+    assert isinstance(results[1], AgentRecord)
     assert (await store.get_agent(results[1].agent_id)).name == "fine"
     assert await store._read(lambda c: c.execute("SELECT count(*) FROM meta WHERE key='z'").fetchone()[0]) == 0
     later = await _agent(store, "later")  # the writer goes on

@@ -20,6 +20,7 @@ from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.runs.v1 import runs_pb2 as runs
 from services.config import StoreConfig
 from services.server import Mesh
+from services.store.jetstream import JetStreamStore
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 from tests.streams import Collector
 
@@ -34,27 +35,31 @@ def nats_node(tmp_path_factory):
 
 
 @pytest.fixture(params=["sqlite", "jetstream"])
-async def client(request, tmp_path):
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+async def client(request, backend, tmp_path):
     config = make_config(tmp_path)
-    if request.param == "jetstream":
+    if backend == "jetstream":
         node = request.getfixturevalue("nats_node")
         config = replace(config, store=StoreConfig(backend="jetstream", nats_urls=(node.url,),
                                                    nats_namespace=f"c{uuid.uuid4().hex[:12]}"))
     else:
         config = replace(config, store=StoreConfig(path=tmp_path / "mesh.db"))
     async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as c:
-        c.backend = request.param
         yield c
 
 
-async def test_send_deliver_ack_exactly_once_and_duplicates(client):
+async def test_send_deliver_ack_exactly_once_and_duplicates(client, backend):
     lead = await client.register("lead")
     a, b = await lead.spawn("a"), await lead.spawn("b")
     receipts = [await a.send(b.agent_id, f"m{i}", message_id=f"id-{i}") for i in range(5)]
     assert [r.status for r in receipts] == [ACCEPTED] * 5
     sequences = [r.sequence for r in receipts]
     assert sequences == sorted(sequences) and len(set(sequences)) == 5, "one order per inbox"
-    if client.backend == "sqlite":
+    if backend == "sqlite":
         assert sequences == [1, 2, 3, 4, 5]
     again = await a.send(b.agent_id, "m0", message_id="id-0")
     assert (again.status, again.sequence) == (pb.RECEIPT_STATUS_DUPLICATE, sequences[0])
@@ -196,6 +201,7 @@ async def test_the_keeper_finds_nothing_to_restore_after_operations_that_finishe
         await lead.close(b.agent_id, "enough")  # two messages dead-lettered, notices to a
         await child.end_run("done")
         await eventually(lambda: announced_run(client, child.run_id), message="announced")
+        assert isinstance(mesh.store, JetStreamStore)
         keeper = mesh.store.keeper
         # at least the final write of each key: 4 agents, 1 run, 3 message states (earlier ones may be
         # overwritten before the keeper, one second behind, reads them)
@@ -204,7 +210,7 @@ async def test_the_keeper_finds_nothing_to_restore_after_operations_that_finishe
         await asyncio.sleep(2.5)  # and whatever came last
         assert keeper.restored == 0, "the keeper's events were all copies of published ones"
         record = await Record.read(client)
-        once = {}
+        once: dict[tuple[int, str, str, int, str], int] = {}
         for event in record.events:
             key = (event.kind, event.agent_id, event.message_id, event.sequence, event.detail)
             once[key] = once.get(key, 0) + 1

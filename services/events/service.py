@@ -21,12 +21,14 @@ from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.clock import now_us
 from services.directory import Caller, Directory
-from services.store.base import EventQuery, Store, event_of
+from services.store.base import EventQuery, EventRow, Store
 from services.validation import check_text, page_size, stored_int
 
 _PAGE = 1000
 RUNTIME_KINDS = frozenset(k for k in ev.EventKind.values() if k >= ev.EVENT_KIND_AGENT_SPAWNED)
 _BUFFER_LIMIT = 10_000
+EventBatch = list[ev.Event]
+"""Events in id order (named here: the service's method `list` hides the builtin inside the class)."""
 
 
 class _Watcher:
@@ -38,25 +40,24 @@ class _Watcher:
         self.needs_store = True
         self.wake = asyncio.Event()
 
-    def matches(self, row: tuple) -> bool:
+    def matches(self, row: EventRow) -> bool:
         q = self.query
-        # row: base.EVENT_ROW_FIELDS
-        if q.message_id and row[3] != q.message_id:
+        if q.message_id and row.message_id != q.message_id:
             return False
-        if q.sender and row[4] != q.sender:
+        if q.sender and row.sender != q.sender:
             return False
-        if q.agent_id and q.agent_id != row[2] and q.agent_id != row[4]:
+        if q.agent_id and q.agent_id != row.agent_id and q.agent_id != row.sender:
             return False
-        return not q.kinds or row[1] in q.kinds
+        return not q.kinds or row.kind in q.kinds
 
-    def offer(self, event_id: int, row: tuple) -> None:
+    def offer(self, event_id: int, row: EventRow) -> None:
         # Buffer even while a store read is pending: the read may have taken
         # its snapshot before this event committed.
         if len(self.buffer) >= _BUFFER_LIMIT:
             self.buffer.clear()
             self.needs_store = True
         else:
-            self.buffer.append(event_of(event_id, row))
+            self.buffer.append(row.event(event_id))
         self.wake.set()
 
 
@@ -79,7 +80,7 @@ class EventsService:
             watcher.wake.set()
         self._poll = asyncio.get_running_loop().call_later(self._poll_interval_s, self._poll_store)
 
-    def _on_commit(self, first_id: int, rows: list[tuple]) -> None:
+    def _on_commit(self, first_id: int, rows: list[EventRow]) -> None:
         gap = self._last_seen >= 0 and first_id != self._last_seen + 1
         self._last_seen = first_id + len(rows) - 1
         for watcher in self._watchers:
@@ -129,16 +130,18 @@ class EventsService:
         now = now_us()
         for index, event in enumerate(events):
             if event.kind not in RUNTIME_KINDS:
+                kind = ev.EventKind.Name(event.kind) if event.kind in ev.EventKind.values() else event.kind
                 raise errors.InvalidArgument(
-                    f"event {index}: kind {ev.EventKind.Name(event.kind) if event.kind in ev.EventKind.values() else event.kind}"
-                    " is not a runtime event; the mesh records message and agent events itself",
+                    f"event {index}: kind {kind} is not a runtime event; the mesh records message and agent events"
+                    " itself",
                     reason=Reason.NOT_A_RUNTIME_EVENT, metadata={"index": str(index)})
             if event.agent_id and event.agent_id != agent.agent_id:
                 raise errors.PermissionDenied(
                     f"event {index} is about {event.agent_id}, but the credential is {agent.agent_id}'s: an agent"
                     " records events about itself only", reason=Reason.AGENT_MISMATCH, metadata={"index": str(index)})
             if len(event.detail) > 4096:
-                raise errors.InvalidArgument(f"event {index}: detail over 4096 characters", reason=Reason.FIELD_TOO_LONG)
+                raise errors.InvalidArgument(f"event {index}: detail over 4096 characters",
+                                             reason=Reason.FIELD_TOO_LONG)
             for field in ("message_id", "sender", "recipient", "trace_id", "in_reply_to", "conversation_id"):
                 check_text(f"event {index}: {field}", getattr(event, field), max_len=256)
             event.sequence, event.turn = stored_int(event.sequence), stored_int(event.turn)
@@ -153,7 +156,7 @@ class EventsService:
 
     async def watch(
         self, caller: Caller, flt: ev.EventFilter, after: int, from_now: bool
-    ) -> AsyncIterator[list[ev.Event]]:
+    ) -> AsyncIterator[EventBatch]:
         """Yield batches of matching events as they are recorded, until shutdown."""
         watcher = _Watcher(await self._query(caller, flt, after, _PAGE))
         self._watchers.add(watcher)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import cast
 
 from inboxmesh.client.addressing import (  # re-exported: the store's users name them here
     CHANNEL_PREFIX as CHANNEL_PREFIX,
@@ -227,29 +228,60 @@ class RunWork:
 
 EventRecord = events_pb2.Event
 
-EVENT_ROW_FIELDS = ("at_us", "kind", "agent_id", "message_id", "sender", "recipient", "seq", "detail", "trace_id",
-                    "turn", "in_reply_to", "conversation_id")
-"""The layout of event rows handed to commit listeners (and of the SQLite
-events table)."""
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    """An event as a store records it, before it has an id: what commit listeners receive (with the id
+    of the first row), and the columns of the SQLite events table, in field order."""
+
+    at_us: int
+    kind: int
+    agent_id: str
+    message_id: str = ""
+    sender: str = ""
+    recipient: str = ""
+    seq: int = 0
+    """The inbox sequence (Event.sequence)."""
+    detail: str = ""
+    trace_id: str = ""
+    turn: int = 0
+    in_reply_to: str = ""
+    conversation_id: str = ""
+
+    def values(self) -> tuple[int, int, str, str, str, str, int, str, str, int, str, str]:
+        """The fields in order (a row to insert)."""
+        return (self.at_us, self.kind, self.agent_id, self.message_id, self.sender, self.recipient, self.seq,
+                self.detail, self.trace_id, self.turn, self.in_reply_to, self.conversation_id)
+
+    def event(self, event_id: int) -> EventRecord:
+        """The Event message of this row, with its id."""
+        return events_pb2.Event(
+            event_id=event_id, at_us=self.at_us, kind=cast(events_pb2.EventKind, self.kind), agent_id=self.agent_id,
+            message_id=self.message_id, sender=self.sender, recipient=self.recipient, sequence=self.seq,
+            detail=self.detail, trace_id=self.trace_id, turn=self.turn, in_reply_to=self.in_reply_to,
+            conversation_id=self.conversation_id,
+        )
+
+    @staticmethod
+    def of(event: EventRecord) -> EventRow:
+        """The row of an Event message (its id left behind)."""
+        return EventRow(event.at_us, event.kind, event.agent_id, message_id=event.message_id, sender=event.sender,
+                        recipient=event.recipient, seq=event.sequence, detail=event.detail,
+                        trace_id=event.trace_id, turn=event.turn, in_reply_to=event.in_reply_to,
+                        conversation_id=event.conversation_id)
 
 
-def event_row(
-    at_us: int, kind: int, agent_id: str, *, message_id: str = "", sender: str = "", recipient: str = "",
-    seq: int = 0, detail: str = "", trace_id: str = "", turn: int = 0, in_reply_to: str = "",
-    conversation_id: str = "",
-) -> tuple:
-    """One event row, in EVENT_ROW_FIELDS order."""
-    return (at_us, kind, agent_id, message_id, sender, recipient, seq, detail, trace_id, turn, in_reply_to,
-            conversation_id)
+EVENT_ROW_FIELDS = tuple(f.name for f in fields(EventRow))
+"""The names of EventRow's fields, in order (the SQLite events table's columns)."""
 
+CommitListener = Callable[[int, list[EventRow]], None]
+"""Called with (id of the first row, rows) after a commit that recorded events; ids are contiguous."""
 
-def event_of(event_id: int, row: tuple) -> EventRecord:
-    """The Event message of an event row."""
-    return events_pb2.Event(
-        event_id=event_id, at_us=row[0], kind=row[1], agent_id=row[2], message_id=row[3], sender=row[4],
-        recipient=row[5], sequence=row[6], detail=row[7], trace_id=row[8], turn=row[9], in_reply_to=row[10],
-        conversation_id=row[11],
-    )
+RECEIPT_NAME = {
+    value: inbox_pb2.ReceiptStatus.Name(value).removeprefix("RECEIPT_STATUS_").lower()
+    for value in inbox_pb2.ReceiptStatus.values()
+}
+"""The detail of a sent event: the receipt status's name ("accepted", "inbox_full", ...)."""
 
 
 class AgentStore(abc.ABC):
@@ -407,10 +439,9 @@ class EventStore(abc.ABC):
         ordered after every earlier write."""
 
     @abc.abstractmethod
-    def add_commit_listener(self, callback: Callable[[int, list[tuple]], None]) -> None:
+    def add_commit_listener(self, callback: CommitListener) -> None:
         """Call `callback(first_event_id, rows)` on the event loop after every
-        commit that recorded events. Rows are in EVENT_ROW_FIELDS order, with
-        contiguous ids from first_event_id. Events written by another process
+        commit that recorded events, rows with contiguous ids from first_event_id. Events written by another process
         are not reported; watchers find them by reading the store."""
 
 

@@ -1,21 +1,24 @@
 """Inbox operations of the JetStream store: append with receipts, delivery
 from the stream, exactly-once acks, dead letters.
 
-A message's state entry (bucket im_msgs, key `m.<agent>.<seq>`) is the
-arbiter: it is created or changed only by compare-and-set, so of an ack, a
-dead-lettering close and a send that finds its target closed, exactly one
-wins. The message leaves the stream once its state is final (consumed, dead
-or rejected), which keeps the per-subject count equal to what is unconsumed.
+A message's state entry (bucket im_msgs, key `m.<agent>.<seq>`, a
+kv.MessageState) is the arbiter: it is created or changed only by
+compare-and-set, so of an ack, a dead-lettering close and a send that finds
+its target closed, exactly one wins. The message leaves the stream once its
+state is final (consumed, dead or rejected), which keeps the per-subject
+count equal to what is unconsumed. The stream itself (publish, read, take
+back) is services.store.jetstream.messages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import functools
 import json
-import logging
-from typing import TYPE_CHECKING
-
-from nats.js.errors import APIError, NotFoundError
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
@@ -34,181 +37,123 @@ from services.store.base import (
     INBOX_FULL,
     NOT_PERMITTED,
     QUEUED,
+    RECEIPT_NAME,
     TARGET_CLOSED,
     AckOutcome,
     AppendItem,
     DeliveryBatch,
+    EventRow,
     Frontier,
     MessageRecord,
     RunRecord,
     SendOutcome,
-    event_row,
 )
-from services.store.jetstream import kv as kvh
-from services.store.jetstream.keeper import stored_events
-from services.store.sqlite.inbox import RECEIPT_NAME
+from services.store.jetstream import kv
+from services.store.jetstream.connection import JetStreamConnection
+from services.store.jetstream.events import EventLog, dead_event, message_event, stored_events
+from services.store.jetstream.kv import REJECTED, CasResult, MessageState
+from services.store.jetstream.messages import InboxMessages
 
-if TYPE_CHECKING:
-    from services.store.jetstream.store import JetStreamStore
-
-log = logging.getLogger(__name__)
-REJECTED = 0
-"""State of a message its sender was refused after all (target closed, over capacity)."""
-FINAL = (CONSUMED, DEAD_LETTERED, REJECTED)
-FULL_CODE = 10077
-"""JetStream: maximum messages per subject exceeded."""
 _MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
 _REMEMBERED = 50_000
 """First-delivery states kept per process for the acks that follow (oldest dropped first)."""
 
 
-def state_key(agent_id: str, seq: int) -> str:
-    return f"m.{kvh.token(agent_id)}.{seq}"
-
-
 def frontier_key(agent_id: str) -> str:
     """The agent's loop-guard Frontier: [hop_count, trail] of what it consumed last."""
-    return f"fr.{kvh.token(agent_id)}"
+    return f"fr.{kv.token(agent_id)}"
+
+
+class Announce(enum.Enum):
+    STORED = "stored"
+    FULL = "full"
+    GONE = "gone"
+
+
+@dataclass(frozen=True)
+class AnnounceStored:
+    """What storing a run's announce in its requester's inbox came to."""
+
+    outcome: Announce
+    detail: str
+    """STORED: "accepted" or why it counts as stored; FULL, GONE: why not."""
+    seq: int = 0
+
+
+def _next_attempt(cur: MessageState | None, env: envelope_pb2.Envelope, now_us: int) -> MessageState | None:
+    """The state after one more delivery (None: final, nothing to deliver)."""
+    if cur is not None and cur.final:
+        return None
+    state = cur or MessageState.first(env, QUEUED)
+    return replace(state, state=DELIVERED, attempts=state.attempts + 1,
+                   delivered_at_us=state.delivered_at_us or now_us)
+
+
+def _dead(cur: MessageState | None, env: envelope_pb2.Envelope, at_us: int, reason: str) -> MessageState | None:
+    if cur is not None and cur.final:
+        return None
+    return (cur or MessageState.first(env, QUEUED)).dead(at_us, reason)
 
 
 class InboxLog:
-    def __init__(self, store: JetStreamStore):
-        self.store = store
-        self.listeners: list = []
+    def __init__(self, conn: JetStreamConnection, events: EventLog):
+        self.conn = conn
+        self.events = events
+        self.messages = InboxMessages(conn)
+        self.listeners: list[Callable[[str], None]] = []
         """Called with the recipient's subject token when any process appended to it."""
-        self._delivered: dict[tuple[str, int], tuple[dict, int]] = {}
+        self._delivered: dict[tuple[str, int], kv.Entry[MessageState]] = {}
 
-    def _remember(self, recipient: str, seq: int, state: dict, revision: int) -> None:
-        """The state entry this process wrote at a first delivery, so the ack
-        that usually follows can change it without reading it first."""
-        self._delivered[(recipient, seq)] = (state, revision)
-        if len(self._delivered) > _REMEMBERED:
-            self._delivered.pop(next(iter(self._delivered)))
+    async def start(self) -> None:
+        """Follow appends of every process (a core NATS subscription on the inbox subjects)."""
+        await self.conn.nc.subscribe(f"{self.conn.ns}.inbox.*", cb=self._on_published)
 
-    def subject(self, agent_id: str) -> str:
-        return f"{self.store.ns}.inbox.{kvh.token(agent_id)}"
-
-    @property
-    def js(self):
-        return self.store.js
-
-    @property
-    def msgs(self):
-        return self.store.msgs
-
-    async def on_published(self, msg) -> None:
+    async def _on_published(self, msg: Any) -> None:
         token = msg.subject.rsplit(".", 1)[-1]
         for callback in self.listeners:
             callback(token)
 
-    # -- reading the stream --------------------------------------------------------
-    async def _next(self, recipient: str, seq: int):
-        try:
-            return await self.js.get_msg(self.store.inbox_stream, seq=seq, subject=self.subject(recipient), next=True, direct=True)
-        except NotFoundError:
-            return None
-
-    async def envelope_at(self, recipient: str, seq: int) -> envelope_pb2.Envelope | None:
-        msg = await self._next(recipient, seq)
-        if msg is None or msg.seq != seq:
-            return None
-        return self._envelope(msg)
-
-    @staticmethod
-    def _envelope(msg) -> envelope_pb2.Envelope:
-        envelope = envelope_pb2.Envelope.FromString(msg.data)
-        envelope.sequence = msg.seq
-        return envelope
-
-    async def _delete(self, seq: int) -> None:
-        """Remove a final message from the stream (frees its inbox's capacity).
-        `no_erase`: the default overwrites the bytes on disk first, which
-        costs nats-server about 5 times the CPU (0.7 ms against 0.15 ms), and
-        the message's state entry keeps the envelope anyway."""
-        await self.store.nc.request(f"$JS.API.STREAM.MSG.DELETE.{self.store.inbox_stream}",
-                                    json.dumps({"seq": seq, "no_erase": True}).encode(),
-                                    timeout=self.store.config.nats_timeout_s)
-        # an error answer (already gone) needs nothing more
-
-    async def _unconsumed(self, recipient: str) -> int:
-        info = await self.js.stream_info(self.store.inbox_stream, subjects_filter=self.subject(recipient))
-        return (info.state.subjects or {}).get(self.subject(recipient), 0)
+    def _remember(self, recipient: str, seq: int, entry: kv.Entry[MessageState]) -> None:
+        """The state entry this process wrote at a first delivery, so the ack
+        that usually follows can change it without reading it first."""
+        self._delivered[(recipient, seq)] = entry
+        if len(self._delivered) > _REMEMBERED:
+            self._delivered.pop(next(iter(self._delivered)))
 
     # -- append ---------------------------------------------------------------------
-    async def _publish(self, recipient, envelope: envelope_pb2.Envelope, capacity: int) -> tuple[int, str, int]:
-        """Put the envelope on the recipient's subject: (status, detail, seq)."""
-        msg_id = kvh.msg_id_header(envelope.sender, envelope.message_id)
-        while True:
-            try:
-                ack = await self.js.publish(self.subject(recipient), envelope.SerializeToString(),
-                                            headers={"Nats-Msg-Id": msg_id})
-            except APIError as exc:
-                if exc.err_code == FULL_CODE:
-                    return INBOX_FULL, self._full(recipient, capacity, capacity), 0
-                raise
-            if not ack.duplicate:
-                break
-            earlier = await kvh.get(self.msgs, state_key(recipient, ack.seq))
-            if earlier is None or earlier[0]["state"] != REJECTED:
-                return DUPLICATE, "already accepted from this sender; nothing stored again", ack.seq
-            # JetStream remembers an attempt that was refused after all: a retry is a new attempt
-            msg_id = f"{kvh.msg_id_header(envelope.sender, envelope.message_id)}#{ack.seq}"
-        if capacity < self.store.config.max_inbox_capacity:
-            held = await self._unconsumed(recipient)
-            if held > capacity and await self._reject(recipient, ack.seq):
-                return INBOX_FULL, self._full(recipient, held - 1, capacity), 0
-        now_open = await self.store.get_agent(recipient)
-        if now_open is not None and not now_open.is_open and await self._reject(recipient, ack.seq):
-            return TARGET_CLOSED, f"agent {recipient} is closed", 0
-        return ACCEPTED, "", ack.seq
-
-    @staticmethod
-    def _full(recipient: str, held: int, capacity: int) -> str:
-        return (f"agent {recipient} holds {held} unconsumed messages (capacity {capacity}); nothing was evicted,"
-                " retry after it consumes")
-
-    async def _reject(self, recipient: str, seq: int) -> bool:
-        """Take a just-published message back; False when a close already
-        dead-lettered it (then it stays accepted)."""
-        if await kvh.create(self.msgs, state_key(recipient, seq), {"state": REJECTED}):
-            await self._delete(seq)
-            return True
-        return False
-
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
-        store = self.store
         sender_open = True
         if not sender_id.startswith(base.EXTERNAL_PREFIXES):
-            sender = await store.get_agent(sender_id)
+            sender = await kv.read_agent(self.conn.agents, sender_id)
             sender_open = sender is not None and sender.is_open
         outcomes: list[SendOutcome] = []
-        rows: list[tuple] = []
+        rows: list[EventRow] = []
         for item in items:
             outcome = await self._append_one(sender_id, sender_open, item, at_us)
             env = item.envelope
-            common = dict(message_id=env.message_id, sender=sender_id, recipient=outcome.recipient,
-                          seq=outcome.sequence, trace_id=trace_id_of(env.trace.traceparent),
-                          in_reply_to=env.in_reply_to, conversation_id=env.conversation_id)
-            rows.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_SENT, outcome.recipient,
-                                  detail=RECEIPT_NAME[outcome.status], **common))
+            sent = EventRow(at_us, ev.EVENT_KIND_MESSAGE_SENT, outcome.recipient, message_id=env.message_id,
+                            sender=sender_id, recipient=outcome.recipient, seq=outcome.sequence,
+                            detail=RECEIPT_NAME[outcome.status], trace_id=trace_id_of(env.trace.traceparent),
+                            in_reply_to=env.in_reply_to, conversation_id=env.conversation_id)
+            rows.append(sent)
             if outcome.status == ACCEPTED:
-                rows.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_STORED, env.recipient, **common))
+                rows.append(replace(sent, kind=ev.EVENT_KIND_MESSAGE_STORED, agent_id=env.recipient, detail=""))
             outcomes.append(outcome)
-        await store.emit(rows)
+        await self.events.emit(rows)
         return outcomes
 
     async def _append_one(self, sender_id: str, sender_open: bool, item: AppendItem, at_us: int) -> SendOutcome:
         env = item.envelope
         mid, rid = env.message_id, env.recipient
-        idem = kvh.idem_key(sender_id, mid)
+        idem = kv.idem_key(sender_id, mid)
 
         async def earlier() -> SendOutcome | None:
             """The receipt of an earlier attempt of this message, if it was stored."""
-            original = await kvh.get(self.msgs, idem)
+            original = await kv.get(self.conn.msgs, idem, kv.STORED)
             if original is None:
                 return None
-            recipient, seq, stored = original[0]
-            return SendOutcome(mid, recipient, DUPLICATE, seq, stored,
+            stored = original.value
+            return SendOutcome(mid, stored.recipient, DUPLICATE, stored.seq, stored.stored_at_us,
                                "already accepted from this sender; nothing stored again")
 
         budgeted = bool(item.conversation_budget and env.conversation_id)
@@ -222,13 +167,13 @@ class InboxLog:
         env.sequence = 0
         env.stored_at_us = at_us
         env.delivery_attempt = 0
-        status, detail, seq = await self._publish(rid, env, capacity)
+        status, detail, seq = await self.messages.publish(rid, env, capacity)
         if status not in (ACCEPTED, DUPLICATE):
             return SendOutcome(mid, rid, status, detail=detail)
-        if not await kvh.create(self.msgs, idem, [rid, seq, at_us]) and status == ACCEPTED:
+        if not await kv.create(self.conn.msgs, idem, kv.Stored(rid, seq, at_us), kv.STORED) and status == ACCEPTED:
             # stored before, longer ago than JetStream's duplicate window: take this copy back
             duplicate = await earlier()
-            if duplicate is not None and duplicate.sequence != seq and await self._reject(rid, seq):
+            if duplicate is not None and duplicate.sequence != seq and await self.messages.reject(rid, seq):
                 return duplicate
         if status == DUPLICATE:
             return SendOutcome(mid, rid, DUPLICATE, seq, at_us, detail)
@@ -245,7 +190,7 @@ class InboxLog:
             return SendOutcome(mid, rid, item.rejection[0], detail=item.rejection[1]), 0
         if not sender_open:
             return SendOutcome(mid, rid, NOT_PERMITTED, detail=f"sender {sender_id} is closed"), 0
-        target = await self.store.get_agent(rid)
+        target = await kv.read_agent(self.conn.agents, rid)
         if target is None:
             return SendOutcome(mid, rid, base.UNKNOWN_TARGET, detail=f"no agent {rid}"), 0
         if not target.is_open:
@@ -257,63 +202,57 @@ class InboxLog:
         return None, target.inbox_capacity
 
     async def _within_budget(self, conversation_id: str, budget: int) -> bool:
-        counted = await kvh.cas(self.store.misc, f"conv.{kvh.token(conversation_id)}",
-                                lambda cur: None if (cur or 0) >= budget else (cur or 0) + 1)
+        counted = await kv.cas(self.conn.misc, f"conv.{kv.token(conversation_id)}",
+                               lambda cur: None if (cur or 0) >= budget else (cur or 0) + 1, kv.JSON)
         return counted is not None
 
     # -- delivery -------------------------------------------------------------------
     async def next_deliveries(self, recipient: str, after_sequence: int, limit: int, max_attempts: int,
                               now_us: int, in_flight: int = 0) -> DeliveryBatch:
-        agent = await self.store.get_agent(recipient)
+        agent = await kv.read_agent(self.conn.agents, recipient)
         if agent is None or not agent.is_open:
             return DeliveryBatch([], [], recipient_open=False,
                                  close_reason=agent.close_reason if agent else "unknown agent")
-        if agent.inbox_capacity < self.store.config.max_inbox_capacity:
-            # A sender settles capacity after publishing (_publish): a message beyond the first `capacity`
-            # unconsumed ones may still be taken back, so it is not delivered (that would make the take-back
-            # fail and the inbox hold more than its capacity). It is delivered once acks make room.
+        if agent.inbox_capacity < self.conn.config.max_inbox_capacity:
+            # A sender settles capacity after publishing (messages.publish): a message beyond the first
+            # `capacity` unconsumed ones may still be taken back, so it is not delivered (that would make the
+            # take-back fail and the inbox hold more than its capacity). It is delivered once acks make room.
             room = agent.inbox_capacity - in_flight
             if room <= 0:
                 return DeliveryBatch([], [], recipient_open=True, held_back=True)
             held_back, limit = room < limit, min(limit, room)
         else:
             held_back = False
+        msgs = self.conn.msgs
         envelopes: list[envelope_pb2.Envelope] = []
         dead: list[MessageRecord] = []
         notices: list[envelope_pb2.Envelope] = []
-        rows: list[tuple] = []
+        rows: list[EventRow] = []
         seq = after_sequence + 1
         while len(envelopes) + len(dead) < limit:
-            msg = await self._next(recipient, seq)
-            if msg is None:
+            env = await self.messages.next(recipient, seq)
+            if env is None:
                 break
-            seq = msg.seq + 1
-            env = self._envelope(msg)
-            key = state_key(recipient, msg.seq)
+            seq = env.sequence + 1
+            key = kv.state_key(recipient, env.sequence)
             expired = bool(env.expires_at_us and env.expires_at_us <= now_us)
-
-            def deliver(cur, env=env):
-                if cur is not None and cur["state"] in FINAL:
-                    return None
-                base_state = cur or {"state": QUEUED, "attempts": 0, "stored": env.stored_at_us,
-                                     "env": kvh.envelope_b64(env)}
-                return {**base_state, "state": DELIVERED, "attempts": base_state["attempts"] + 1,
-                        "delivered": base_state.get("delivered") or now_us}
+            deliver = functools.partial(_next_attempt, env=env, now_us=now_us)
 
             written = None
             if not expired and max_attempts > 0:  # the usual case, a first delivery: one request
                 first = deliver(None)
-                revision = await kvh.create(self.msgs, key, first)
+                assert first is not None
+                revision = await kv.create(msgs, key, first, kv.MESSAGE_STATE)
                 if revision:
                     written = first
-                    self._remember(recipient, msg.seq, first, revision)
+                    self._remember(recipient, env.sequence, kv.Entry(first, revision))
             if written is None:
-                found = await kvh.get(self.msgs, key)
-                state = found[0] if found else None
-                if state is not None and state["state"] in FINAL:
-                    await self._delete(msg.seq)
+                found = await kv.get(msgs, key, kv.MESSAGE_STATE)
+                state = found.value if found else None
+                if state is not None and state.final:
+                    await self.messages.delete(env.sequence)
                     continue
-                attempts = state["attempts"] if state else 0
+                attempts = state.attempts if state else 0
                 reason = base.REASON_EXPIRED if expired else (
                     base.REASON_ATTEMPTS if attempts >= max_attempts else "")
                 if reason:
@@ -323,21 +262,18 @@ class InboxLog:
                     if notice is not None:
                         notices.append(notice)
                     continue
-                written = await kvh.cas(self.msgs, key, deliver)
+                written = await kv.cas(msgs, key, deliver, kv.MESSAGE_STATE)
                 if written is None:
                     continue
-            env.delivery_attempt = written["attempts"]
+            env.delivery_attempt = written.attempts
             if env.delivery_attempt == 1:
                 # the sent and stored events first (copies of the sender's, dropped as such): the record
                 # stays in causal order even when this feed is faster than the sender's replica
                 rows += stored_events(env, recipient, env.sequence)
-            rows.append(event_row(now_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=env.message_id,
-                                  sender=env.sender, recipient=recipient, seq=env.sequence,
-                                  detail=f"attempt={env.delivery_attempt}",
-                                  trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
-                                  conversation_id=env.conversation_id))
+            rows.append(message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, now_us, recipient, env,
+                                      detail=f"attempt={env.delivery_attempt}"))
             envelopes.append(env)
-        await self.store.emit(rows)  # before the subscriber can ack: consumed always follows delivered
+        await self.events.emit(rows)  # before the subscriber can ack: consumed always follows delivered
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
                              held_back=held_back and len(envelopes) + len(dead) >= limit)
 
@@ -350,55 +286,51 @@ class InboxLog:
             outcome, env = await self._ack_one(recipient, seq, at_us, turn)
             if env is not None:
                 consumed.append(env)
-                rows.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_CONSUMED, recipient, message_id=env.message_id,
-                                      sender=env.sender, recipient=recipient, seq=seq,
-                                      trace_id=trace_id_of(env.trace.traceparent), turn=turn,
-                                      in_reply_to=env.in_reply_to, conversation_id=env.conversation_id))
+                rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, at_us, recipient, env, seq=seq, turn=turn))
             outcomes.append(outcome)
         if rows:
             crash_point("consumed-unrecorded")  # the consumption is stored, its event not yet
         frontier = Frontier.of(consumed)
         if frontier is None:
-            await self.store.emit(rows)
+            await self.events.emit(rows)
         else:  # written beside the events (one round trip): it only guards the agent's next sends
             value = json.dumps([frontier.hop_count, frontier.trail]).encode()
-            await asyncio.gather(self.msgs.put(frontier_key(recipient), value), self.store.emit(rows))
+            await asyncio.gather(self.conn.msgs.put(frontier_key(recipient), value), self.events.emit(rows))
         return outcomes
 
     async def frontier(self, agent_id: str) -> Frontier | None:
-        found = await kvh.get(self.msgs, frontier_key(agent_id))
-        return None if found is None else Frontier(found[0][0], tuple(found[0][1]))
+        found = await kv.get(self.conn.msgs, frontier_key(agent_id), kv.JSON)
+        return None if found is None else Frontier(found.value[0], tuple(found.value[1]))
 
     async def _ack_one(self, recipient: str, seq: int, at_us: int,
                        turn: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None]:
         """The outcome, and the envelope when this ack consumed it."""
-        key = state_key(recipient, seq)
+        msgs = self.conn.msgs
+        key = kv.state_key(recipient, seq)
         remembered = self._delivered.pop((recipient, seq), None)
-        for _ in range(kvh.MAX_CAS_TRIES):
-            found, remembered = remembered or await kvh.get(self.msgs, key), None
+        for _ in range(kv.MAX_CAS_TRIES):
+            found, remembered = remembered or await kv.get(msgs, key, kv.MESSAGE_STATE), None
             if found is not None:
-                state, revision = found
-                if state["state"] == CONSUMED:
-                    return AckOutcome(seq, _mid(state), inbox_pb2.ACK_STATUS_ALREADY_CONSUMED), None
-                if state["state"] == DEAD_LETTERED:
-                    return AckOutcome(seq, _mid(state), inbox_pb2.ACK_STATUS_DEAD_LETTERED), None
-                if state["state"] == REJECTED:
+                state = found.value
+                if state.state == CONSUMED:
+                    return AckOutcome(seq, state.message_id, inbox_pb2.ACK_STATUS_ALREADY_CONSUMED), None
+                if state.state == DEAD_LETTERED:
+                    return AckOutcome(seq, state.message_id, inbox_pb2.ACK_STATUS_DEAD_LETTERED), None
+                if state.state == REJECTED:
                     return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None
-                new = {**state, "state": CONSUMED, "consumed": at_us, "turn": turn}
-                try:
-                    await self.msgs.update(key, json.dumps(new).encode(), last=revision)
-                except Exception:
+                new = state.consumed(at_us, turn)
+                if await kv.write(msgs, key, new.encode(), found.revision) is CasResult.LOST:
                     continue
-                env = kvh.message_of(new).envelope
+                env = new.envelope_pb()
             else:
-                env = await self.envelope_at(recipient, seq)
-                if env is None:
+                fresh = await self.messages.envelope_at(recipient, seq)
+                if fresh is None:
                     return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None
-                new = {"state": CONSUMED, "attempts": 0, "stored": env.stored_at_us, "consumed": at_us, "turn": turn,
-                       "env": kvh.envelope_b64(env)}
-                if not await kvh.create(self.msgs, key, new):
+                env = fresh
+                if not await kv.create(msgs, key, MessageState.first(env, QUEUED).consumed(at_us, turn),
+                                       kv.MESSAGE_STATE):
                     continue
-            await self._delete(seq)
+            await self.messages.delete(seq)
             return AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env
         raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason=Reason.CONTENTION)
 
@@ -407,32 +339,25 @@ class InboxLog:
                           at_us: int) -> tuple[MessageRecord | None, envelope_pb2.Envelope | None]:
         """Dead-letter one message unless its state is already final; tell
         its sender. Returns (record, notice)."""
-
-        def die(cur):
-            if cur is not None and cur["state"] in FINAL:
-                return None
-            state = cur or {"attempts": 0, "stored": env.stored_at_us, "env": kvh.envelope_b64(env)}
-            return {**state, "state": DEAD_LETTERED, "dead": at_us, "reason": reason}
-
-        written = await kvh.cas(self.msgs, state_key(recipient, env.sequence), die)
+        msgs = self.conn.msgs
+        die = functools.partial(_dead, env=env, at_us=at_us, reason=reason)
+        written = await kv.cas(msgs, kv.state_key(recipient, env.sequence), die, kv.MESSAGE_STATE)
         if written is None:
             return None, None
-        await self._delete(env.sequence)
-        await kvh.cas(self.msgs, f"dr.{kvh.token(recipient)}", lambda cur: [*(cur or []), env.sequence])
-        await kvh.cas(self.msgs, f"ds.{kvh.token(env.sender)}", lambda cur: [*(cur or []), [recipient, env.sequence]])
-        await self.store.emit([event_row(at_us, ev.EVENT_KIND_MESSAGE_DEAD_LETTERED, recipient,
-                                         message_id=env.message_id, sender=env.sender, recipient=recipient,
-                                         seq=env.sequence, detail=reason,
-                                         trace_id=trace_id_of(env.trace.traceparent))])
+        await self.messages.delete(env.sequence)
+        await kv.cas(msgs, f"dr.{kv.token(recipient)}", lambda cur: [*(cur or []), env.sequence], kv.JSON)
+        await kv.cas(msgs, f"ds.{kv.token(env.sender)}", lambda cur: [*(cur or []), [recipient, env.sequence]],
+                     kv.JSON)
+        await self.events.emit([dead_event(at_us, recipient, env, reason)])
         notice = None
         if env.origin.kind != envelope_pb2.ORIGIN_KIND_MESH and env.sender != recipient \
                 and not env.sender.startswith(base.EXTERNAL_PREFIXES):
             notice = await self._notice(env, recipient, reason, at_us)
-        return kvh.message_of(written), notice
+        return written.record(), notice
 
     async def _notice(self, dead: envelope_pb2.Envelope, recipient: str, reason: str,
                       at_us: int) -> envelope_pb2.Envelope | None:
-        sender = await self.store.get_agent(dead.sender)
+        sender = await kv.read_agent(self.conn.agents, dead.sender)
         if sender is None or not sender.is_open:
             return None
         message_id = f"{base.RESERVED_ID_PREFIX}notice:{recipient}:{dead.sequence}"
@@ -443,16 +368,17 @@ class InboxLog:
             in_reply_to=dead.message_id, conversation_id=dead.conversation_id, trace=dead.trace, origin=_MESH_ORIGIN,
             headers={"inboxmesh-notice": "dead-lettered", "inboxmesh-reason": reason}, created_at_us=at_us,
             stored_at_us=at_us)
-        status, detail, seq = await self._publish(dead.sender, notice, sender.inbox_capacity)
+        status, detail, seq = await self.messages.publish(dead.sender, notice, sender.inbox_capacity)
         if status != ACCEPTED:
-            await self.store.emit([event_row(at_us, ev.EVENT_KIND_NOTICE_UNDELIVERED, dead.sender,
+            await self.events.emit([EventRow(at_us, ev.EVENT_KIND_NOTICE_UNDELIVERED, dead.sender,
                                              message_id=message_id, sender=recipient, recipient=dead.sender,
                                              detail=f"{'inbox full' if status == INBOX_FULL else detail};"
                                                     f" {dead.message_id} was dead-lettered: {reason}")])
             return None
-        await kvh.create(self.msgs, kvh.idem_key(recipient, message_id), [dead.sender, seq, at_us])
+        await kv.create(self.conn.msgs, kv.idem_key(recipient, message_id), kv.Stored(dead.sender, seq, at_us),
+                        kv.STORED)
         notice.sequence = seq
-        await self.store.emit([event_row(at_us, ev.EVENT_KIND_MESSAGE_STORED, dead.sender, message_id=message_id,
+        await self.events.emit([EventRow(at_us, ev.EVENT_KIND_MESSAGE_STORED, dead.sender, message_id=message_id,
                                          sender=recipient, recipient=dead.sender, seq=seq,
                                          detail="dead-letter notice", trace_id=trace_id_of(dead.trace.traceparent),
                                          in_reply_to=dead.message_id)])
@@ -460,59 +386,59 @@ class InboxLog:
 
     async def dead_letter_all(self, recipient: str, reason: str,
                               at_us: int) -> tuple[list[MessageRecord], list[envelope_pb2.Envelope]]:
-        dead, notices = [], []
+        dead: list[MessageRecord] = []
+        notices: list[envelope_pb2.Envelope] = []
         seq = 1
         while True:
-            msg = await self._next(recipient, seq)
-            if msg is None:
+            env = await self.messages.next(recipient, seq)
+            if env is None:
                 return dead, notices
-            seq = msg.seq + 1
-            record, notice = await self.dead_letter(recipient, self._envelope(msg), reason, at_us)
+            seq = env.sequence + 1
+            record, notice = await self.dead_letter(recipient, env, reason, at_us)
             if record is not None:
                 dead.append(record)
             if notice is not None:
                 notices.append(notice)
 
     # -- announce ---------------------------------------------------------------------
-    async def store_announce(self, run: RunRecord, env: envelope_pb2.Envelope, at_us: int) -> tuple[str, str, int]:
-        """("stored", "accepted" | "duplicate: ...", seq), ("full", detail, 0)
-        or ("gone", detail, 0)."""
-        idem = kvh.idem_key(run.child_id, env.message_id)
-        found = await kvh.get(self.msgs, idem)
+    async def store_announce(self, run: RunRecord, env: envelope_pb2.Envelope, at_us: int) -> AnnounceStored:
+        """Store a run's announce in its requester's inbox, at most once."""
+        idem = kv.idem_key(run.child_id, env.message_id)
+        found = await kv.get(self.conn.msgs, idem, kv.STORED)
         if found is not None:
-            return "stored", "duplicate: stored by an earlier attempt", found[0][1]
-        requester = await self.store.get_agent(run.requester_id)
+            return AnnounceStored(Announce.STORED, "duplicate: stored by an earlier attempt", found.value.seq)
+        requester = await kv.read_agent(self.conn.agents, run.requester_id)
         if requester is None:
-            return "gone", f"requester {run.requester_id} does not exist", 0
+            return AnnounceStored(Announce.GONE, f"requester {run.requester_id} does not exist")
         if not requester.is_open:
-            return "gone", f"requester {run.requester_id} is closed ({requester.close_reason})", 0
+            return AnnounceStored(Announce.GONE, f"requester {run.requester_id} is closed ({requester.close_reason})")
         env.stored_at_us = at_us
-        status, detail, seq = await self._publish(run.requester_id, env, requester.inbox_capacity)
+        status, _, seq = await self.messages.publish(run.requester_id, env, requester.inbox_capacity)
         if status == INBOX_FULL:
-            held = await self._unconsumed(run.requester_id)
-            return "full", (f"requester {run.requester_id}'s inbox is full ({held} of {requester.inbox_capacity});"
-                            " retrying"), 0
+            held = await self.messages.unconsumed(run.requester_id)
+            return AnnounceStored(Announce.FULL, f"requester {run.requester_id}'s inbox is full ({held} of"
+                                                 f" {requester.inbox_capacity}); retrying")
         if status == TARGET_CLOSED:
-            return "gone", f"requester {run.requester_id} is closed", 0
-        await kvh.create(self.msgs, idem, [run.requester_id, seq, at_us])
-        return "stored", "accepted" if status == ACCEPTED else "duplicate: stored by an earlier attempt", seq
+            return AnnounceStored(Announce.GONE, f"requester {run.requester_id} is closed")
+        await kv.create(self.conn.msgs, idem, kv.Stored(run.requester_id, seq, at_us), kv.STORED)
+        return AnnounceStored(Announce.STORED,
+                              "accepted" if status == ACCEPTED else "duplicate: stored by an earlier attempt", seq)
 
     # -- queries ----------------------------------------------------------------------
     async def by_inbox(self, recipient: str, seq: int) -> MessageRecord | None:
-        found = await kvh.get(self.msgs, state_key(recipient, seq))
+        found = await kv.get(self.conn.msgs, kv.state_key(recipient, seq), kv.MESSAGE_STATE)
         if found is not None:
-            return None if found[0]["state"] == REJECTED else kvh.message_of(found[0])
-        env = await self.envelope_at(recipient, seq)
+            return None if found.value.state == REJECTED else found.value.record()
+        env = await self.messages.envelope_at(recipient, seq)
         if env is None:
             return None
         return MessageRecord(envelope=env, state=QUEUED, attempts=0, stored_at_us=env.stored_at_us)
 
     async def by_sender(self, sender: str, message_id: str) -> MessageRecord | None:
-        found = await kvh.get(self.msgs, kvh.idem_key(sender, message_id))
+        found = await kv.get(self.conn.msgs, kv.idem_key(sender, message_id), kv.STORED)
         if found is None:
             return None
-        recipient, seq, _ = found[0]
-        return await self.by_inbox(recipient, seq)
+        return await self.by_inbox(found.value.recipient, found.value.seq)
 
     async def dead_letters(self, *, recipient: str, sender: str, after_key: str,
                            limit: int) -> tuple[list[MessageRecord], str]:
@@ -521,16 +447,13 @@ class InboxLog:
         except ValueError:
             raise errors.InvalidArgument(f"page_token {after_key!r} is not valid",
                                          reason=Reason.BAD_PAGE_TOKEN) from None
+        keys: list[tuple[str, int]]
         if sender:
-            found = await kvh.get(self.msgs, f"ds.{kvh.token(sender)}")
-            keys = [tuple(k) for k in (found[0] if found else [])]
+            found = await kv.get(self.conn.msgs, f"ds.{kv.token(sender)}", kv.JSON)
+            keys = [(r, s) for r, s in (found.value if found else [])]
         else:
-            found = await kvh.get(self.msgs, f"dr.{kvh.token(recipient)}")
-            keys = [(recipient, s) for s in (found[0] if found else [])]
+            found = await kv.get(self.conn.msgs, f"dr.{kv.token(recipient)}", kv.JSON)
+            keys = [(recipient, s) for s in (found.value if found else [])]
         page = keys[start:start + limit]
         records = await asyncio.gather(*(self.by_inbox(r, s) for r, s in page))
         return [r for r in records if r is not None], (str(start + limit) if len(page) == limit else "")
-
-
-def _mid(state: dict) -> str:
-    return kvh.message_of(state).envelope.message_id if "env" in state else ""

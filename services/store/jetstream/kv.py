@@ -1,23 +1,29 @@
-"""Small helpers of the JetStream store: key encoding, compare-and-set loops
-on key-value entries, and the JSON form of agent and message records."""
+"""Key-value helpers of the JetStream store: key encoding, typed reads, compare-and-set with a typed
+result, and the stored forms of agent records and message states.
+
+A compare-and-set is won or lost (somebody wrote in between: read again and retry); any other failure
+of the request (NATS down, a timeout, an error answer) is raised, never taken for a lost race.
+"""
 
 from __future__ import annotations
 
 import base64
+import enum
 import hashlib
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.common.v1 import envelope_pb2
-from services.store.base import AgentRecord, MessageRecord
+from services.store.base import CONSUMED, DEAD_LETTERED, AgentRecord, MessageRecord
 
+T = TypeVar("T")
 _SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 MAX_CAS_TRIES = 100
 
@@ -38,72 +44,215 @@ def msg_id_header(sender: str, message_id: str) -> str:
     return hashlib.sha256(f"{sender}\x00{message_id}".encode()).hexdigest()
 
 
-async def get(kv: KeyValue, key: str) -> tuple[Any, int] | None:
-    """(decoded JSON value, revision) or None."""
+# -- codecs ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Codec(Generic[T]):
+    """How values of one kind are stored in an entry."""
+
+    decode: Callable[[bytes], T]
+    encode: Callable[[T], bytes]
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+JSON: Codec[Any] = Codec(json.loads, _json_bytes)
+"""Index lists, counters, session keys, idempotency records: plain JSON."""
+
+
+# -- reads and writes -------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    value: T
+    revision: int
+
+
+class CasResult(enum.Enum):
+    """The outcome of a conditional write."""
+
+    WON = "won"
+    """Written: the entry was still at the revision read (or absent, for a create)."""
+    LOST = "lost"
+    """Somebody wrote in between: nothing written; read again."""
+
+
+async def get(kv: Any, key: str, codec: Codec[T]) -> Entry[T] | None:
+    """The entry's value and revision, or None when it is absent (or deleted)."""
     try:
         entry = await kv.get(key)
     except KeyNotFoundError:
         return None
-    if entry.value is None:
+    if not entry.value:
         return None
-    return json.loads(entry.value), entry.revision
+    return Entry(codec.decode(entry.value), entry.revision)
 
 
-async def create(kv: KeyValue, key: str, value: Any, *, raw: bool = False) -> int:
-    """Create the key (value as JSON, or bytes with raw): its revision, or 0
-    when it exists (somebody else won)."""
+async def write(kv: Any, key: str, value: bytes, revision: int) -> CasResult:
+    """Write `value` if the entry is still at `revision` (0: only if it is absent)."""
     try:
-        return await kv.create(key, value if raw else json.dumps(value).encode())
+        if revision:
+            await kv.update(key, value, last=revision)
+        else:
+            await kv.create(key, value)
+    except KeyWrongLastSequenceError:
+        return CasResult.LOST
+    return CasResult.WON
+
+
+async def create(kv: Any, key: str, value: T, codec: Codec[T]) -> int:
+    """Create the key: its revision, or 0 when it exists (somebody else won)."""
+    try:
+        return int(await kv.create(key, codec.encode(value)))
     except KeyWrongLastSequenceError:
         return 0
 
 
-async def cas(kv: KeyValue, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
+async def cas(kv: Any, key: str, change: Callable[[T | None], T | None], codec: Codec[T]) -> T | None:
     """Read, change, write back only if nobody wrote in between; retried.
     `change` gets the current value (None when absent) and returns the new
     one, or None to leave the entry alone. Returns what was written (or
     None)."""
     for _ in range(MAX_CAS_TRIES):
-        found = await get(kv, key)
-        current, revision = found if found else (None, 0)
-        new = change(current)
+        found = await get(kv, key, codec)
+        new = change(found.value if found else None)
         if new is None:
             return None
-        try:
-            if found is None:
-                await kv.create(key, json.dumps(new).encode())
-            else:
-                await kv.update(key, json.dumps(new).encode(), last=revision)
+        if await write(kv, key, codec.encode(new), found.revision if found else 0) is CasResult.WON:
             return new
-        except KeyWrongLastSequenceError:
-            continue
     raise errors.Unavailable(f"too much contention on {key}; nothing changed", reason=Reason.CONTENTION)
 
 
-# -- records --------------------------------------------------------------------
-def agent_json(record: AgentRecord) -> dict:
-    return {
+# -- agent records ------------------------------------------------------------------
+def _agent_encode(record: AgentRecord) -> bytes:
+    return _json_bytes({
         "agent_id": record.agent_id, "name": record.name, "mode": record.mode, "parent_id": record.parent_id,
         "scope_id": record.scope_id, "depth": record.depth, "state": record.state, "metadata": record.metadata,
         "inbox_capacity": record.inbox_capacity, "created_at_us": record.created_at_us,
         "credential_hash": record.credential_hash.hex(), "closed_at_us": record.closed_at_us,
         "close_reason": record.close_reason,
-    }
+    })
 
 
-def agent_of(data: dict) -> AgentRecord:
-    return AgentRecord(**{**data, "credential_hash": bytes.fromhex(data["credential_hash"])})
+def _agent_decode(data: bytes) -> AgentRecord:
+    fields = json.loads(data)
+    return AgentRecord(**{**fields, "credential_hash": bytes.fromhex(fields["credential_hash"])})
 
 
-def envelope_b64(envelope: envelope_pb2.Envelope) -> str:
-    return base64.b64encode(envelope.SerializeToString()).decode()
+AGENT: Codec[AgentRecord] = Codec(_agent_decode, _agent_encode)
+"""Agent records (bucket agents, key `a.<agent_id>`), as JSON."""
 
 
-def message_of(state: dict) -> MessageRecord:
-    """A message record from its state entry (which holds the envelope)."""
-    envelope = envelope_pb2.Envelope.FromString(base64.b64decode(state["env"]))
-    envelope.delivery_attempt = state.get("attempts", 0)
-    return MessageRecord(
-        envelope=envelope, state=state["state"], attempts=state.get("attempts", 0), stored_at_us=state["stored"],
-        delivered_at_us=state.get("delivered", 0), consumed_at_us=state.get("consumed", 0),
-        dead_at_us=state.get("dead", 0), dead_reason=state.get("reason", ""))
+def agent_key(agent_id: str) -> str:
+    return f"a.{token(agent_id)}"
+
+
+async def read_agent(agents: Any, agent_id: str) -> AgentRecord | None:
+    """An agent's record from the agents bucket, as it is now."""
+    found = await get(agents, agent_key(agent_id), AGENT)
+    return found.value if found else None
+
+
+# -- message states -------------------------------------------------------------------
+REJECTED = 0
+"""State of a message its sender was refused after all (target closed, over capacity)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageState:
+    """The state entry of one message (bucket msgs, key `m.<agent>.<seq>`): the arbiter of what happened
+    to it, changed only by compare-and-set. Stored as JSON with short keys, defaults left out."""
+
+    state: int
+    """QUEUED, DELIVERED, CONSUMED, DEAD_LETTERED or REJECTED."""
+    attempts: int = 0
+    stored_at_us: int = 0
+    envelope: bytes | None = None
+    """The serialized envelope (None in a rejection's entry)."""
+    delivered_at_us: int = 0
+    """First delivery."""
+    consumed_at_us: int = 0
+    turn: int = 0
+    """The consuming ack's turn."""
+    dead_at_us: int = 0
+    dead_reason: str = ""
+
+    @staticmethod
+    def first(envelope: envelope_pb2.Envelope, state: int) -> MessageState:
+        """The entry of a message seen for the first time (no attempt yet)."""
+        return MessageState(state, stored_at_us=envelope.stored_at_us, envelope=envelope.SerializeToString())
+
+    @property
+    def final(self) -> bool:
+        """Consumed, dead-lettered or rejected: nothing changes it any more."""
+        return self.state in (CONSUMED, DEAD_LETTERED, REJECTED)
+
+    def consumed(self, at_us: int, turn: int) -> MessageState:
+        return replace(self, state=CONSUMED, consumed_at_us=at_us, turn=turn)
+
+    def dead(self, at_us: int, reason: str) -> MessageState:
+        return replace(self, state=DEAD_LETTERED, dead_at_us=at_us, dead_reason=reason)
+
+    def envelope_pb(self) -> envelope_pb2.Envelope:
+        """The message's envelope, its delivery attempt filled in."""
+        envelope = envelope_pb2.Envelope.FromString(self.envelope or b"")
+        envelope.delivery_attempt = self.attempts
+        return envelope
+
+    @property
+    def message_id(self) -> str:
+        return self.envelope_pb().message_id if self.envelope is not None else ""
+
+    def record(self) -> MessageRecord:
+        return MessageRecord(
+            envelope=self.envelope_pb(), state=self.state, attempts=self.attempts, stored_at_us=self.stored_at_us,
+            delivered_at_us=self.delivered_at_us, consumed_at_us=self.consumed_at_us, dead_at_us=self.dead_at_us,
+            dead_reason=self.dead_reason)
+
+    def encode(self) -> bytes:
+        data: dict[str, Any] = {"state": self.state}
+        for key, value in (("attempts", self.attempts), ("stored", self.stored_at_us),
+                           ("delivered", self.delivered_at_us), ("consumed", self.consumed_at_us),
+                           ("turn", self.turn), ("dead", self.dead_at_us), ("reason", self.dead_reason)):
+            if value:
+                data[key] = value
+        if self.envelope is not None:
+            data["env"] = base64.b64encode(self.envelope).decode()
+        return _json_bytes(data)
+
+    @staticmethod
+    def decode(data: bytes) -> MessageState:
+        """Raises ValueError, TypeError or KeyError on an entry that is not a message state."""
+        fields = json.loads(data)
+        env = fields.get("env")
+        return MessageState(
+            state=int(fields["state"]), attempts=fields.get("attempts", 0), stored_at_us=fields.get("stored", 0),
+            envelope=None if env is None else base64.b64decode(env), delivered_at_us=fields.get("delivered", 0),
+            consumed_at_us=fields.get("consumed", 0), turn=fields.get("turn", 0), dead_at_us=fields.get("dead", 0),
+            dead_reason=fields.get("reason", ""))
+
+
+MESSAGE_STATE: Codec[MessageState] = Codec(MessageState.decode, MessageState.encode)
+
+
+def state_key(agent_id: str, seq: int) -> str:
+    return f"m.{token(agent_id)}.{seq}"
+
+
+# -- idempotency records ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Stored:
+    """Where a sender's message was stored (bucket msgs, key idem_key(sender, message_id)): the durable
+    record of duplicates, for retries after JetStream's own duplicate window."""
+
+    recipient: str
+    seq: int
+    stored_at_us: int
+
+
+def _stored_decode(data: bytes) -> Stored:
+    recipient, seq, stored_at_us = json.loads(data)
+    return Stored(recipient, seq, stored_at_us)
+
+
+STORED: Codec[Stored] = Codec(_stored_decode, lambda s: _json_bytes([s.recipient, s.seq, s.stored_at_us]))

@@ -1,6 +1,7 @@
-"""The write operations of the SQLite store. Each runs inside the writer's
-transaction (services.store.sqlite_runner) and appends the event rows it
-causes to the list it is given; nothing here commits."""
+"""Inboxes on SQLite: append with receipts, delivery, exactly-once acks, dead letters and the notices
+they send, the loop guard's frontier. Write operations run inside the writer's transaction
+(services.store.sqlite.writer) and append the event rows they cause; nothing here commits. Reads run on
+the connection between commits."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from inboxmesh.inbox.v1 import inbox_pb2
 from services.store import base
 from services.store.base import (
     ACCEPTED,
-    AGENT_CLOSED,
     AGENT_OPEN,
     CONSUMED,
     DEAD_LETTERED,
@@ -26,60 +26,19 @@ from services.store.base import (
     INBOX_FULL,
     NOT_PERMITTED,
     QUEUED,
+    RECEIPT_NAME,
     TARGET_CLOSED,
     AckOutcome,
-    AgentRecord,
     AppendItem,
-    CloseOutcome,
     DeliveryBatch,
+    EventRow,
     Frontier,
     MessageRecord,
     SendOutcome,
-    event_row,
 )
+from services.store.sqlite.schema import MESSAGE_COLUMNS, message_of
 
-AGENT_COLUMNS = (
-    "agent_id, name, mode, parent_id, scope_id, depth, state, metadata, inbox_capacity,"
-    " created_at_us, credential_hash, closed_at_us, close_reason"
-)
-MESSAGE_COLUMNS = (
-    "envelope, state, attempts, stored_at_us, delivered_at_us, consumed_at_us, dead_at_us, dead_reason"
-)
-EVENT_COLUMNS = ", ".join(base.EVENT_ROW_FIELDS)
-INSERT_EVENT = f"INSERT INTO events ({EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-RECEIPT_NAME = {
-    value: inbox_pb2.ReceiptStatus.Name(value).removeprefix("RECEIPT_STATUS_").lower()
-    for value in inbox_pb2.ReceiptStatus.values()
-}
 _MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
-
-
-def agent_of(row: tuple) -> AgentRecord:
-    return AgentRecord(
-        agent_id=row[0], name=row[1], mode=row[2], parent_id=row[3], scope_id=row[4], depth=row[5], state=row[6],
-        metadata=json.loads(row[7]), inbox_capacity=row[8], created_at_us=row[9], credential_hash=row[10],
-        closed_at_us=row[11], close_reason=row[12],
-    )
-
-
-def message_of(row: tuple) -> MessageRecord:
-    envelope = envelope_pb2.Envelope.FromString(row[0])
-    envelope.delivery_attempt = row[2]
-    return MessageRecord(
-        envelope=envelope, state=row[1], attempts=row[2], stored_at_us=row[3], delivered_at_us=row[4],
-        consumed_at_us=row[5], dead_at_us=row[6], dead_reason=row[7],
-    )
-
-
-def row_after(conn: sqlite3.Connection, table: str, key_column: str, page_token: str) -> int:
-    """The row number a page token (the last key of the previous page) names;
-    0 for the first page."""
-    if not page_token:
-        return 0
-    found = conn.execute(f"SELECT row FROM {table} WHERE {key_column} = ?", (page_token,)).fetchone()
-    if found is None:
-        raise errors.InvalidArgument(f"page_token {page_token!r} is not valid", reason=Reason.BAD_PAGE_TOKEN)
-    return found[0]
 
 
 class Inbox:
@@ -106,7 +65,7 @@ class Inbox:
             self.dirty = False
 
 
-def _store(conn: sqlite3.Connection, inbox: Inbox, env: envelope_pb2.Envelope, at_us: int) -> int:
+def store_envelope(conn: sqlite3.Connection, inbox: Inbox, env: envelope_pb2.Envelope, at_us: int) -> int:
     """Put an envelope into an inbox that has room; returns its sequence."""
     seq = inbox.next_seq
     inbox.next_seq += 1
@@ -124,63 +83,8 @@ def _store(conn: sqlite3.Connection, inbox: Inbox, env: envelope_pb2.Envelope, a
     return seq
 
 
-# -- registry -----------------------------------------------------------------
-def create_agent(conn: sqlite3.Connection, events: list[tuple], record: AgentRecord) -> AgentRecord:
-    if record.parent_id:
-        parent = conn.execute("SELECT state FROM agents WHERE agent_id = ?", (record.parent_id,)).fetchone()
-        if parent is None:
-            raise errors.NotFound(f"parent agent {record.parent_id} does not exist", reason=Reason.AGENT_NOT_FOUND)
-        if parent[0] != AGENT_OPEN:
-            raise errors.FailedPrecondition(
-                f"parent agent {record.parent_id} is closed; it cannot have new children", reason=Reason.AGENT_CLOSED)
-    conn.execute(
-        f"INSERT INTO agents ({AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (record.agent_id, record.name, record.mode, record.parent_id, record.scope_id, record.depth, record.state,
-         json.dumps(record.metadata, sort_keys=True), record.inbox_capacity, record.created_at_us,
-         record.credential_hash, record.closed_at_us, record.close_reason),
-    )
-    events.append(event_row(record.created_at_us, ev.EVENT_KIND_AGENT_REGISTERED, record.agent_id,
-                            sender=record.parent_id,
-                            detail=f"name={record.name} mode={record.mode} scope={record.scope_id}"))
-    return record
-
-
-def close_agent(conn: sqlite3.Connection, events: list[tuple], agent_id: str, reason: str, at_us: int) -> CloseOutcome:
-    rows = conn.execute(
-        f"""WITH RECURSIVE tree(id, level) AS (
-                SELECT agent_id, 0 FROM agents WHERE agent_id = ?
-                UNION ALL
-                SELECT a.agent_id, tree.level + 1 FROM agents a JOIN tree ON a.parent_id = tree.id
-            )
-            SELECT {AGENT_COLUMNS} FROM agents JOIN tree ON agents.agent_id = tree.id
-            WHERE agents.state = {AGENT_OPEN} ORDER BY tree.level, agents.row""",
-        (agent_id,),
-    ).fetchall()
-    closed: list[AgentRecord] = []
-    queued: list[tuple[str, list[MessageRecord]]] = []
-    for row in rows:
-        agent = agent_of(row)
-        detail = reason if agent.agent_id == agent_id else f"ancestor {agent_id} closed: {reason}"
-        conn.execute(
-            "UPDATE agents SET state = ?, closed_at_us = ?, close_reason = ? WHERE agent_id = ?",
-            (AGENT_CLOSED, at_us, detail, agent.agent_id),
-        )
-        events.append(event_row(at_us, ev.EVENT_KIND_AGENT_CLOSED, agent.agent_id, detail=detail))
-        closed.append(replace(agent, state=AGENT_CLOSED, closed_at_us=at_us, close_reason=detail))
-        records = [message_of(r) for r in conn.execute(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE recipient = ? AND state IN (1, 2) ORDER BY seq",
-            (agent.agent_id,)).fetchall()]
-        queued.append((agent.agent_id, records))
-    dead, notices = [], []
-    for recipient, records in queued:
-        found = dead_letter(conn, events, recipient, records, base.REASON_CLOSED, at_us)
-        dead += found[0]
-        notices += found[1]
-    return CloseOutcome(closed=closed, dead_lettered=dead, notices=notices)
-
-
 # -- inbox --------------------------------------------------------------------
-def append(conn: sqlite3.Connection, events: list[tuple], sender_id: str, items: list[AppendItem],
+def append(conn: sqlite3.Connection, events: list[EventRow], sender_id: str, items: list[AppendItem],
            at_us: int) -> list[SendOutcome]:
     if sender_id.startswith(base.EXTERNAL_PREFIXES):
         sender_open = True  # a peer on the IOA network or a channel, speaking through the relay or ingress
@@ -224,15 +128,15 @@ def append(conn: sqlite3.Connection, events: list[tuple], sender_id: str, items:
                            f" {item.conversation_budget} messages")
             else:
                 env.sender = sender_id
-                seq = _store(conn, inbox, env, at_us)
+                seq = store_envelope(conn, inbox, env, at_us)
                 outcome = SendOutcome(mid, rid, ACCEPTED, seq, at_us, envelope=env)
-        trace_id = trace_id_of(env.trace.traceparent)
-        common = dict(message_id=mid, sender=sender_id, recipient=outcome.recipient, seq=outcome.sequence,
-                      trace_id=trace_id, in_reply_to=env.in_reply_to, conversation_id=env.conversation_id)
-        events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_SENT, outcome.recipient,
-                                detail=RECEIPT_NAME[outcome.status], **common))
+        sent = EventRow(at_us, ev.EVENT_KIND_MESSAGE_SENT, outcome.recipient, message_id=mid, sender=sender_id,
+                        recipient=outcome.recipient, seq=outcome.sequence, detail=RECEIPT_NAME[outcome.status],
+                        trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
+                        conversation_id=env.conversation_id)
+        events.append(sent)
         if outcome.status == ACCEPTED:
-            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_STORED, rid, **common))
+            events.append(replace(sent, kind=ev.EVENT_KIND_MESSAGE_STORED, agent_id=rid, detail=""))
         outcomes.append(outcome)
     for inbox in inboxes.values():
         if inbox is not None:
@@ -250,7 +154,7 @@ def _within_budget(conn: sqlite3.Connection, conversation_id: str, budget: int) 
     return True
 
 
-def dead_letter(conn: sqlite3.Connection, events: list[tuple], recipient: str, records: list[MessageRecord],
+def dead_letter(conn: sqlite3.Connection, events: list[EventRow], recipient: str, records: list[MessageRecord],
                 reason: str, at_us: int) -> tuple[list[MessageRecord], list[envelope_pb2.Envelope]]:
     """Dead-letter unconsumed messages of one inbox; tell each sender that is
     still open with a CONTROL notice in its inbox. Returns (dead, notices)."""
@@ -263,7 +167,7 @@ def dead_letter(conn: sqlite3.Connection, events: list[tuple], recipient: str, r
             (DEAD_LETTERED, at_us, reason, recipient, env.sequence))
         conn.execute("INSERT INTO dead_letters (recipient, seq, sender) VALUES (?, ?, ?)",
                      (recipient, env.sequence, env.sender))
-        events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_DEAD_LETTERED, recipient, message_id=env.message_id,
+        events.append(EventRow(at_us, ev.EVENT_KIND_MESSAGE_DEAD_LETTERED, recipient, message_id=env.message_id,
                                 sender=env.sender, recipient=recipient, seq=env.sequence, detail=reason,
                                 trace_id=trace_id_of(env.trace.traceparent)))
         dead.append(replace(record, state=DEAD_LETTERED, dead_at_us=at_us, dead_reason=reason))
@@ -281,13 +185,13 @@ def dead_letter(conn: sqlite3.Connection, events: list[tuple], recipient: str, r
     return dead, notices
 
 
-def _notice(conn, events, inbox: Inbox | None, dead: envelope_pb2.Envelope, recipient: str, reason: str,
-            at_us: int) -> envelope_pb2.Envelope | None:
+def _notice(conn: sqlite3.Connection, events: list[EventRow], inbox: Inbox | None, dead: envelope_pb2.Envelope,
+            recipient: str, reason: str, at_us: int) -> envelope_pb2.Envelope | None:
     if inbox is None or inbox.state != AGENT_OPEN:
         return None
     message_id = f"{base.RESERVED_ID_PREFIX}notice:{recipient}:{dead.sequence}"
     if inbox.unconsumed >= inbox.capacity:
-        events.append(event_row(at_us, ev.EVENT_KIND_NOTICE_UNDELIVERED, inbox.agent_id, message_id=message_id,
+        events.append(EventRow(at_us, ev.EVENT_KIND_NOTICE_UNDELIVERED, inbox.agent_id, message_id=message_id,
                                 sender=recipient, recipient=inbox.agent_id,
                                 detail=f"inbox full; {dead.message_id} was dead-lettered: {reason}"))
         return None
@@ -297,14 +201,14 @@ def _notice(conn, events, inbox: Inbox | None, dead: envelope_pb2.Envelope, reci
         in_reply_to=dead.message_id, conversation_id=dead.conversation_id, trace=dead.trace, origin=_MESH_ORIGIN,
         headers={"inboxmesh-notice": "dead-lettered", "inboxmesh-reason": reason}, created_at_us=at_us,
     )
-    seq = _store(conn, inbox, notice, at_us)
-    events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_STORED, inbox.agent_id, message_id=message_id,
+    seq = store_envelope(conn, inbox, notice, at_us)
+    events.append(EventRow(at_us, ev.EVENT_KIND_MESSAGE_STORED, inbox.agent_id, message_id=message_id,
                             sender=recipient, recipient=inbox.agent_id, seq=seq, detail="dead-letter notice",
                             trace_id=trace_id_of(dead.trace.traceparent), in_reply_to=dead.message_id))
     return notice
 
 
-def next_deliveries(conn: sqlite3.Connection, events: list[tuple], recipient: str, after_sequence: int, limit: int,
+def next_deliveries(conn: sqlite3.Connection, events: list[EventRow], recipient: str, after_sequence: int, limit: int,
                     max_attempts: int, now_us: int) -> DeliveryBatch:
     state = conn.execute("SELECT state, close_reason FROM agents WHERE agent_id = ?", (recipient,)).fetchone()
     if state is None or state[0] != AGENT_OPEN:
@@ -335,30 +239,33 @@ def next_deliveries(conn: sqlite3.Connection, events: list[tuple], recipient: st
             " delivered_at_us = CASE delivered_at_us WHEN 0 THEN ? ELSE delivered_at_us END"
             " WHERE recipient = ? AND seq = ?",
             (DELIVERED, attempt, now_us, recipient, env.sequence))
-        events.append(event_row(now_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=env.message_id,
-                                sender=env.sender, recipient=recipient, seq=env.sequence, detail=f"attempt={attempt}",
-                                trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
-                                conversation_id=env.conversation_id))
+        events.append(delivered_row(recipient, env, attempt, now_us))
         env.delivery_attempt = attempt
         envelopes.append(env)
     return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices)
 
 
-def mark_delivered(conn: sqlite3.Connection, events: list[tuple], recipient: str, keys: list[tuple],
+def delivered_row(recipient: str, env: envelope_pb2.Envelope, attempt: int, at_us: int) -> EventRow:
+    """The delivered event of one delivery attempt."""
+    return EventRow(at_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=env.message_id, sender=env.sender,
+                    recipient=recipient, seq=env.sequence, detail=f"attempt={attempt}",
+                    trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
+                    conversation_id=env.conversation_id)
+
+
+def mark_delivered(conn: sqlite3.Connection, events: list[EventRow], recipient: str, delivered: list[EventRow],
                    at_us: int) -> None:
-    """keys: (sequence, message_id, sender, trace_id, in_reply_to, conversation_id) of messages streamed
-    from memory."""
-    for seq, mid, sender, trace_id, in_reply_to, conversation_id in keys:
+    """delivered: the first delivered events (delivered_row, attempt 1) of messages streamed from memory;
+    each is recorded when its message was still queued."""
+    for row in delivered:
         cur = conn.execute(
             "UPDATE messages SET state = ?, attempts = 1, delivered_at_us = ? WHERE recipient = ? AND seq = ?"
-            " AND state = ?", (DELIVERED, at_us, recipient, seq, QUEUED))
+            " AND state = ?", (DELIVERED, at_us, recipient, row.seq, QUEUED))
         if cur.rowcount:
-            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_DELIVERED, recipient, message_id=mid, sender=sender,
-                                    recipient=recipient, seq=seq, detail="attempt=1", trace_id=trace_id,
-                                    in_reply_to=in_reply_to, conversation_id=conversation_id))
+            events.append(row)
 
 
-def ack(conn: sqlite3.Connection, events: list[tuple], recipient: str, sequences: list[int], at_us: int,
+def ack(conn: sqlite3.Connection, events: list[EventRow], recipient: str, sequences: list[int], at_us: int,
         turn: int) -> list[AckOutcome]:
     outcomes = []
     consumed: list[envelope_pb2.Envelope] = []
@@ -378,7 +285,7 @@ def ack(conn: sqlite3.Connection, events: list[tuple], recipient: str, sequences
             conn.execute("UPDATE messages SET state = ?, consumed_at_us = ? WHERE recipient = ? AND seq = ?",
                          (CONSUMED, at_us, recipient, seq))
             consumed.append(env := envelope_pb2.Envelope.FromString(blob))
-            events.append(event_row(at_us, ev.EVENT_KIND_MESSAGE_CONSUMED, recipient, message_id=mid, sender=sender,
+            events.append(EventRow(at_us, ev.EVENT_KIND_MESSAGE_CONSUMED, recipient, message_id=mid, sender=sender,
                                     recipient=recipient, seq=seq, trace_id=trace_id_of(traceparent), turn=turn,
                                     in_reply_to=env.in_reply_to, conversation_id=env.conversation_id))
             outcomes.append(AckOutcome(seq, mid, inbox_pb2.ACK_STATUS_CONSUMED, traceparent, env))
@@ -394,3 +301,35 @@ def ack(conn: sqlite3.Connection, events: list[tuple], recipient: str, sequences
 def get_frontier(conn: sqlite3.Connection, agent_id: str) -> Frontier | None:
     row = conn.execute("SELECT hop_count, trail FROM frontiers WHERE agent_id = ?", (agent_id,)).fetchone()
     return None if row is None else Frontier(row[0], tuple(json.loads(row[1])))
+
+
+# -- reads --------------------------------------------------------------------
+def get_message_by_sender(conn: sqlite3.Connection, sender: str, message_id: str) -> MessageRecord | None:
+    row = conn.execute(f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE sender = ? AND message_id = ?",
+                       (sender, message_id)).fetchone()
+    return message_of(row) if row else None
+
+
+def get_message_by_inbox(conn: sqlite3.Connection, recipient: str, sequence: int) -> MessageRecord | None:
+    row = conn.execute(f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE recipient = ? AND seq = ?",
+                       (recipient, sequence)).fetchone()
+    return message_of(row) if row else None
+
+
+def page_start(after_key: str) -> int:
+    """The dead-letter id a page token names (0: the first page)."""
+    try:
+        return int(after_key or 0)
+    except ValueError:
+        raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason=Reason.BAD_PAGE_TOKEN) from None
+
+
+def list_dead_letters(conn: sqlite3.Connection, *, recipient: str, sender: str, after_id: int,
+                      limit: int) -> tuple[list[MessageRecord], str]:
+    column, value = ("sender", sender) if sender else ("recipient", recipient)
+    columns = ", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))
+    rows = conn.execute(
+        f"SELECT d.id, {columns} FROM dead_letters d JOIN messages m ON m.recipient = d.recipient"
+        f" AND m.seq = d.seq WHERE d.{column} = ? AND d.id > ? ORDER BY d.id LIMIT ?",
+        (value, after_id, limit)).fetchall()
+    return [message_of(r[1:]) for r in rows], (str(rows[-1][0]) if len(rows) == limit else "")

@@ -1,6 +1,6 @@
-"""SQLite operations of the subagent run registry and routing sessions. Like
-services.store.sqlite_ops, each runs inside the writer's transaction and
-appends the events it causes; nothing here commits.
+"""Subagent runs and routing sessions on SQLite. Like the other operations of
+this package, each write runs inside the writer's transaction and appends the
+events it causes; nothing here commits.
 
 The announce is exactly-once by construction: its message id is derived from
 the run (`inboxmesh:announce:<run_id>`, sent as the child), the inbox's
@@ -23,6 +23,7 @@ from services.store.base import (
     REQUESTER_GONE,
     AgentRecord,
     AnnounceOutcome,
+    EventRow,
     RunRecord,
     RunWork,
     SpawnLimits,
@@ -35,7 +36,8 @@ from services.store.run_rules import (
     run_event,
     settle,
 )
-from services.store.sqlite import inbox as ops
+from services.store.sqlite import agents, inbox
+from services.store.sqlite.schema import row_after
 
 
 def load(conn: sqlite3.Connection, *, run_id: str = "", child_id: str = "") -> RunRecord | None:
@@ -60,7 +62,7 @@ def _save(conn: sqlite3.Connection, run: RunRecord) -> None:
          run.SerializeToString(), run.run_id))
 
 
-def create_child(conn: sqlite3.Connection, events: list[tuple], record: AgentRecord, run: RunRecord,
+def create_child(conn: sqlite3.Connection, events: list[EventRow], record: AgentRecord, run: RunRecord,
                  limits: SpawnLimits) -> AgentRecord:
     if record.depth > limits.max_depth:
         raise errors.ResourceExhausted(
@@ -73,7 +75,7 @@ def create_child(conn: sqlite3.Connection, events: list[tuple], record: AgentRec
             f"spawn refused: {record.parent_id} already has {active} running children; the most is"
             f" {limits.max_active_children} (wait for one to finish)",
             reason=Reason.TOO_MANY_CHILDREN, metadata={"active": str(active), "max": str(limits.max_active_children)})
-    ops.create_agent(conn, events, record)
+    agents.create_agent(conn, events, record)
     conn.execute(
         "INSERT INTO runs (run_id, child_id, requester_id, active, announce_state, deadline_us, record)"
         " VALUES (?, ?, ?, 1, ?, ?, ?)",
@@ -82,7 +84,7 @@ def create_child(conn: sqlite3.Connection, events: list[tuple], record: AgentRec
     return record
 
 
-def end_run(conn: sqlite3.Connection, events: list[tuple], run_id: str, status: int, result: str, at_us: int,
+def end_run(conn: sqlite3.Connection, events: list[EventRow], run_id: str, status: int, result: str, at_us: int,
             traceparent: str) -> tuple[RunRecord, bool]:
     run = _require(conn, run_id)
     if run.status != runs_pb2.RUN_STATUS_RUNNING:
@@ -94,7 +96,7 @@ def end_run(conn: sqlite3.Connection, events: list[tuple], run_id: str, status: 
     return run, False
 
 
-def end_runs_of_closed(conn: sqlite3.Connection, events: list[tuple], closed: list[AgentRecord], at_us: int) -> None:
+def end_runs_of_closed(conn: sqlite3.Connection, events: list[EventRow], closed: list[AgentRecord], at_us: int) -> None:
     """Runs of agents closed before their task ended end as CLOSED."""
     for agent in closed:
         run = load(conn, child_id=agent.agent_id)
@@ -103,7 +105,7 @@ def end_runs_of_closed(conn: sqlite3.Connection, events: list[tuple], closed: li
             _save(conn, run)
 
 
-def mark_started(conn: sqlite3.Connection, events: list[tuple], recipient: str, message_ids: list[str],
+def mark_started(conn: sqlite3.Connection, events: list[EventRow], recipient: str, message_ids: list[str],
                  at_us: int) -> None:
     """The child consumed its task: the run has started."""
     row = conn.execute("SELECT record FROM runs WHERE child_id = ? AND started = 0", (recipient,)).fetchone()
@@ -116,7 +118,7 @@ def mark_started(conn: sqlite3.Connection, events: list[tuple], recipient: str, 
         run_event(events, run, ev.EVENT_KIND_RUN_STARTED, at_us)
 
 
-def announce(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: int) -> AnnounceOutcome:
+def announce(conn: sqlite3.Connection, events: list[EventRow], run_id: str, at_us: int) -> AnnounceOutcome:
     run = _require(conn, run_id)
     if run.announce_state != ANNOUNCE_PENDING:
         return AnnounceOutcome(run)
@@ -127,15 +129,15 @@ def announce(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: 
     if stored is not None:  # stored by an attempt whose run update was lost: never store twice
         settle(events, run, ANNOUNCED, at_us, "duplicate: stored by an earlier attempt", stored[0])
     else:
-        inbox = ops.Inbox.load(conn, run.requester_id)
-        if inbox is None:
+        requester = inbox.Inbox.load(conn, run.requester_id)
+        if requester is None:
             settle(events, run, REQUESTER_GONE, at_us, f"requester {run.requester_id} does not exist")
-        elif inbox.state != AGENT_OPEN:
+        elif requester.state != AGENT_OPEN:
             reason = conn.execute("SELECT close_reason FROM agents WHERE agent_id = ?",
                                   (run.requester_id,)).fetchone()[0]
             settle(events, run, REQUESTER_GONE, at_us, f"requester {run.requester_id} is closed ({reason})")
-        elif inbox.unconsumed >= inbox.capacity:
-            detail = (f"requester {run.requester_id}'s inbox is full ({inbox.unconsumed} of {inbox.capacity});"
+        elif requester.unconsumed >= requester.capacity:
+            detail = (f"requester {run.requester_id}'s inbox is full ({requester.unconsumed} of {requester.capacity});"
                       " retrying")
             if run.announce_detail != detail:
                 run.announce_detail = detail
@@ -144,8 +146,8 @@ def announce(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: 
             return AnnounceOutcome(run, retry=True)
         else:
             envelope = announce_envelope(run, at_us)
-            seq = ops._store(conn, inbox, envelope, at_us)
-            inbox.save(conn)
+            seq = inbox.store_envelope(conn, requester, envelope, at_us)
+            requester.save(conn)
             events += announce_events(run, seq, at_us)
             settle(events, run, ANNOUNCED, at_us, "accepted", seq)
     keep_if_kept(events, run, at_us)
@@ -153,7 +155,7 @@ def announce(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: 
     return AnnounceOutcome(run, envelope)
 
 
-def finish_cleanup(conn: sqlite3.Connection, events: list[tuple], run_id: str, detail: str,
+def finish_cleanup(conn: sqlite3.Connection, events: list[EventRow], run_id: str, detail: str,
                    at_us: int) -> RunRecord:
     run = _require(conn, run_id)
     if not run.cleaned_up_at_us:
@@ -163,7 +165,7 @@ def finish_cleanup(conn: sqlite3.Connection, events: list[tuple], run_id: str, d
     return run
 
 
-def archive(conn: sqlite3.Connection, events: list[tuple], run_id: str, at_us: int) -> RunRecord:
+def archive(conn: sqlite3.Connection, events: list[EventRow], run_id: str, at_us: int) -> RunRecord:
     run = _require(conn, run_id)
     if not run.archived_at_us:
         run.archived_at_us = at_us
@@ -188,7 +190,7 @@ def work(conn: sqlite3.Connection, now_us: int, limit: int) -> RunWork:
 
 def list_runs(conn: sqlite3.Connection, requester_id: str, include_archived: bool, after_key: str,
               limit: int) -> list[RunRecord]:
-    after_row = ops.row_after(conn, "runs", "run_id", after_key)
+    after_row = row_after(conn, "runs", "run_id", after_key)
     rows = conn.execute(
         "SELECT record FROM runs WHERE requester_id = ? AND row > ?" + ("" if include_archived else
                                                                        " AND archived = 0")
@@ -196,27 +198,15 @@ def list_runs(conn: sqlite3.Connection, requester_id: str, include_archived: boo
     return [RunRecord.FromString(r[0]) for r in rows]
 
 
-# -- routing sessions and credentials ---------------------------------------------
-def session_agent(conn: sqlite3.Connection, events: list[tuple], session_key: str,
+# -- routing sessions ---------------------------------------------------------------
+def session_agent(conn: sqlite3.Connection, events: list[EventRow], session_key: str,
                   new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
     row = conn.execute("SELECT agent_id FROM sessions WHERE session_key = ?", (session_key,)).fetchone()
     if row is not None:
-        found = conn.execute(f"SELECT {ops.AGENT_COLUMNS} FROM agents WHERE agent_id = ?", (row[0],)).fetchone()
-        agent = ops.agent_of(found)
-        if agent.is_open:
+        agent = agents.get_agent(conn, row[0])
+        if agent is not None and agent.is_open:
             return agent, False
         conn.execute("DELETE FROM sessions WHERE session_key = ?", (session_key,))  # a closed session starts anew
-    ops.create_agent(conn, events, new_agent)
+    agents.create_agent(conn, events, new_agent)
     conn.execute("INSERT INTO sessions (session_key, agent_id) VALUES (?, ?)", (session_key, new_agent.agent_id))
     return new_agent, True
-
-
-def set_credential(conn: sqlite3.Connection, events: list[tuple], agent_id: str,
-                   credential_hash: bytes) -> AgentRecord:
-    cur = conn.execute("UPDATE agents SET credential_hash = ? WHERE agent_id = ? AND state = ?",
-                       (credential_hash, agent_id, AGENT_OPEN))
-    if not cur.rowcount:
-        raise errors.FailedPrecondition(f"agent {agent_id} is closed or unknown; no credential issued",
-                                        reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent_id})
-    row = conn.execute(f"SELECT {ops.AGENT_COLUMNS} FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
-    return ops.agent_of(row)

@@ -1,4 +1,15 @@
-"""Schema of the SQLite store. Bump SCHEMA_VERSION with any change."""
+"""Schema of the SQLite store, and how its rows read back as records. Bump SCHEMA_VERSION with any
+change."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.common.v1 import envelope_pb2
+from services.store.base import EVENT_ROW_FIELDS, AgentRecord, MessageRecord
 
 SCHEMA_VERSION = 4
 UPGRADABLE = {2, 3}
@@ -118,3 +129,43 @@ CREATE TABLE IF NOT EXISTS conversations (
     messages INTEGER NOT NULL
 ) WITHOUT ROWID;
 """
+
+AGENT_COLUMNS = (
+    "agent_id, name, mode, parent_id, scope_id, depth, state, metadata, inbox_capacity,"
+    " created_at_us, credential_hash, closed_at_us, close_reason"
+)
+MESSAGE_COLUMNS = (
+    "envelope, state, attempts, stored_at_us, delivered_at_us, consumed_at_us, dead_at_us, dead_reason"
+)
+EVENT_COLUMNS = ", ".join(EVENT_ROW_FIELDS)
+INSERT_EVENT = f"INSERT INTO events ({EVENT_COLUMNS}) VALUES ({', '.join('?' * len(EVENT_ROW_FIELDS))})"
+
+
+def agent_of(row: tuple) -> AgentRecord:
+    """The record of an agents row read with AGENT_COLUMNS."""
+    return AgentRecord(
+        agent_id=row[0], name=row[1], mode=row[2], parent_id=row[3], scope_id=row[4], depth=row[5], state=row[6],
+        metadata=json.loads(row[7]), inbox_capacity=row[8], created_at_us=row[9], credential_hash=row[10],
+        closed_at_us=row[11], close_reason=row[12],
+    )
+
+
+def message_of(row: tuple) -> MessageRecord:
+    """The record of a messages row read with MESSAGE_COLUMNS."""
+    envelope = envelope_pb2.Envelope.FromString(row[0])
+    envelope.delivery_attempt = row[2]
+    return MessageRecord(
+        envelope=envelope, state=row[1], attempts=row[2], stored_at_us=row[3], delivered_at_us=row[4],
+        consumed_at_us=row[5], dead_at_us=row[6], dead_reason=row[7],
+    )
+
+
+def row_after(conn: sqlite3.Connection, table: str, key_column: str, page_token: str) -> int:
+    """The row number a page token (the last key of the previous page) names;
+    0 for the first page."""
+    if not page_token:
+        return 0
+    found = conn.execute(f"SELECT row FROM {table} WHERE {key_column} = ?", (page_token,)).fetchone()
+    if found is None:
+        raise errors.InvalidArgument(f"page_token {page_token!r} is not valid", reason=Reason.BAD_PAGE_TOKEN)
+    return int(found[0])

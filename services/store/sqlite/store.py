@@ -1,7 +1,7 @@
 """The embedded default store: one SQLite file in WAL mode, durable commits.
 
-Writes are operations (services.store.sqlite_ops) queued to a group-commit
-writer (services.store.sqlite_runner); reads run on the same connection
+Writes are operations (one module per concern: agents, inbox, runs, events)
+queued to a group-commit writer (writer); reads run on the same connection
 between commits. Every check that must be atomic (duplicates, capacity,
 open/closed, the one winning ack) runs inside the writer's transaction, so
 several processes may share the file: SQLite's lock serialises their
@@ -15,25 +15,25 @@ import logging
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
-from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
-from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
 from services.config import StoreConfig
 from services.store import base
 from services.store.base import (
-    AGENT_OPEN,
     AckOutcome,
     AgentRecord,
     AnnounceOutcome,
     AppendItem,
     CloseOutcome,
+    CommitListener,
     DeliveryBatch,
     EventQuery,
+    EventRecord,
+    EventRow,
     Frontier,
     MessageRecord,
     RunRecord,
@@ -41,9 +41,8 @@ from services.store.base import (
     SendOutcome,
     SpawnLimits,
 )
-from services.store.sqlite import inbox as ops
-from services.store.sqlite import runs
-from services.store.sqlite.inbox import AGENT_COLUMNS, EVENT_COLUMNS, MESSAGE_COLUMNS, agent_of, message_of
+from services.store.sqlite import agents, inbox, runs
+from services.store.sqlite import events as event_table
 from services.store.sqlite.schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE
 from services.store.sqlite.writer import EventIds, Writer, connect
 
@@ -52,12 +51,15 @@ T = TypeVar("T")
 
 
 class SqliteStore(base.Store):
+    """Every concern's interface over one connection: writes queued to the writer, reads between
+    commits. The SQL of each concern is in its module (agents, inbox, runs, events)."""
+
     def __init__(self, config: StoreConfig):
         self.config = config
         self.path = Path(config.path)
         self._writer: Writer | None = None
         self._conn: sqlite3.Connection | None = None
-        self._listeners: list[Callable[[int, list[tuple]], None]] = []
+        self._listeners: list[CommitListener] = []
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -79,16 +81,16 @@ class SqliteStore(base.Store):
             conn.close()
             raise
         self._writer = Writer(conn, max_pending=self.config.max_pending_writes,
-                              max_ops_per_commit=self.config.max_ops_per_commit, insert_events=ops.INSERT_EVENT)
+                              max_ops_per_commit=self.config.max_ops_per_commit)
         self._writer.after_commit = self._after_commit
         self._writer.start()
         self._conn = conn
         log.info("sqlite store open at %s (synchronous=%s)", self.path, self.config.synchronous)
 
-    def _after_commit(self, first_event_id: int, events: list[tuple]) -> None:
+    def _after_commit(self, first_event_id: int, rows: list[EventRow]) -> None:
         for callback in self._listeners:
             try:
-                callback(first_event_id, events)
+                callback(first_event_id, rows)
             except Exception:  # a listener's bug must not stop the writer
                 log.exception("commit listener failed")
 
@@ -113,54 +115,39 @@ class SqliteStore(base.Store):
             raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED)
         return op(self._conn)
 
-    # -- registry -----------------------------------------------------------
+    # -- agents (services.store.sqlite.agents) -----------------------------------
     async def create_agent(self, record: AgentRecord) -> AgentRecord:
-        return await self.writer.run(lambda conn, events: ops.create_agent(conn, events, record))
+        return await self.writer.run(lambda conn, rows: agents.create_agent(conn, rows, record))
 
     async def get_agent(self, agent_id: str) -> AgentRecord | None:
-        def op(conn: sqlite3.Connection) -> AgentRecord | None:
-            row = conn.execute(f"SELECT {AGENT_COLUMNS} FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
-            return agent_of(row) if row else None
-
-        return await self._read(op)
+        return await self._read(lambda conn: agents.get_agent(conn, agent_id))
 
     async def find_agents(self, scope_id: str, name: str, include_closed: bool) -> list[AgentRecord]:
-        sql = (f"SELECT {AGENT_COLUMNS} FROM agents WHERE scope_id = ? AND name = ?"
-               + ("" if include_closed else f" AND state = {AGENT_OPEN}") + " ORDER BY row")
-        return await self._read(lambda conn: [agent_of(r) for r in conn.execute(sql, (scope_id, name)).fetchall()])
+        return await self._read(lambda conn: agents.find_agents(conn, scope_id, name, include_closed))
 
     async def list_agents(
         self, *, scope_id: str = "", parent_id: str = "", include_closed: bool, after_key: str, limit: int
     ) -> list[AgentRecord]:
-        column, value = ("parent_id", parent_id) if parent_id else ("scope_id", scope_id)
-
-        def op(conn: sqlite3.Connection) -> list[AgentRecord]:
-            after_row = ops.row_after(conn, "agents", "agent_id", after_key)
-            rows = conn.execute(
-                f"SELECT {AGENT_COLUMNS} FROM agents WHERE {column} = ? AND row > ?"
-                + ("" if include_closed else f" AND state = {AGENT_OPEN}") + " ORDER BY row LIMIT ?",
-                (value, after_row, limit)).fetchall()
-            return [agent_of(r) for r in rows]
-
-        return await self._read(op)
+        return await self._read(lambda conn: agents.list_agents(
+            conn, scope_id=scope_id, parent_id=parent_id, include_closed=include_closed, after_key=after_key,
+            limit=limit))
 
     async def close_agent(self, agent_id: str, reason: str, at_us: int) -> CloseOutcome:
-        def op(conn: sqlite3.Connection, events: list[tuple]) -> CloseOutcome:
-            outcome = ops.close_agent(conn, events, agent_id, reason, at_us)
-            runs.end_runs_of_closed(conn, events, outcome.closed, at_us)
+        def op(conn: sqlite3.Connection, rows: list[EventRow]) -> CloseOutcome:
+            outcome = agents.close_agent(conn, rows, agent_id, reason, at_us)
+            runs.end_runs_of_closed(conn, rows, outcome.closed, at_us)
             return outcome
 
         return await self.writer.run(op)
 
     async def set_credential(self, agent_id: str, credential_hash: bytes) -> AgentRecord:
-        return await self.writer.run(lambda conn, events: runs.set_credential(conn, events, agent_id,
-                                                                              credential_hash))
+        return await self.writer.run(lambda conn, rows: agents.set_credential(conn, rows, agent_id, credential_hash))
 
-    # -- subagent runs ------------------------------------------------------
+    # -- runs and sessions (services.store.sqlite.runs) ------------------------------
     async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits, *,
                            resume: bool = False) -> AgentRecord:
         # one transaction: an agent that exists has its run, so `resume` never reaches here
-        return await self.writer.run(lambda conn, events: runs.create_child(conn, events, record, run, limits))
+        return await self.writer.run(lambda conn, rows: runs.create_child(conn, rows, record, run, limits))
 
     async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None:
         return await self._read(lambda conn: runs.load(conn, run_id=run_id, child_id=child_id))
@@ -171,122 +158,84 @@ class SqliteStore(base.Store):
 
     async def end_run(self, run_id: str, status: int, result: str, at_us: int,
                       traceparent: str = "") -> tuple[RunRecord, bool]:
-        return await self.writer.run(lambda conn, events: runs.end_run(conn, events, run_id, status, result, at_us,
-                                                                       traceparent))
+        return await self.writer.run(lambda conn, rows: runs.end_run(conn, rows, run_id, status, result, at_us,
+                                                                     traceparent))
 
     async def announce_run(self, run_id: str, at_us: int) -> AnnounceOutcome:
-        return await self.writer.run(lambda conn, events: runs.announce(conn, events, run_id, at_us))
+        return await self.writer.run(lambda conn, rows: runs.announce(conn, rows, run_id, at_us))
 
     async def finish_cleanup(self, run_id: str, detail: str, at_us: int) -> RunRecord:
-        return await self.writer.run(lambda conn, events: runs.finish_cleanup(conn, events, run_id, detail, at_us))
+        return await self.writer.run(lambda conn, rows: runs.finish_cleanup(conn, rows, run_id, detail, at_us))
 
     async def archive_run(self, run_id: str, at_us: int) -> RunRecord:
-        return await self.writer.run(lambda conn, events: runs.archive(conn, events, run_id, at_us))
+        return await self.writer.run(lambda conn, rows: runs.archive(conn, rows, run_id, at_us))
 
     async def run_work(self, now_us: int, limit: int) -> RunWork:
         return await self._read(lambda conn: runs.work(conn, now_us, limit))
 
-    # -- routing sessions ---------------------------------------------------
     async def session_agent(self, session_key: str, new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
-        return await self.writer.run(lambda conn, events: runs.session_agent(conn, events, session_key, new_agent))
+        return await self.writer.run(lambda conn, rows: runs.session_agent(conn, rows, session_key, new_agent))
 
-    # -- inbox --------------------------------------------------------------
+    # -- inbox (services.store.sqlite.inbox) --------------------------------------------
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
-        return await self.writer.run(lambda conn, events: ops.append(conn, events, sender_id, items, at_us))
+        return await self.writer.run(lambda conn, rows: inbox.append(conn, rows, sender_id, items, at_us))
 
     async def next_deliveries(
         self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int, in_flight: int = 0
     ) -> DeliveryBatch:
         # capacity is settled inside the append's transaction: whatever is stored may be delivered
-        return await self.writer.run(lambda conn, events: ops.next_deliveries(
-            conn, events, recipient, after_sequence, limit, max_attempts, now_us))
+        return await self.writer.run(lambda conn, rows: inbox.next_deliveries(
+            conn, rows, recipient, after_sequence, limit, max_attempts, now_us))
 
     async def mark_delivered(
         self, recipient: str, envelopes: list[envelope_pb2.Envelope], at_us: int
-    ) -> asyncio.Future:
-        keys = [(e.sequence, e.message_id, e.sender, trace_id_of(e.trace.traceparent), e.in_reply_to,
-                 e.conversation_id) for e in envelopes]
+    ) -> asyncio.Future[Any]:
+        delivered = [inbox.delivered_row(recipient, e, 1, at_us) for e in envelopes]  # read now: the op runs later
         return await self.writer.enqueue(
-            lambda conn, events: ops.mark_delivered(conn, events, recipient, keys, at_us), lazy=True)
+            lambda conn, rows: inbox.mark_delivered(conn, rows, recipient, delivered, at_us), lazy=True)
 
     async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int = 0) -> list[AckOutcome]:
-        def op(conn: sqlite3.Connection, events: list[tuple]) -> list[AckOutcome]:
-            outcomes = ops.ack(conn, events, recipient, sequences, at_us, turn)
+        def op(conn: sqlite3.Connection, rows: list[EventRow]) -> list[AckOutcome]:
+            outcomes = inbox.ack(conn, rows, recipient, sequences, at_us, turn)
             consumed = [o.message_id for o in outcomes if o.status == inbox_pb2.ACK_STATUS_CONSUMED]
             if consumed:
-                runs.mark_started(conn, events, recipient, consumed, at_us)
+                runs.mark_started(conn, rows, recipient, consumed, at_us)
             return outcomes
 
         return await self.writer.run(op)
 
     async def get_frontier(self, agent_id: str) -> Frontier | None:
-        return await self._read(lambda conn: ops.get_frontier(conn, agent_id))
+        return await self._read(lambda conn: inbox.get_frontier(conn, agent_id))
 
     async def get_message_by_sender(self, sender: str, message_id: str) -> MessageRecord | None:
-        sql = f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE sender = ? AND message_id = ?"
-        return await self._read(lambda conn: self._one_message(conn.execute(sql, (sender, message_id)).fetchone()))
+        return await self._read(lambda conn: inbox.get_message_by_sender(conn, sender, message_id))
 
     async def get_message_by_inbox(self, recipient: str, sequence: int) -> MessageRecord | None:
-        sql = f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE recipient = ? AND seq = ?"
-        return await self._read(lambda conn: self._one_message(conn.execute(sql, (recipient, sequence)).fetchone()))
-
-    @staticmethod
-    def _one_message(row: tuple | None) -> MessageRecord | None:
-        return message_of(row) if row else None
+        return await self._read(lambda conn: inbox.get_message_by_inbox(conn, recipient, sequence))
 
     async def list_dead_letters(
         self, *, recipient: str = "", sender: str = "", after_key: str, limit: int
     ) -> tuple[list[MessageRecord], str]:
-        column, value = ("sender", sender) if sender else ("recipient", recipient)
-        try:
-            after_id = int(after_key or 0)
-        except ValueError:
-            raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason=Reason.BAD_PAGE_TOKEN) from None
-        columns = ", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))
+        after_id = inbox.page_start(after_key)
+        return await self._read(lambda conn: inbox.list_dead_letters(
+            conn, recipient=recipient, sender=sender, after_id=after_id, limit=limit))
 
-        def op(conn: sqlite3.Connection) -> tuple[list[MessageRecord], str]:
-            rows = conn.execute(
-                f"SELECT d.id, {columns} FROM dead_letters d JOIN messages m ON m.recipient = d.recipient"
-                f" AND m.seq = d.seq WHERE d.{column} = ? AND d.id > ? ORDER BY d.id LIMIT ?",
-                (value, after_id, limit)).fetchall()
-            return [message_of(r[1:]) for r in rows], (str(rows[-1][0]) if len(rows) == limit else "")
+    # -- events (services.store.sqlite.events) --------------------------------------
+    async def list_events(self, query: EventQuery) -> list[EventRecord]:
+        return await self._read(lambda conn: event_table.list_events(conn, query))
 
-        return await self._read(op)
+    async def record_events(self, events: list[EventRecord], *, lazy: bool = True) -> list[int]:
+        recorded = [EventRow.of(e) for e in events]
 
-    # -- events -------------------------------------------------------------
-    async def list_events(self, query: EventQuery) -> list[ev.Event]:
-        where, params = ["event_id > ?"], [query.after_event_id]
-        if query.message_id:
-            where.append("message_id = ?")
-            params.append(query.message_id)
-        if query.sender:
-            where.append("sender = ?")
-            params.append(query.sender)
-        if query.agent_id:
-            where.append("(agent_id = ? OR sender = ?)")
-            params += [query.agent_id, query.agent_id]
-        if query.kinds:
-            where.append(f"kind IN ({', '.join('?' * len(query.kinds))})")
-            params += list(query.kinds)
-        sql = f"SELECT event_id, {EVENT_COLUMNS} FROM events WHERE {' AND '.join(where)} ORDER BY event_id LIMIT ?"
-        params.append(query.limit)
-        return await self._read(
-            lambda conn: [base.event_of(r[0], r[1:]) for r in conn.execute(sql, params).fetchall()])
-
-    async def record_events(self, events: list[ev.Event], *, lazy: bool = True) -> list[int]:
-        rows = [base.event_row(e.at_us, e.kind, e.agent_id, message_id=e.message_id, sender=e.sender,
-                              recipient=e.recipient, seq=e.sequence, detail=e.detail, trace_id=e.trace_id,
-                              turn=e.turn, in_reply_to=e.in_reply_to, conversation_id=e.conversation_id)
-                for e in events]
-        def op(conn: sqlite3.Connection, out: list[tuple]) -> EventIds:
-            out.extend(rows)
+        def op(conn: sqlite3.Connection, rows: list[EventRow]) -> EventIds:
+            rows.extend(recorded)
             return EventIds()
 
         future = await self.writer.enqueue(op, lazy=lazy)
         return [] if lazy else list(await future)
 
-    def add_commit_listener(self, callback) -> None:
+    def add_commit_listener(self, callback: CommitListener) -> None:
         self._listeners.append(callback)
 
     async def last_event_id(self) -> int:
-        return await self._read(lambda conn: conn.execute("SELECT max(event_id) FROM events").fetchone()[0] or 0)
+        return await self._read(event_table.last_event_id)

@@ -30,14 +30,17 @@ from typing import Any
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
+from services.store.base import CommitListener, EventRow
+from services.store.sqlite.schema import INSERT_EVENT
 
 log = logging.getLogger(__name__)
-Op = Callable[[sqlite3.Connection, list[tuple]], Any]
+Op = Callable[[sqlite3.Connection, list[EventRow]], Any]
 """A write operation: runs inside the transaction, may append event rows to
 the list it is given; they are inserted only if the operation succeeds."""
+_Queued = tuple[Op, "asyncio.Future[Any]"]
 
 
-class EventIds(list):
+class EventIds(list[int]):
     """Return an instance from an operation to get back, once committed, the
     ids of the events that operation recorded."""
 
@@ -60,23 +63,21 @@ class Writer:
         *,
         max_pending: int,
         max_ops_per_commit: int,
-        insert_events: str,
         lazy_delay_s: float = 0.05,
     ):
         self._conn = conn
-        self._insert_events = insert_events
         self._max_ops = max_ops_per_commit
         self._lazy_delay_s = lazy_delay_s
         self._max_pending = max_pending
-        self._pending: collections.deque[tuple[Op, asyncio.Future]] = collections.deque()
-        self._lazy: collections.deque[tuple[Op, asyncio.Future]] = collections.deque()
+        self._pending: collections.deque[_Queued] = collections.deque()
+        self._lazy: collections.deque[_Queued] = collections.deque()
         self._room: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_handle: asyncio.Handle | None = None
         self._lazy_timer: asyncio.TimerHandle | None = None
         self._lazy_due = False
         self._closed = False
-        self.after_commit: Callable[[int, list[tuple]], None] | None = None
+        self.after_commit: CommitListener | None = None
         """Called after each commit with (first event id, event rows)."""
         self.commits = 0
         self.ops = 0
@@ -85,10 +86,10 @@ class Writer:
         self._loop = asyncio.get_running_loop()
         self._room = asyncio.Semaphore(self._max_pending)
 
-    async def enqueue(self, op: Op, *, lazy: bool = False) -> asyncio.Future:
+    async def enqueue(self, op: Op, *, lazy: bool = False) -> asyncio.Future[Any]:
         """Queue op behind every earlier one and return its future (resolved
         after the commit that includes it). Waits while the queue is full."""
-        if self._closed or self._room is None:
+        if self._closed or self._room is None or self._loop is None:
             raise errors.Unavailable("the store is shutting down; nothing was written", reason=Reason.SHUTTING_DOWN)
         await self._room.acquire()
         fut = self._loop.create_future()
@@ -98,9 +99,12 @@ class Writer:
                 self._lazy_timer = self._loop.call_later(self._lazy_delay_s, self._lazy_expired)
         else:
             self._pending.append((op, fut))
-            if self._flush_handle is None:
-                self._flush_handle = self._loop.call_soon(self._flush)
+            self._schedule_flush()
         return fut
+
+    def _schedule_flush(self) -> None:
+        if self._flush_handle is None and self._loop is not None:
+            self._flush_handle = self._loop.call_soon(self._flush)
 
     async def run(self, op: Op) -> Any:
         return await (await self.enqueue(op))
@@ -108,13 +112,12 @@ class Writer:
     def _lazy_expired(self) -> None:
         self._lazy_timer = None
         self._lazy_due = True
-        if self._flush_handle is None:
-            self._flush_handle = self._loop.call_soon(self._flush)
+        self._schedule_flush()
 
     def _flush(self) -> None:
         self._flush_handle = None
         while self._pending or (self._lazy and self._lazy_due):
-            batch = []
+            batch: list[_Queued] = []
             while self._lazy and len(batch) < self._max_ops:
                 batch.append(self._lazy.popleft())
             while self._pending and len(batch) < self._max_ops:
@@ -126,10 +129,10 @@ class Writer:
             self._lazy_timer.cancel()
             self._lazy_timer = None
 
-    def _apply(self, ops: list[Op]) -> tuple[list[tuple[bool, Any]], int, list[tuple]]:
+    def _apply(self, ops: list[Op]) -> tuple[list[tuple[bool, Any]], int, list[EventRow]]:
         conn = self._conn
         results: list[tuple[bool, Any]] = []
-        events: list[tuple] = []
+        events: list[EventRow] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -138,11 +141,11 @@ class Writer:
             return [(False, failure)] * len(ops), 0, []
         for op in ops:
             conn.execute("SAVEPOINT op")
-            op_events: list[tuple] = []
+            op_events: list[EventRow] = []
             try:
                 value = op(conn, op_events)
                 if op_events:  # inside the savepoint: an event the table cannot hold fails its operation only
-                    conn.executemany(self._insert_events, op_events)
+                    conn.executemany(INSERT_EVENT, [row.values() for row in op_events])
             except Exception as exc:  # one operation failing must not sink the others
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
@@ -169,7 +172,8 @@ class Writer:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
                 pass
-            failure = errors.Unavailable(f"store commit failed: {exc}; nothing was written", reason=Reason.STORE_UNAVAILABLE)
+            failure = errors.Unavailable(f"store commit failed: {exc}; nothing was written",
+                                         reason=Reason.STORE_UNAVAILABLE)
             return [(False, failure)] * len(ops), 0, []
         self.commits += 1
         self.ops += len(ops)
@@ -178,7 +182,9 @@ class Writer:
                 value[:] = [first_event_id + offset for offset in value]
         return results, first_event_id, events
 
-    def _complete(self, batch, results, first_event_id: int, events: list[tuple]) -> None:
+    def _complete(self, batch: list[_Queued], results: list[tuple[bool, Any]], first_event_id: int,
+                  events: list[EventRow]) -> None:
+        assert self._room is not None  # started: nothing is queued before
         for (_, fut), (ok, value) in zip(batch, results):
             self._room.release()
             if fut.done():

@@ -1,0 +1,176 @@
+"""Agents and scopes on JetStream: the record (bucket agents, key `a.<agent_id>`) changed by
+compare-and-set, index entries by scope, name and parent, and what a close sets off (the dead letters of
+the closed inboxes, the end of their runs, the close of descendants)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import replace
+
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from inboxmesh.events.v1 import events_pb2 as ev
+from services.faults import crash_point
+from services.store import base
+from services.store.base import AGENT_CLOSED, AGENT_OPEN, AgentRecord, CloseOutcome, EventRow
+from services.store.jetstream import kv
+from services.store.jetstream.connection import JetStreamConnection
+from services.store.jetstream.events import EventLog
+from services.store.jetstream.inbox import InboxLog
+from services.store.jetstream.runs import Runs
+
+
+def _registered_row(record: AgentRecord) -> EventRow:
+    return EventRow(record.created_at_us, ev.EVENT_KIND_AGENT_REGISTERED, record.agent_id, sender=record.parent_id,
+                    detail=f"name={record.name} mode={record.mode} scope={record.scope_id}")
+
+
+def _closed_row(agent_id: str, reason: str, at_us: int) -> EventRow:
+    return EventRow(at_us, ev.EVENT_KIND_AGENT_CLOSED, agent_id, detail=reason)
+
+
+def _closing(current: AgentRecord | None, at_us: int, detail: str) -> AgentRecord | None:
+    if current is None or current.state != AGENT_OPEN:
+        return None
+    return replace(current, state=AGENT_CLOSED, closed_at_us=at_us, close_reason=detail)
+
+
+def _parent_closed(parent_id: str) -> errors.FailedPrecondition:
+    return errors.FailedPrecondition(f"parent agent {parent_id} is closed; it cannot have new children",
+                                     reason=Reason.AGENT_CLOSED)
+
+
+class Agents:
+    def __init__(self, conn: JetStreamConnection, events: EventLog, inbox: InboxLog, runs: Runs):
+        self.conn = conn
+        self.events = events
+        self.inbox = inbox
+        self.runs = runs
+
+    async def get(self, agent_id: str) -> AgentRecord | None:
+        return await kv.read_agent(self.conn.agents, agent_id)
+
+    async def _index_add(self, key: str, value: str) -> None:
+        await kv.cas(self.conn.agents, key, lambda cur: None if cur and value in cur else [*(cur or []), value],
+                     kv.JSON)
+
+    async def _index(self, key: str) -> list[str]:
+        found = await kv.get(self.conn.agents, key, kv.JSON)
+        return list(found.value) if found else []
+
+    async def _index_record(self, record: AgentRecord) -> None:
+        await self._index_add(f"s.{kv.token(record.scope_id)}", record.agent_id)
+        await self._index_add(f"n.{kv.token(record.scope_id)}.{kv.token(record.name)}", record.agent_id)
+        if record.parent_id:
+            await self._index_add(f"c.{kv.token(record.parent_id)}", record.agent_id)
+
+    async def create(self, record: AgentRecord) -> AgentRecord:
+        if record.parent_id:
+            parent = await self.get(record.parent_id)
+            if parent is None:
+                raise errors.NotFound(f"parent agent {record.parent_id} does not exist", reason=Reason.AGENT_NOT_FOUND)
+            if not parent.is_open:
+                raise _parent_closed(record.parent_id)
+        if not await kv.create(self.conn.agents, kv.agent_key(record.agent_id), record, kv.AGENT):
+            raise errors.FailedPrecondition(f"agent {record.agent_id} exists", reason=Reason.AGENT_EXISTS)
+        await self._index_record(record)
+        if record.parent_id:
+            parent = await self.get(record.parent_id)
+            if parent is not None and not parent.is_open:  # the parent closed meanwhile: close with it
+                await self.close(record.agent_id, f"ancestor {record.parent_id} closed: {parent.close_reason}",
+                                 parent.closed_at_us)
+                raise _parent_closed(record.parent_id)
+        await self.events.emit([_registered_row(record)])
+        return record
+
+    async def roll_forward(self, agent_id: str) -> list[EventRow]:
+        """Finish what writing this agent's record started, for a process that
+        died midway (the keeper): its index entries; closed with its parent
+        when the parent is closed; for a closed agent, its queued messages
+        dead-lettered (senders told), its run ended, its open descendants
+        closed. Every step can be repeated. The events the record stands for."""
+        record = await self.get(agent_id)
+        if record is None:
+            return []
+        await self._index_record(record)
+        rows = [_registered_row(record)]
+        if record.is_open and record.parent_id:
+            parent = await self.get(record.parent_id)
+            if parent is not None and not parent.is_open:
+                await self.close(record.agent_id, f"ancestor {record.parent_id} closed: {parent.close_reason}",
+                                 parent.closed_at_us)
+                record = await self.get(agent_id)
+        if record is not None and not record.is_open:
+            await self.inbox.dead_letter_all(record.agent_id, base.REASON_CLOSED, record.closed_at_us)
+            await self.runs.end_runs_of_closed([record], record.closed_at_us)
+            await self.close(record.agent_id, record.close_reason, record.closed_at_us)  # descendants
+            rows.append(_closed_row(record.agent_id, record.close_reason, record.closed_at_us))
+        return rows
+
+    async def _records(self, ids: list[str], include_closed: bool) -> list[AgentRecord]:
+        found = await asyncio.gather(*(self.get(i) for i in ids))
+        return sorted((r for r in found if r is not None and (include_closed or r.is_open)),
+                      key=lambda r: (r.created_at_us, r.agent_id))
+
+    async def find(self, scope_id: str, name: str, include_closed: bool) -> list[AgentRecord]:
+        ids = await self._index(f"n.{kv.token(scope_id)}.{kv.token(name)}")
+        return [r for r in await self._records(ids, include_closed) if r.name == name]
+
+    async def list_agents(self, *, scope_id: str, parent_id: str, include_closed: bool, after_key: str,
+                          limit: int) -> list[AgentRecord]:
+        key = f"c.{kv.token(parent_id)}" if parent_id else f"s.{kv.token(scope_id)}"
+        records = await self._records(await self._index(key), include_closed)
+        if after_key:
+            ids = [r.agent_id for r in records]
+            if after_key not in ids:
+                raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason=Reason.BAD_PAGE_TOKEN)
+            records = records[ids.index(after_key) + 1:]
+        return records[:limit]
+
+    async def _descendants(self, agent_id: str) -> list[AgentRecord]:
+        """The agent and its open descendants, level by level."""
+        first = await self.get(agent_id)
+        level = [first] if first is not None else []
+        found: list[AgentRecord] = []
+        while level:
+            found += [r for r in level if r.is_open]
+            children = []
+            for record in level:
+                children += await self._records(await self._index(f"c.{kv.token(record.agent_id)}"), False)
+            level = children
+        return found
+
+    async def close(self, agent_id: str, reason: str, at_us: int) -> CloseOutcome:
+        closed: list[AgentRecord] = []
+        rows: list[EventRow] = []
+        for agent in await self._descendants(agent_id):
+            detail = reason if agent.agent_id == agent_id else f"ancestor {agent_id} closed: {reason}"
+            written = await kv.cas(self.conn.agents, kv.agent_key(agent.agent_id),
+                                   functools.partial(_closing, at_us=at_us, detail=detail), kv.AGENT)
+            if written is None:
+                continue  # closed by someone else meanwhile
+            closed.append(written)
+            rows.append(_closed_row(agent.agent_id, detail, at_us))
+        if closed:
+            crash_point("closed-unfinished")  # closed, but nothing of what follows a close done yet
+        await self.events.emit(rows)
+        dead, notices = [], []
+        for agent in closed:
+            found = await self.inbox.dead_letter_all(agent.agent_id, base.REASON_CLOSED, at_us)
+            dead += found[0]
+            notices += found[1]
+        await self.runs.end_runs_of_closed(closed, at_us)
+        return CloseOutcome(closed=closed, dead_lettered=dead, notices=notices)
+
+    async def set_credential(self, agent_id: str, credential_hash: bytes) -> AgentRecord:
+        def change(current: AgentRecord | None) -> AgentRecord | None:
+            if current is None or current.state != AGENT_OPEN:
+                return None
+            return replace(current, credential_hash=credential_hash)
+
+        written = await kv.cas(self.conn.agents, kv.agent_key(agent_id), change, kv.AGENT)
+        if written is None:
+            raise errors.FailedPrecondition(f"agent {agent_id} is closed or unknown; no credential issued",
+                                            reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent_id})
+        return written

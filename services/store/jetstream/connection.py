@@ -1,0 +1,155 @@
+"""What every part of the JetStream store shares: the NATS connection, the JetStream context, the
+streams and key-value buckets, the configuration, and the one translation of NATS failures into the
+store's Unavailable error.
+
+The parts (agents, inbox, runs, sessions, events, the keeper) each receive this object and the parts
+they build on, never the store itself; they let NATS errors rise. The store's public methods translate
+them, each explicitly (`@nats_call`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+import nats
+import nats.errors
+from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import APIError, BadRequestError
+
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
+from services.config import StoreConfig
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+BUCKETS = ("agents", "msgs", "runs", "runwork", "misc")
+"""runwork: one key per run not archived yet, so the sweeper reads only those."""
+EVENT_DEDUP_WINDOW_S = 300.0
+"""Duplicate window of the events stream: how long a replayed event is recognised (the keeper)."""
+NATS_FAILURES: tuple[type[BaseException], ...] = (nats.errors.Error, TimeoutError, APIError, OSError)
+"""What a NATS request raises when NATS is down, slow or refuses (disconnected, timed out, no JetStream
+leader, an error answer)."""
+
+
+@contextmanager
+def nats_errors() -> Iterator[None]:
+    """A NATS failure inside the block is raised as Unavailable (STORE_UNAVAILABLE). Retrying is safe:
+    sends carry their message ids, acks and state changes are compare-and-set."""
+    try:
+        yield
+    except errors.MeshError:
+        raise
+    except NATS_FAILURES as exc:
+        raise errors.Unavailable(
+            f"NATS JetStream did not answer ({type(exc).__name__}: {exc}); retry with the same"
+            " message ids (a send may have been stored; a retry is then a duplicate)",
+            reason=Reason.STORE_UNAVAILABLE) from None
+
+
+def nats_call(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """Decorate a store method: NATS failures it meets are raised as Unavailable (nats_errors)."""
+
+    @functools.wraps(method)
+    async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        with nats_errors():
+            return await method(*args, **kwargs)
+
+    return call
+
+
+class JetStreamConnection:
+    """One mesh process's connection to NATS, and the names of what the store keeps there."""
+
+    def __init__(self, config: StoreConfig):
+        ns = config.nats_namespace
+        if not ns.isidentifier() or not ns.isascii():
+            raise errors.InvalidArgument(f"nats namespace {ns!r}: letters, digits and _ only", reason=Reason.BAD_CONFIG)
+        self.config = config
+        self.ns = ns
+        self.inbox_stream = f"{ns.upper()}_INBOX"
+        self.event_stream = f"{ns.upper()}_EVENTS"
+        self.nc: Any = None
+        """The NATS connection (nats.NATS) while open."""
+        self.js: Any = None
+        """Its JetStream context while open."""
+        self._kv: dict[str, Any] = {}
+
+    async def open(self) -> None:
+        """Connect, and create (or update) the streams and buckets."""
+        urls = list(self.config.nats_urls)
+        if not urls:
+            raise errors.InvalidArgument("the jetstream store needs NATS server URLs (--nats)",
+                                         reason=Reason.BAD_CONFIG)
+        try:
+            self.nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=-1,
+                                         reconnect_time_wait=0.2, name="inboxmesh")
+        except Exception as exc:
+            raise errors.Unavailable(f"cannot reach NATS at {', '.join(urls)}: {exc}",
+                                     reason=Reason.NATS_DOWN) from None
+        self.js = self.nc.jetstream(timeout=self.config.nats_timeout_s)
+        replicas = self.config.nats_replicas
+        ns = self.ns
+        await self._ensure_stream(StreamConfig(
+            name=self.inbox_stream, subjects=[f"{ns}.inbox.*"], storage=StorageType.FILE, num_replicas=replicas,
+            max_msgs_per_subject=self.config.max_inbox_capacity, discard=DiscardPolicy.NEW,
+            discard_new_per_subject=True, duplicate_window=self.config.nats_duplicate_window_s, allow_direct=True))
+        await self._ensure_stream(StreamConfig(
+            name=self.event_stream, subjects=[f"{ns}.ev.>"], storage=StorageType.FILE, num_replicas=replicas,
+            allow_direct=True, duplicate_window=EVENT_DEDUP_WINDOW_S))
+        for bucket in BUCKETS:
+            self._kv[bucket] = await self.js.create_key_value(KeyValueConfig(
+                bucket=f"{ns}_{bucket}", history=1, storage=StorageType.FILE, replicas=replicas))
+        log.info("jetstream store on %s (replicas=%d)", ", ".join(urls), replicas)
+
+    async def _ensure_stream(self, config: StreamConfig) -> None:
+        try:
+            await self.js.add_stream(config)
+        except BadRequestError:
+            await self.js.update_stream(config)
+
+    async def close(self) -> None:
+        """Drain the connection (what is in flight is sent). Safe to call twice."""
+        nc, self.nc = self.nc, None
+        if nc is not None:
+            await nc.drain()
+
+    def require_open(self) -> None:
+        if self.nc is None or self.js is None:
+            raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED)
+
+    def bucket(self, name: str) -> Any:
+        """A key-value bucket (nats.js.kv.KeyValue) of BUCKETS."""
+        try:
+            return self._kv[name]
+        except KeyError:
+            raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED) from None
+
+    @property
+    def agents(self) -> Any:
+        return self.bucket("agents")
+
+    @property
+    def msgs(self) -> Any:
+        return self.bucket("msgs")
+
+    @property
+    def runs(self) -> Any:
+        return self.bucket("runs")
+
+    @property
+    def runwork(self) -> Any:
+        return self.bucket("runwork")
+
+    @property
+    def misc(self) -> Any:
+        return self.bucket("misc")
+
+    def kv_stream(self, bucket: str) -> str:
+        """The stream behind a bucket (the keeper reads its writes in order)."""
+        return f"KV_{self.ns}_{bucket}"

@@ -1,0 +1,178 @@
+"""The event record on JetStream: stream IM_EVENTS, subject `im.ev.<agent>.<sender>`, the event id is
+the stream sequence. Publishing, the listeners of this process, reading by filter; and the identity of
+events that happen once (`dedup_id`), which lets the keeper publish an event again without recording
+it twice."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import nats.errors
+from nats.js.errors import NotFoundError
+
+from inboxmesh.client.tracing import trace_id_of
+from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.events.v1 import events_pb2 as ev
+from services.store import base
+from services.store.base import ACCEPTED, RECEIPT_NAME, CommitListener, EventQuery, EventRecord, EventRow
+from services.store.jetstream import kv
+from services.store.jetstream.connection import JetStreamConnection
+
+log = logging.getLogger(__name__)
+_NOTICE_PREFIX = base.RESERVED_ID_PREFIX + "notice:"
+_SENT, _STORED = ev.EVENT_KIND_MESSAGE_SENT, ev.EVENT_KIND_MESSAGE_STORED
+_DELIVERED, _CONSUMED = ev.EVENT_KIND_MESSAGE_DELIVERED, ev.EVENT_KIND_MESSAGE_CONSUMED
+_DEAD = ev.EVENT_KIND_MESSAGE_DEAD_LETTERED
+ACCEPTED_NAME = RECEIPT_NAME[ACCEPTED]
+"""The detail of the sent event of an accepted message (the receipt's name)."""
+_ONCE_PER_AGENT = (ev.EVENT_KIND_AGENT_REGISTERED, ev.EVENT_KIND_AGENT_CLOSED)
+_ONCE_PER_RUN = (ev.EVENT_KIND_RUN_CREATED, ev.EVENT_KIND_RUN_STARTED, ev.EVENT_KIND_RUN_ENDED,
+                 ev.EVENT_KIND_RUN_ANNOUNCED, ev.EVENT_KIND_RUN_REQUESTER_GONE, ev.EVENT_KIND_RUN_CLEANED_UP,
+                 ev.EVENT_KIND_RUN_ARCHIVED)
+
+
+def dedup_id(row: EventRow) -> str | None:
+    """The identity of an event that happens once per message state, agent
+    or run (None for events that have none): the same event published twice
+    gets the same id."""
+    if row.kind in _ONCE_PER_AGENT:
+        return f"ev:{row.kind}:{row.agent_id}"
+    if row.kind in _ONCE_PER_RUN:
+        return f"ev:{row.kind}:{row.message_id}"  # run events carry the run id as message_id
+    if row.seq <= 0 or not row.recipient:
+        return None
+    if row.kind in (_STORED, _CONSUMED, _DEAD) or (row.kind == _SENT and row.detail == ACCEPTED_NAME):
+        return f"ev:{row.kind}:{row.recipient}:{row.seq}"  # one accepted send per stored message
+    if row.kind == _DELIVERED:
+        return f"ev:{row.kind}:{row.recipient}:{row.seq}:{row.detail}"
+    return None
+
+
+def stored_events(env: envelope_pb2.Envelope, recipient: str, seq: int) -> list[EventRow]:
+    """The sent and stored events of a message accepted into `recipient`'s
+    inbox at `seq`, as the process that stored it recorded them (a
+    dead-letter notice has no sent event: the mesh sent it)."""
+    mid, sender, trace_id = env.message_id, env.sender, trace_id_of(env.trace.traceparent)
+    if mid.startswith(_NOTICE_PREFIX):
+        return [EventRow(env.stored_at_us, _STORED, recipient, message_id=mid, sender=sender, recipient=recipient,
+                         seq=seq, trace_id=trace_id, detail="dead-letter notice", in_reply_to=env.in_reply_to)]
+    sent = EventRow(env.stored_at_us, _SENT, recipient, message_id=mid, sender=sender, recipient=recipient, seq=seq,
+                    detail=ACCEPTED_NAME, trace_id=trace_id, in_reply_to=env.in_reply_to,
+                    conversation_id=env.conversation_id)
+    return [sent, EventRow(env.stored_at_us, _STORED, recipient, message_id=mid, sender=sender, recipient=recipient,
+                           seq=seq, trace_id=trace_id, in_reply_to=env.in_reply_to,
+                           conversation_id=env.conversation_id)]
+
+
+def message_event(kind: int, at_us: int, recipient: str, env: envelope_pb2.Envelope, *, seq: int | None = None,
+                  detail: str = "", turn: int = 0) -> EventRow:
+    """An event about a message in `recipient`'s inbox (delivered, consumed) at `seq` (the envelope's)."""
+    return EventRow(at_us, kind, recipient, message_id=env.message_id, sender=env.sender, recipient=recipient,
+                    seq=env.sequence if seq is None else seq, detail=detail,
+                    trace_id=trace_id_of(env.trace.traceparent), turn=turn, in_reply_to=env.in_reply_to,
+                    conversation_id=env.conversation_id)
+
+
+def dead_event(at_us: int, recipient: str, env: envelope_pb2.Envelope, reason: str) -> EventRow:
+    return EventRow(at_us, _DEAD, recipient, message_id=env.message_id, sender=env.sender, recipient=recipient,
+                    seq=env.sequence, detail=reason, trace_id=trace_id_of(env.trace.traceparent))
+
+
+class EventLog:
+    """Publishes event rows and reads them back; tells this process's commit listeners."""
+
+    def __init__(self, conn: JetStreamConnection):
+        self.conn = conn
+        self.listeners: list[CommitListener] = []
+        self._pending: set[asyncio.Task[list[int]]] = set()
+
+    async def publish(self, rows: list[EventRow]) -> list[Any]:
+        """Publish event rows in order (pipelined) and tell this process's
+        listeners of the new ones; the PubAcks. A message event carries its
+        identity (dedup_id) as Nats-Msg-Id, so a copy the event keeper
+        publishes again is dropped (ack.duplicate)."""
+        if not rows:
+            return []
+        futures = []
+        for row in rows:
+            ident = dedup_id(row)
+            futures.append(await self.conn.js.publish_async(
+                f"{self.conn.ns}.ev.{kv.token(row.agent_id or '_')}.{kv.token(row.sender or '_')}",
+                row.event(0).SerializeToString(), headers={"Nats-Msg-Id": ident} if ident else None))
+        try:
+            acks = await asyncio.wait_for(asyncio.gather(*futures), self.conn.config.nats_timeout_s)
+        except TimeoutError:
+            for future in futures:
+                future.cancel()
+            raise nats.errors.TimeoutError from None
+        for ack, row in zip(acks, rows):
+            if ack.duplicate:
+                continue
+            for callback in self.listeners:
+                try:
+                    callback(ack.seq, [row])
+                except Exception:  # a listener's bug must not fail the write that was made
+                    log.exception("event listener failed")
+        return acks
+
+    async def emit(self, rows: list[EventRow]) -> list[int]:
+        """Publish event rows, in order; ids (stream sequences) once stored."""
+        return [ack.seq for ack in await self.publish(rows)]
+
+    def emit_later(self, rows: list[EventRow]) -> None:
+        """Publish in the background (owned: close() waits for it)."""
+        task = asyncio.create_task(self.emit(rows))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def drain(self) -> None:
+        """Wait for what emit_later started (a failure there loses only those events)."""
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+
+    async def record(self, events: list[EventRecord], *, lazy: bool) -> list[int]:
+        rows = [EventRow.of(e) for e in events]
+        if lazy:
+            self.emit_later(rows)
+            return []
+        return await self.emit(rows)
+
+    async def last_event_id(self) -> int:
+        return int((await self.conn.js.stream_info(self.conn.event_stream)).state.last_seq)
+
+    async def read(self, query: EventQuery) -> list[EventRecord]:
+        ns = self.conn.ns
+        if query.agent_id:
+            token = kv.token(query.agent_id)
+            subjects = [f"{ns}.ev.{token}.*", f"{ns}.ev.*.{token}"]
+        elif query.sender:
+            subjects = [f"{ns}.ev.*.{kv.token(query.sender)}"]
+        else:
+            subjects = [f"{ns}.ev.>"]
+        found: dict[int, EventRecord] = {}
+        for subject in subjects:
+            seq = query.after_event_id + 1
+            while len(found) < query.limit * len(subjects):
+                try:
+                    msg = await self.conn.js.get_msg(self.conn.event_stream, seq=seq, subject=subject, next=True,
+                                                     direct=True)
+                except NotFoundError:
+                    break
+                event = ev.Event.FromString(msg.data)
+                event.event_id = msg.seq
+                if _matches(event, query):
+                    found[msg.seq] = event
+                seq = msg.seq + 1
+        return [found[k] for k in sorted(found)][:query.limit]
+
+
+def _matches(event: EventRecord, query: EventQuery) -> bool:
+    if query.message_id and event.message_id != query.message_id:
+        return False
+    if query.sender and event.sender != query.sender:
+        return False
+    if query.agent_id and query.agent_id not in (event.agent_id, event.sender):
+        return False
+    return not query.kinds or event.kind in query.kinds
