@@ -7,7 +7,7 @@ its event; an agent record, its index entries and its event; a close and
 the dead letters, run end and closes of descendants that follow it; a run
 record, its index entries and its events. So:
 
-- every event of a state change has a deterministic identity (`dedup_id`:
+- every event of a state change has a deterministic identity (`dedup_id`, events.py:
   kind, and the message (recipient, inbox sequence, attempt), agent or run
   it is about), published as its `Nats-Msg-Id`; the events stream drops a
   second copy within its duplicate window;

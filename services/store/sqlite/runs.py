@@ -1,6 +1,6 @@
-"""Subagent runs and routing sessions on SQLite. Like the other operations of
-this package, each write runs inside the writer's transaction and appends the
-events it causes; nothing here commits.
+"""Subagent runs on SQLite (spawning a child with its run is sessions.py). Like
+the other operations of this package, each write runs inside the writer's
+transaction and appends the events it causes; nothing here commits.
 
 The announce is exactly-once by construction: its message id is derived from
 the run (`inboxmesh:announce:<run_id>`, sent as the child), the inbox's
@@ -26,7 +26,6 @@ from services.store.base import (
     EventRow,
     RunRecord,
     RunWork,
-    SpawnLimits,
 )
 from services.store.run_rules import (
     announce_envelope,
@@ -36,7 +35,7 @@ from services.store.run_rules import (
     run_event,
     settle,
 )
-from services.store.sqlite import agents, inbox
+from services.store.sqlite import inbox
 from services.store.sqlite.schema import row_after
 
 
@@ -62,26 +61,19 @@ def _save(conn: sqlite3.Connection, run: RunRecord) -> None:
          run.SerializeToString(), run.run_id))
 
 
-def create_child(conn: sqlite3.Connection, events: list[EventRow], record: AgentRecord, run: RunRecord,
-                 limits: SpawnLimits) -> AgentRecord:
-    if record.depth > limits.max_depth:
-        raise errors.ResourceExhausted(
-            f"spawn refused: {record.name!r} would be at depth {record.depth}; the most is {limits.max_depth}",
-            reason=Reason.SPAWN_DEPTH, metadata={"depth": str(record.depth), "max_depth": str(limits.max_depth)})
-    active = conn.execute("SELECT count(*) FROM runs WHERE requester_id = ? AND active = 1",
-                          (record.parent_id,)).fetchone()[0]
-    if active >= limits.max_active_children:
-        raise errors.ResourceExhausted(
-            f"spawn refused: {record.parent_id} already has {active} running children; the most is"
-            f" {limits.max_active_children} (wait for one to finish)",
-            reason=Reason.TOO_MANY_CHILDREN, metadata={"active": str(active), "max": str(limits.max_active_children)})
-    agents.create_agent(conn, events, record)
+def active_children(conn: sqlite3.Connection, requester_id: str) -> int:
+    """Runs of one requester that have not ended."""
+    return int(conn.execute("SELECT count(*) FROM runs WHERE requester_id = ? AND active = 1",
+                            (requester_id,)).fetchone()[0])
+
+
+def insert(conn: sqlite3.Connection, events: list[EventRow], run: RunRecord) -> None:
+    """Store the run of a child stored in the same transaction."""
     conn.execute(
         "INSERT INTO runs (run_id, child_id, requester_id, active, announce_state, deadline_us, record)"
         " VALUES (?, ?, ?, 1, ?, ?, ?)",
         (run.run_id, run.child_id, run.requester_id, run.announce_state, run.deadline_us, run.SerializeToString()))
     run_event(events, run, ev.EVENT_KIND_RUN_CREATED, run.created_at_us, detail=run.label or run.task[:200])
-    return record
 
 
 def end_run(conn: sqlite3.Connection, events: list[EventRow], run_id: str, status: int, result: str, at_us: int,
@@ -196,17 +188,3 @@ def list_runs(conn: sqlite3.Connection, requester_id: str, include_archived: boo
                                                                        " AND archived = 0")
         + " ORDER BY row LIMIT ?", (requester_id, after_row, limit)).fetchall()
     return [RunRecord.FromString(r[0]) for r in rows]
-
-
-# -- routing sessions ---------------------------------------------------------------
-def session_agent(conn: sqlite3.Connection, events: list[EventRow], session_key: str,
-                  new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
-    row = conn.execute("SELECT agent_id FROM sessions WHERE session_key = ?", (session_key,)).fetchone()
-    if row is not None:
-        agent = agents.get_agent(conn, row[0])
-        if agent is not None and agent.is_open:
-            return agent, False
-        conn.execute("DELETE FROM sessions WHERE session_key = ?", (session_key,))  # a closed session starts anew
-    agents.create_agent(conn, events, new_agent)
-    conn.execute("INSERT INTO sessions (session_key, agent_id) VALUES (?, ?)", (session_key, new_agent.agent_id))
-    return new_agent, True

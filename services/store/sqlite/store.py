@@ -1,8 +1,8 @@
 """The embedded default store: one SQLite file in WAL mode, durable commits.
 
-Writes are operations (one module per concern: agents, inbox, runs, events)
-queued to a group-commit writer (writer); reads run on the same connection
-between commits. Every check that must be atomic (duplicates, capacity,
+Writes are operations (one module per concern: agents, inbox, runs and
+sessions, events) queued to a group-commit writer (writer.py); reads run on
+the same connection between commits. Every check that must be atomic (duplicates, capacity,
 open/closed, the one winning ack) runs inside the writer's transaction, so
 several processes may share the file: SQLite's lock serialises their
 writers.
@@ -41,7 +41,7 @@ from services.store.base import (
     SendOutcome,
     SpawnLimits,
 )
-from services.store.sqlite import agents, inbox, runs
+from services.store.sqlite import agents, inbox, runs, sessions
 from services.store.sqlite import events as event_table
 from services.store.sqlite.schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE
 from services.store.sqlite.writer import EventIds, Writer, connect
@@ -143,11 +143,11 @@ class SqliteStore(base.Store):
     async def set_credential(self, agent_id: str, credential_hash: bytes) -> AgentRecord:
         return await self.writer.run(lambda conn, rows: agents.set_credential(conn, rows, agent_id, credential_hash))
 
-    # -- runs and sessions (services.store.sqlite.runs) ------------------------------
+    # -- runs and sessions (services.store.sqlite.runs, .sessions) ---------------------
     async def create_child(self, record: AgentRecord, run: RunRecord, limits: SpawnLimits, *,
                            resume: bool = False) -> AgentRecord:
         # one transaction: an agent that exists has its run, so `resume` never reaches here
-        return await self.writer.run(lambda conn, rows: runs.create_child(conn, rows, record, run, limits))
+        return await self.writer.run(lambda conn, rows: sessions.create_child(conn, rows, record, run, limits))
 
     async def get_run(self, *, run_id: str = "", child_id: str = "") -> RunRecord | None:
         return await self._read(lambda conn: runs.load(conn, run_id=run_id, child_id=child_id))
@@ -174,7 +174,7 @@ class SqliteStore(base.Store):
         return await self._read(lambda conn: runs.work(conn, now_us, limit))
 
     async def session_agent(self, session_key: str, new_agent: AgentRecord) -> tuple[AgentRecord, bool]:
-        return await self.writer.run(lambda conn, rows: runs.session_agent(conn, rows, session_key, new_agent))
+        return await self.writer.run(lambda conn, rows: sessions.session_agent(conn, rows, session_key, new_agent))
 
     # -- inbox (services.store.sqlite.inbox) --------------------------------------------
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
