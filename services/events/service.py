@@ -21,7 +21,7 @@ from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.clock import now_us
 from services.directory import Caller, Directory
-from services.store.base import EventQuery, EventRow, Store
+from services.store.base import EventQuery, EventRow, EventStore
 from services.validation import check_text, page_size, stored_int
 
 _PAGE = 1000
@@ -62,7 +62,7 @@ class _Watcher:
 
 
 class EventsService:
-    def __init__(self, store: Store, directory: Directory, *, poll_interval_s: float = 1.0):
+    def __init__(self, store: EventStore, directory: Directory, *, poll_interval_s: float = 1.0):
         self._store = store
         self._directory = directory
         self._poll_interval_s = poll_interval_s
