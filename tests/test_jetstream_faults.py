@@ -133,7 +133,8 @@ async def _settled(traffic: Traffic) -> bool:
 
 
 async def _events(admin: MeshClient, agent_id: str, kind: int) -> list[ev.Event]:
-    found, after = [], 0
+    found: list[ev.Event] = []
+    after = 0
     while True:
         page = await admin.admin_events(agent_id=agent_id, after=after, limit=1000)
         if not page:
@@ -266,13 +267,14 @@ async def test_a_consumption_whose_replica_died_before_its_event_still_gets_its_
                 async with MeshClient(r1.address) as client:
                     with pytest.raises(errors.MeshError):
                         await client.agent(target.info, target.credential).ack([receipt.sequence])
+                assert r1.proc is not None
                 assert r1.proc.wait(10) == 137, "r1 died after storing the consumption"
                 async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
                     status = await admin.agent(sender.info, sender.credential).status("gap-1")
                     assert status.state == pb.MESSAGE_STATE_CONSUMED
                     consumed = await eventually(
-                        lambda: _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_CONSUMED), timeout=30, interval=0.2,
-                        message="the CONSUMED event r1 never published")
+                        lambda: _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_CONSUMED), timeout=30,
+                        interval=0.2, message="the CONSUMED event r1 never published")
                     assert [(e.message_id, e.sequence) for e in consumed] == [("gap-1", receipt.sequence)]
                     stored = await _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_STORED)
                     assert [e.message_id for e in stored] == ["gap-1"], "the STORED event is not repeated"
@@ -290,6 +292,7 @@ async def test_a_spawn_whose_replica_died_midway_is_retried_into_one_child_with_
                 lead = await client.register("lead")
             async with MeshClient(f"ipv4:{r1.address},{r2.address}", timeout=20.0) as both:
                 child = await both.agent(lead.info, lead.credential).spawn("worker", run=reg.RunSpec(task="t"))
+            assert r1.proc is not None
             assert r1.proc.wait(10) == 137, "r1 died between the child and its run"
             async with MeshClient(r2.address) as client:
                 parent = client.agent(lead.info, lead.credential)
@@ -317,6 +320,7 @@ async def test_a_close_whose_replica_died_midway_is_finished_by_another(tmp_path
                 async with MeshClient(r1.address) as client:
                     with pytest.raises(errors.MeshError):
                         await client.agent(lead.info, lead.credential).close(child.agent_id, "enough")
+                assert r1.proc is not None
                 assert r1.proc.wait(10) == 137, "r1 died right after marking the child closed"
                 async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
                     view = admin.agent(sender.info, sender.credential)
