@@ -1,5 +1,6 @@
-"""Storage behind the services: one interface (base.Store), one
-implementation per backend."""
+"""Storage behind the services: one interface per concern (base.AgentStore,
+InboxStore, RunStore, EventStore), joined with a lifecycle in base.Store; one
+subpackage per backend (sqlite/, jetstream/), cut the same way."""
 
 from __future__ import annotations
 
