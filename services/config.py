@@ -1,5 +1,5 @@
-"""Configuration of a mesh process. Frozen dataclasses only; reading the
-environment or files lives in services.settings."""
+"""Configuration of a mesh process and of the command line's client commands. Frozen dataclasses only;
+merging flags, the environment and files into them lives in services.settings."""
 
 from __future__ import annotations
 
@@ -113,7 +113,9 @@ class MeshConfig:
     port: int = 0
     """Port to listen on; 0 picks a free one (printed at start)."""
     store: StoreConfig = field(default_factory=StoreConfig)
+    """Where and how the mesh keeps its state."""
     limits: InboxLimits = field(default_factory=InboxLimits)
+    """Bounds and rules of the delivery contract, the loop guard's among them."""
     services: tuple[str, ...] = ("registry", "inbox", "events")
     """Which services this process serves; they share the store. "relay"
     (the IOA relay) needs `ioa` and runs beside "inbox"."""
@@ -130,6 +132,24 @@ class MeshConfig:
     grace_period_s: float = 5.0
     """How long shutdown lets in-flight calls finish."""
     runs: RunsConfig = field(default_factory=RunsConfig)
+    """Limits and timing of subagent runs."""
     routing: Path | None = None
-    """Routing config file (YAML or TOML, docs/routing.md); None = no routing
-    service (ingress refused)."""
+    """Routing config file (YAML or TOML, docs/routing.md) whose agents, bindings,
+    sessions and ingress tokens the mesh serves; None = no routing service
+    (ingress refused). Its loop guard and archive time are mesh-wide settings:
+    services.settings.mesh_config merges them into `limits` and `runs` (a flag
+    wins over them); the Mesh takes `limits` and `runs` as they are."""
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Where the command line's client commands (register, send, tail, ...) find a mesh."""
+
+    address: str
+    """gRPC target of the mesh (host:port, or several as ipv4:a:p1,b:p2)."""
+    admin_token: str | None
+    """Operator token the commands may use (events without --as); None: none known."""
+    data_dir: Path
+    """State directory of a local mesh (its mesh.json names the address and the token)."""
+    timeout_s: float
+    """Deadline of each call."""

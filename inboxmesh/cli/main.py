@@ -20,11 +20,11 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from pathlib import Path
 
 from google.protobuf import json_format
 
@@ -71,37 +71,9 @@ async def _up(args) -> int:
     from inboxmesh.cli.demo import run_demo
     from services.server import Mesh
 
-    data = settings.data_dir(args.data_dir)
-    config = settings.mesh_config(
-        host=args.host, port=args.port, data=data, services=tuple(args.services.split(",")),
-        admin_token=args.admin_token, capacity=args.capacity, allow_cross_scope=args.allow_cross_scope,
-        heartbeat_interval_s=args.heartbeat_interval, synchronous=args.synchronous.upper(),
-    )
-    if args.store == "jetstream":
-        if not args.nats:
-            print("inboxmesh: --store jetstream needs --nats URL[,URL...]", file=sys.stderr)
-            return 2
-        config = replace(config, store=replace(
-            config.store, backend="jetstream", nats_urls=tuple(args.nats.split(",")),
-            nats_replicas=args.nats_replicas, nats_namespace=args.nats_namespace))
-    if args.routing:
-        config = replace(config, routing=Path(args.routing))
-    if args.conversation_budget or args.max_trail_visits:
-        config = replace(config, limits=replace(
-            config.limits, conversation_budget=args.conversation_budget or config.limits.conversation_budget,
-            max_trail_visits=args.max_trail_visits or config.limits.max_trail_visits))
-    config = replace(config, runs=replace(
-        config.runs, **{k: v for k, v in (("max_spawn_depth", args.max_spawn_depth),
-                                          ("max_active_children", args.max_active_children),
-                                          ("archive_after_s", args.run_archive_after and args.run_archive_after * 60))
-                        if v}))
-    if args.ioa_network:
-        from services.config import IoaConfig
-
-        node_id = args.node_id or f"mesh-{args.port or 'any'}"
-        config = replace(config, ioa=IoaConfig(node_id=node_id, network=args.ioa_network),
-                         services=tuple(dict.fromkeys((*config.services, "relay"))))
+    flags = vars(args)
     try:
+        config = settings.mesh_config(flags, os.environ)
         mesh = Mesh(config)
     except errors.MeshError as exc:
         print(f"inboxmesh: {exc.message}", file=sys.stderr)
@@ -111,13 +83,13 @@ async def _up(args) -> int:
     except errors.Unavailable as exc:
         print(f"inboxmesh: {exc.message}. Use --port 0 for any free port.", file=sys.stderr)
         return 1
-    state = settings.write_state(data, mesh.address, config.admin_token)
+    state = settings.write_state(settings.data_dir(flags, os.environ), mesh.address, config.admin_token)
     where = (f"sqlite {config.store.path}" if config.store.backend == "sqlite"
              else f"jetstream {','.join(config.store.nats_urls)} namespace {config.store.nats_namespace}")
     print(f"inboxmesh listening on {mesh.address} (services: {', '.join(config.services)}; store: {where})",
           flush=True)
-    if mesh.relay is not None:
-        print(f"inboxmesh: IOA relay node {mesh.relay.node_id!r} on network {args.ioa_network}", flush=True)
+    if mesh.relay is not None and config.ioa is not None:
+        print(f"inboxmesh: IOA relay node {mesh.relay.node_id!r} on network {config.ioa.network}", flush=True)
     print(f"inboxmesh: address and admin token written to {state}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -157,9 +129,8 @@ async def _ioa_server(args) -> int:
 
 # -- agent commands -----------------------------------------------------------
 def _client(args) -> MeshClient:
-    data = settings.data_dir(args.data_dir)
-    return MeshClient(settings.address(args.mesh, data), timeout=args.timeout,
-                      admin_token=settings.admin_token(None, data))
+    found = settings.client_settings(vars(args), os.environ)
+    return MeshClient(found.address, timeout=found.timeout_s, admin_token=found.admin_token)
 
 
 def _as(client: MeshClient, credential: str | None) -> AgentHandle:
@@ -236,6 +207,7 @@ async def _status(args) -> int:
 
 async def _events(args) -> int:
     async with _client(args) as client:
+        fetch: Callable[..., Awaitable[list[ev_pb.Event]]]  # an agent's events or the operator's: same filters
         if args.credential:
             me = _as(client, args.credential)
             fetch = me.events
@@ -258,9 +230,9 @@ async def _events(args) -> int:
 async def _run(args) -> int:
     from inboxmesh.cli import run as cli_run
 
-    data = settings.data_dir(args.data_dir)
+    found = settings.client_settings(vars(args), os.environ)
     try:
-        return await cli_run.run(args, settings.address(args.mesh, data), data)
+        return await cli_run.run(args, found.address, found.data_dir)
     except ValueError as exc:
         print(f"inboxmesh run: {exc}", file=sys.stderr)
         return 2
@@ -281,41 +253,50 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def client_args(p):
-        p.add_argument("--mesh", help="mesh address host:port (default: from .inboxmesh/mesh.json, then "
-                                      f"127.0.0.1:{settings.DEFAULT_PORT})")
-        p.add_argument("--data-dir", help="state directory of a local mesh (default .inboxmesh)")
-        p.add_argument("--timeout", type=float, default=10.0, help="deadline of each call, seconds")
+        p.add_argument("--mesh", help="mesh address host:port (default: INBOXMESH_ADDRESS, then the data"
+                                      f" directory's mesh.json, then 127.0.0.1:{settings.DEFAULT_PORT})")
+        p.add_argument("--data-dir", help="state directory of a local mesh (default: INBOXMESH_DATA_DIR, then"
+                                          " .inboxmesh)")
+        p.add_argument("--timeout", type=float, help="deadline of each call, seconds (default 10)")
 
+    # `up`'s flags default to None (not given): services.settings.mesh_config holds the defaults and
+    # merges flag > environment > file > default
     up = sub.add_parser("up", help="serve the mesh in one process on the embedded store")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=settings.DEFAULT_PORT, help="0 = any free port")
-    up.add_argument("--data-dir", help="where the SQLite file and mesh.json live (default .inboxmesh)")
-    up.add_argument("--services", default="registry,inbox,events", help="comma-separated services to serve")
-    up.add_argument("--admin-token", help="operator token (default: random, written to mesh.json)")
+    up.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    up.add_argument("--port", type=int, help=f"0 = any free port (default {settings.DEFAULT_PORT})")
+    up.add_argument("--data-dir", help="where the SQLite file and mesh.json live (default: INBOXMESH_DATA_DIR,"
+                    " then .inboxmesh)")
+    up.add_argument("--services", help="comma-separated services to serve (default registry,inbox,events)")
+    up.add_argument("--admin-token", help="operator token (default: INBOXMESH_ADMIN_TOKEN, else random; written"
+                    " to mesh.json)")
     up.add_argument("--capacity", type=int, help="default inbox capacity")
-    up.add_argument("--heartbeat-interval", type=float, default=10.0,
+    up.add_argument("--heartbeat-interval", type=float,
                     help="seconds between stream heartbeats (and re-checks of closes made by other processes)")
-    up.add_argument("--synchronous", default="full", choices=["full", "normal"],
+    up.add_argument("--synchronous", choices=["full", "normal"],
                     help="full: every commit is fsynced before it is acknowledged (default); normal: survives a"
                          " crash of the mesh process but not of the machine")
-    up.add_argument("--allow-cross-scope", action="store_true", help="let agents send outside their own tree")
+    up.add_argument("--allow-cross-scope", action="store_true", default=None,
+                    help="let agents send outside their own tree")
     up.add_argument("--ioa-network", metavar="HOST:PORT", help="connect this mesh to an IOA network (relay)")
     up.add_argument("--node-id", help="this mesh's node id on the IOA network (default: mesh-<port>)")
-    up.add_argument("--store", default="sqlite", choices=["sqlite", "jetstream"],
+    up.add_argument("--store", choices=["sqlite", "jetstream"],
                     help="sqlite: embedded file in --data-dir (default); jetstream: NATS JetStream (docs/jetstream.md)")
     up.add_argument("--nats", metavar="URL[,URL]", help="NATS servers of the jetstream store")
-    up.add_argument("--nats-replicas", type=int, default=1, help="JetStream replicas (3 on a three-node cluster)")
-    up.add_argument("--nats-namespace", default="im", help="prefix of the mesh's streams and buckets")
+    up.add_argument("--nats-replicas", type=int, help="JetStream replicas (default 1; 3 on a three-node cluster)")
+    up.add_argument("--nats-namespace", help="prefix of the mesh's streams and buckets (default im)")
     up.add_argument("--routing", metavar="FILE", help="routing config (YAML or TOML: agents.list, bindings,"
                     " ingress.tokens; docs/routing.md); serves the routing ingress")
     up.add_argument("--max-spawn-depth", type=int, help="deepest subagent allowed (default 3)")
     up.add_argument("--max-active-children", type=int, help="running children per agent (default 8)")
     up.add_argument("--conversation-budget", type=int,
-                    help="loop guard: agent messages one conversation may hold (default 500)")
+                    help="loop guard: agent messages one conversation may hold (default: the routing config's"
+                         " agents.defaults.loopGuard, else 500)")
     up.add_argument("--max-trail-visits", type=int,
-                    help="loop guard: times one agent may appear in a message's chain (default 5)")
+                    help="loop guard: times one agent may appear in a message's chain (default: the routing"
+                         " config's agents.defaults.loopGuard, else 5)")
     up.add_argument("--run-archive-after", type=float, metavar="MINUTES",
-                    help="archive ended subagent runs after this long (default 60)")
+                    help="archive ended subagent runs after this long (default: the routing config's"
+                         " archiveAfterMinutes, else 60)")
     up.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True,
                     help="run the two-agent demo after starting (default on)")
     up.add_argument("--exit-after-demo", action="store_true", help="stop once the demo finished")
