@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,23 +18,17 @@ from inboxmesh.ioa.v1 import relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2, registry_pb2_grpc
 from inboxmesh.routing.v1 import routing_pb2, routing_pb2_grpc
 from inboxmesh.runs.v1 import runs_pb2, runs_pb2_grpc
+from services import settings
+from services.assembly import assemble, check
 from services.config import MeshConfig
-from services.directory import Directory
 from services.events.grpc_handler import EventServicer
-from services.events.service import EventsService
 from services.grpc_common import mesh_interceptors, receive_limit
-from services.inbox.delivery import DeliveryHub
 from services.inbox.grpc_handler import InboxServicer
-from services.inbox.service import InboxService
 from services.ioa.grpc_handler import IoaRelayServicer
 from services.ioa.relay import IoaRelay
 from services.registry.grpc_handler import RegistryServicer
-from services.registry.service import RegistryService
-from services.routing.config import load_routing_config
 from services.routing.grpc_handler import RoutingServicer
-from services.routing.service import RoutingService
 from services.runs.grpc_handler import RunServicer
-from services.runs.service import RunService
 from services.store import open_store
 from services.store.base import Store
 
@@ -68,80 +61,52 @@ def server_options(config: MeshConfig) -> list[tuple[str, int]]:
 
 
 class Mesh:
-    """The mesh services of one process. `async with Mesh(config) as mesh:`."""
+    """The mesh services of one process. `async with Mesh(config) as mesh:`.
+
+    `config` is final: the Mesh applies nothing over it (services.settings merges flags, the environment
+    and files into a MeshConfig). The services are built in one place, services.assembly."""
 
     def __init__(self, config: MeshConfig, store: Store | None = None):
-        unknown = set(config.services) - set(SERVICE_NAMES)
-        if unknown:
-            raise errors.InvalidArgument(
-                f"unknown services {sorted(unknown)}; known: {sorted(SERVICE_NAMES)}", reason=Reason.BAD_CONFIG
-            )
-        self.routing_config = load_routing_config(config.routing) if config.routing is not None else None
-        if self.routing_config is not None:  # its loop guard and archive time apply to the whole mesh
-            guard = self.routing_config.loop_guard
-            config = replace(
-                config, limits=replace(config.limits, max_trail_visits=guard.max_visits,
-                                       conversation_budget=guard.conversation_budget),
-                runs=replace(config.runs, archive_after_s=self.routing_config.archive_after_minutes * 60))
+        routing = settings.routing_rules(config)
+        check(config, routing)
         self.config = config
         self.store = store or open_store(config.store)
+        self.services = assemble(config, self.store, routing)
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.health = health.aio.HealthServicer()
-        self.directory = Directory(
-            self.store, admin_token=config.admin_token, allow_cross_scope=config.limits.allow_cross_scope
-        )
-        self.hub = DeliveryHub(self.store, config.limits, config.heartbeat_interval_s)
-        self.store.add_append_listener(self.hub.wake_agent)
-        self.registry = RegistryService(self.store, self.directory, config.limits)
-        self.inbox = InboxService(self.store, self.directory, config.limits, self.hub)
-        self.events = EventsService(self.store, self.directory)
-        self.registry.on_close(self.hub.on_closed)
-        self.runs = RunService(self.store, self.directory, self.hub, config.runs)
-        self.runs.routing = self.routing_config
-        self.runs.close_agent = self.registry.close_as_mesh
-        self.registry.runs = self.runs
-        self.registry.on_close(self.runs.on_closed)
-        self.routing: RoutingService | None = None
-        if self.routing_config is not None:
-            if "inbox" not in config.services:
-                raise errors.InvalidArgument("routing needs the inbox service", reason=Reason.BAD_CONFIG)
-            self.routing = RoutingService(self.routing_config, self.store, self.directory, self.inbox,
-                                          config.limits, config.admin_token)
-        self.relay: IoaRelay | None = None
-        if "relay" in config.services or config.ioa is not None:
-            if config.ioa is None or "inbox" not in config.services:
-                raise errors.InvalidArgument("the IOA relay needs an IOA network (ioa) and the inbox service",
-                                             reason=Reason.BAD_CONFIG)
-            self.relay = IoaRelay(config.ioa, self.store, config.limits.max_hops)
-            self.relay.inbox = self.inbox
-            self.inbox.relay = self.relay
         self._stopped = asyncio.Event()
         self._state = "new"
+
+    @property
+    def relay(self) -> IoaRelay | None:
+        """The IOA relay, when the mesh is on an IOA network."""
+        return self.services.relay
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
     def _build_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=server_options(self.config), interceptors=mesh_interceptors(self.config.max_request_bytes, self.directory))
+        built = self.services
+        directory = built.directory
+        server = grpc.aio.server(options=server_options(self.config),
+                                 interceptors=mesh_interceptors(self.config.max_request_bytes, directory))
         wanted = self.config.services
         extra = []
         if "registry" in wanted:
-            registry_pb2_grpc.add_RegistryServiceServicer_to_server(
-                RegistryServicer(self.registry, self.directory), server
-            )
-            runs_pb2_grpc.add_SubagentRunServiceServicer_to_server(RunServicer(self.runs, self.directory), server)
+            registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(built.registry, directory), server)
+            runs_pb2_grpc.add_SubagentRunServiceServicer_to_server(RunServicer(built.runs, directory), server)
             extra.append(RUNS_SERVICE)
-        if self.routing is not None:
-            routing_pb2_grpc.add_RoutingServiceServicer_to_server(RoutingServicer(self.routing), server)
+        if built.routing is not None:
+            routing_pb2_grpc.add_RoutingServiceServicer_to_server(RoutingServicer(built.routing), server)
             extra.append(ROUTING_SERVICE)
         if "inbox" in wanted:
-            inbox_pb2_grpc.add_InboxServiceServicer_to_server(InboxServicer(self.inbox, self.directory), server)
+            inbox_pb2_grpc.add_InboxServiceServicer_to_server(InboxServicer(built.inbox, directory), server)
         if "events" in wanted:
-            events_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(self.events, self.directory), server)
-        if self.relay is not None:
-            relay_pb2_grpc.add_IoaRelayServiceServicer_to_server(IoaRelayServicer(self.relay, self.directory), server)
+            events_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(built.events, directory), server)
+        if built.relay is not None:
+            relay_pb2_grpc.add_IoaRelayServiceServicer_to_server(IoaRelayServicer(built.relay, directory), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [SERVICE_NAMES[s] for s in wanted if s != "relay"] + (
             [SERVICE_NAMES["relay"]] if self.relay is not None else []) + extra
@@ -166,7 +131,7 @@ class Mesh:
         if self.relay is not None:
             await self.relay.start()
         if "registry" in self.config.services:
-            self.runs.start()
+            self.services.runs.start()
         for service in self.config.services:
             await self.health.set(SERVICE_NAMES[service], health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -184,9 +149,9 @@ class Mesh:
         self._state = "stopping"
         try:
             await self.health.enter_graceful_shutdown()
-            self.hub.shutdown()
-            self.events.shutdown()
-            await self.runs.stop()
+            self.services.hub.shutdown()
+            self.services.events.shutdown()
+            await self.services.runs.stop()
             if self.server is not None:
                 await self.server.stop(self.config.grace_period_s if grace is None else grace)
             if self.relay is not None:

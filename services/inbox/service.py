@@ -1,18 +1,18 @@
 """Inbox rules: sending with receipts, acks, status and dead letters.
-Knows nothing of gRPC; delivery streams live in services.inbox.delivery."""
+Knows nothing of gRPC; delivery streams live in services.inbox.delivery, the
+storing of messages (also for the IOA relay and the routing ingress) in
+services.inbox.writer."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import logging
-
-from opentelemetry import trace
+from collections.abc import Awaitable, Callable
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
-from inboxmesh.client.tracing import context_of, inject, message_attributes, tracer
+from inboxmesh.client.tracing import context_of, tracer
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
@@ -21,19 +21,20 @@ from services.config import InboxLimits
 from services.directory import Caller, Directory
 from services.faults import crash_point
 from services.inbox.delivery import DeliveryHub, Subscription
+from services.inbox.writer import InboxWriter
 from services.store.base import (
-    ACCEPTED,
-    CHANNEL_PREFIX,
     IOA_PREFIX,
     NOT_PERMITTED,
     RESERVED_ID_PREFIX,
     UNKNOWN_TARGET,
     AckOutcome,
+    AgentRecord,
     AppendItem,
+    EventStore,
     Frontier,
+    InboxStore,
     MessageRecord,
     SendOutcome,
-    Store,
 )
 from services.validation import check_text, fitting, page_size, stored_int
 
@@ -42,15 +43,22 @@ _LOCAL = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_LOCAL)
 _FRONTIERS_KEPT = 4096
 """Frontiers kept in memory; older ones are read from the store again when their agent sends."""
 
+ForwardToIoa = Callable[[str, list[envelope_pb2.Envelope]], Awaitable[list[SendOutcome]]]
+"""(sender agent id, messages to IOA addresses) -> their receipts: the IOA relay's forward."""
+
 
 class InboxService:
-    def __init__(self, store: Store, directory: Directory, limits: InboxLimits, hub: DeliveryHub):
+    def __init__(self, store: InboxStore, events: EventStore, directory: Directory, limits: InboxLimits,
+                 hub: DeliveryHub, writer: InboxWriter, forward_to_ioa: ForwardToIoa | None):
         self._store = store
+        self._events = events
         self._directory = directory
         self._limits = limits
         self.hub = hub
-        self.relay = None
-        """The IOA relay (services.ioa.relay.IoaRelay) when the mesh has one."""
+        """Subscriptions (the gRPC handler streams from it)."""
+        self._writer = writer
+        self._forward_to_ioa = forward_to_ioa
+        """None: the mesh has no IOA relay, and a send to an IOA address is UNKNOWN_TARGET."""
         self._frontiers: collections.OrderedDict[str, Frontier | None] = collections.OrderedDict()
         """Recently used agents' Frontiers (loop guard), most recent last; bounded by _FRONTIERS_KEPT."""
 
@@ -110,11 +118,11 @@ class InboxService:
         if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
             return await self._send_local(caller, sender, envelopes)
         outcomes: list[SendOutcome] = []
-        for via_ioa, run in itertools.groupby(envelopes, key=lambda e: e.recipient.startswith(IOA_PREFIX)):
-            run = list(run)
+        for via_ioa, group in itertools.groupby(envelopes, key=lambda e: e.recipient.startswith(IOA_PREFIX)):
+            run = list(group)
             if not via_ioa:
                 outcomes += await self._send_local(caller, sender, run)
-            elif self.relay is None:
+            elif self._forward_to_ioa is None:
                 outcomes += [SendOutcome(e.message_id, e.recipient, UNKNOWN_TARGET,
                                          detail="this mesh has no IOA relay (start it with --ioa-network)")
                              for e in run]
@@ -122,10 +130,11 @@ class InboxService:
                 for env in run:
                     env.sender = sender.agent_id
                     env.created_at_us = env.created_at_us or now_us()
-                outcomes += await self.relay.forward(sender.agent_id, run)
+                outcomes += await self._forward_to_ioa(sender.agent_id, run)
         return outcomes
 
-    async def _send_local(self, caller: Caller, sender, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
+    async def _send_local(self, caller: Caller, sender: AgentRecord,
+                          envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
         now = now_us()
         items = []
         budget = self._limits.conversation_budget
@@ -136,78 +145,7 @@ class InboxService:
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
             rejection = await self._precheck(sender.agent_id, caller, env)
             items.append(AppendItem(env, rejection, conversation_budget=budget))
-        return await self._store_items([items], now)
-
-    async def deliver_from_channel(self, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
-        """Store messages the routing ingress received, by the ordinary path.
-        Their senders are channel addresses and their message ids the
-        channel's, so a redelivered message is a duplicate."""
-        now = now_us()
-        for env in envelopes:
-            if not env.sender.startswith(CHANNEL_PREFIX) or env.origin.kind != envelope_pb2.ORIGIN_KIND_CHANNEL:
-                raise errors.Internal(f"ingress delivered {env.message_id} without a channel sender and origin")
-            env.created_at_us = env.created_at_us or now
-            env.sequence = env.stored_at_us = env.delivery_attempt = 0
-        return await self._store_items([[AppendItem(e)] for e in envelopes], now)
-
-    async def deliver_from_ioa(self, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
-        """Store messages the IOA relay received, in order, by the ordinary
-        path (same receipts, same events). Their senders are IOA addresses and
-        their message ids IOA message ids, so redeliveries are duplicates."""
-        groups: list[list[AppendItem]] = []
-        for env in envelopes:
-            if not env.sender.startswith(IOA_PREFIX) or env.origin.kind != envelope_pb2.ORIGIN_KIND_IOA:
-                raise errors.Internal(f"relay delivered {env.message_id} without an IOA sender and origin")
-            env.sequence = env.stored_at_us = env.delivery_attempt = 0
-            rejection = self._loop_rejection(env)
-            if rejection is None and await self._directory.get(env.recipient) is None:
-                rejection = (UNKNOWN_TARGET, f"no agent {env.recipient}")
-            item = AppendItem(env, rejection)
-            if groups and groups[-1][0].envelope.sender == env.sender:
-                groups[-1].append(item)
-            else:
-                groups.append([item])
-        return await self._store_items(groups, now_us())
-
-    async def _store_items(self, groups: list[list[AppendItem]], now: int) -> list[SendOutcome]:
-        """Append groups of messages (one sender per group) in one commit, in
-        order; trace, log and wake subscribers."""
-        spans = []
-        for group in groups:
-            for item in group:
-                env = item.envelope
-                span = tracer.start_span("enqueue", context=context_of(env), attributes=message_attributes(env))
-                if not env.trace.traceparent and span.get_span_context().is_valid:
-                    inject(env, trace.set_span_in_context(span))
-                spans.append(span)
-        try:
-            if len(groups) == 1:  # the usual case: no task to schedule, straight to the writer
-                results = [await self._store.append(groups[0][0].envelope.sender, groups[0], now)]
-            else:  # every group's append is queued before the writer flushes: one commit, in order
-                results = await asyncio.gather(*(self._store.append(g[0].envelope.sender, g, now) for g in groups))
-        except BaseException as exc:
-            for span in spans:
-                span.record_exception(exc)
-                span.end()
-            raise
-        outcomes = [o for group in results for o in group]
-        accepted = []
-        for span, outcome, item in zip(spans, outcomes, (i for g in groups for i in g)):
-            span.set_attribute("inboxmesh.receipt", pb.ReceiptStatus.Name(outcome.status))
-            span.set_attribute("inboxmesh.sequence", outcome.sequence)
-            span.end()
-            if outcome.status == ACCEPTED:
-                accepted.append(outcome.envelope)
-            elif log.isEnabledFor(logging.INFO):
-                log.info("send %s from %s to %s: %s (%s)", outcome.message_id, item.envelope.sender,
-                         outcome.recipient, pb.ReceiptStatus.Name(outcome.status), outcome.detail)
-        if accepted:
-            if log.isEnabledFor(logging.DEBUG):
-                for env in accepted:
-                    log.debug("stored %s from %s in %s's inbox at seq %d", env.message_id, env.sender,
-                              env.recipient, env.sequence)
-            self.hub.on_appended(accepted)
-        return outcomes
+        return await self._writer.store([items], now)
 
     # -- loop guard -------------------------------------------------------------
     async def _continue_chains(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
@@ -244,22 +182,9 @@ class InboxService:
         while len(self._frontiers) > _FRONTIERS_KEPT:
             self._frontiers.popitem(last=False)
 
-    def _loop_rejection(self, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
-        if env.hop_count > self._limits.max_hops:
-            return NOT_PERMITTED, f"loop guard: hop_count {env.hop_count} is over the limit of {self._limits.max_hops}"
-        if len(env.trail) > self._limits.max_hops:
-            return NOT_PERMITTED, f"loop guard: the message's trail is {len(env.trail)} agents long; at most" \
-                                  f" {self._limits.max_hops}"
-        visits = list(env.trail).count(env.recipient)
-        if visits >= self._limits.max_trail_visits:
-            return NOT_PERMITTED, (f"loop guard: {env.recipient} already appears {visits} times in this message's"
-                                   f" chain (at most {self._limits.max_trail_visits}): the agents are going round"
-                                   " in a loop")
-        return None
-
     async def _precheck(self, sender_id: str, caller: Caller, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
         """Rejections decided from facts that never change (existence, scope, hops)."""
-        rejection = self._loop_rejection(env)
+        rejection = self._writer.loop_rejection(env)
         if rejection is not None:
             return rejection
         target = await self._directory.get(env.recipient)
@@ -283,7 +208,7 @@ class InboxService:
         if not agent_ids:
             raise errors.InvalidArgument("subscribe names no agent", reason=Reason.MISSING_FIELD)
         subscription = self.hub.open(agent_ids, max_in_flight, peer)
-        await self._store.record_events(
+        await self._events.record_events(
             self.hub.subscription_events(ev.EVENT_KIND_SUBSCRIBED, agent_ids, f"from {peer}")
         )
         return subscription
@@ -293,7 +218,7 @@ class InboxService:
         log.info("subscription %r ended (%s)", subscription, why)
         if released:
             try:
-                await self._store.record_events(self.hub.subscription_events(ev.EVENT_KIND_UNSUBSCRIBED, released,
+                await self._events.record_events(self.hub.subscription_events(ev.EVENT_KIND_UNSUBSCRIBED, released,
                                                                              why))
             except errors.Unavailable as exc:  # the mesh is stopping: the store is already closed
                 log.info("unsubscribed event of %s not recorded: %s", ", ".join(released), exc.message)

@@ -35,6 +35,8 @@ import json
 import logging
 import random
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -50,8 +52,17 @@ from inboxmesh.ioa.v1 import network_pb2_grpc
 from services.clock import now_us
 from services.config import IoaConfig
 from services.ioa import trail as trails
-from services.ioa.wire import H, Refused, address_of, context_of_headers, to_envelope, to_message, trace_id
-from services.store.base import DUPLICATE, IOA_PREFIX, NOT_PERMITTED, UNKNOWN_TARGET, SendOutcome, Store
+from services.ioa.wire import (
+    H,
+    Refused,
+    address_of,
+    context_of_headers,
+    from_address,
+    to_envelope,
+    to_message,
+    trace_id,
+)
+from services.store.base import DUPLICATE, IOA_PREFIX, NOT_PERMITTED, UNKNOWN_TARGET, EventStore, SendOutcome
 
 log = logging.getLogger(__name__)
 PREFIX = IOA_PREFIX
@@ -82,6 +93,10 @@ PARKED_ANSWERS = 1_000
 """Answers (one IOA message of receipts each) kept while this relay is not connected, sent when it is
 again; beyond that the oldest are dropped (their senders publish again and get them from the memory)."""
 
+DeliverFromIoa = Callable[[list[env_pb.Envelope]], Awaitable[list[SendOutcome]]]
+"""Stores inbound messages by the ordinary inbox path, one receipt each
+(services.inbox.writer.InboxWriter.deliver_from_ioa)."""
+
 
 def parse_address(address: str) -> tuple[str, str]:
     """(node, agent) of an `ioa:<node>/<agent>` address."""
@@ -93,20 +108,21 @@ def parse_address(address: str) -> tuple[str, str]:
 
 
 class IoaRelay:
-    def __init__(self, config: IoaConfig, store: Store, max_hops: int):
+    def __init__(self, config: IoaConfig, events: EventStore, max_hops: int, deliver: DeliverFromIoa):
         self.config = config
         self.node_id = config.node_id
         self.relay_id = uuid.uuid4().hex[:12]
-        self._store = store
+        self._events = events
         self._max_hops = max_hops
-        self.inbox = None  # set by the mesh: services.inbox.service.InboxService
+        self._deliver_inbound = deliver
         self.connected = asyncio.Event()
         self.reconnects = 0
-        self.counts = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
         self.spaces: set[str] = set()
-        self._call = None
-        self._lost: asyncio.Future | None = None
-        """Resolved when the current connection ends."""
+        self._call: Any = None
+        """The current Connect call (grpc's StreamStreamCall), None between connections."""
+        self._lost: asyncio.Future[None] | None = None
+        """Resolved when the current connection ends (None before start)."""
         self._write_lock = asyncio.Lock()
         self._publish_ids = itertools.count(1)
         self._published: dict[int, asyncio.Future] = {}
@@ -147,8 +163,9 @@ class IoaRelay:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             call = self._network.Connect()
-            if self._lost.done():
+            if self._lost is None or self._lost.done():
                 self._lost = loop.create_future()
+            lost = self._lost
             try:
                 async with self._write_lock:  # hello first: nothing may be written on the call before it
                     await call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id)))
@@ -183,22 +200,34 @@ class IoaRelay:
                         future.set_exception(errors.Unavailable("the IOA connection was lost; the network may or"
                                                                 " may not have the message", reason=CONNECTION_LOST))
                 self._published.clear()
-                if not self._lost.done():
-                    self._lost.set_result(None)
+                if not lost.done():
+                    lost.set_result(None)
             if self._stopping:
                 return
             failures += 1
             self.reconnects += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)) * (0.5 + random.random() / 2))
 
-    async def _publish(self, message: net.IoaMessage, *, timeout: float | None = None,
-                       wait: bool = True) -> net.PublishResult | None:
-        """Write one message on the connection; with `wait`, return the
-        network's PublishResult. Unavailable (NOTHING_SENT) when it could not
-        be written, (CONNECTION_LOST) when the connection ended before the
-        result came; TimeoutError when the result takes longer than timeout."""
+    async def _publish(self, message: net.IoaMessage, *, timeout: float | None = None) -> net.PublishResult:
+        """Write one message on the connection and return the network's
+        PublishResult. Unavailable (NOTHING_SENT) when it could not be
+        written, (CONNECTION_LOST) when the connection ended before the result
+        came; TimeoutError when the result takes longer than timeout."""
+        future: asyncio.Future[net.PublishResult] = asyncio.get_running_loop().create_future()
+        publish_id = await self._write_publish(message, future)
+        try:
+            return await asyncio.wait_for(future, self.config.receipt_timeout_s if timeout is None else timeout)
+        finally:
+            self._published.pop(publish_id, None)
+
+    async def _publish_unanswered(self, message: net.IoaMessage) -> None:
+        """Write one message on the connection without waiting for the network's result (Unavailable as
+        _publish when it could not be written)."""
+        await self._write_publish(message, None)
+
+    async def _write_publish(self, message: net.IoaMessage, future: asyncio.Future | None) -> int:
+        """Write a Publish frame; the future (when given) gets its result. Returns the publish id."""
         publish_id = next(self._publish_ids)
-        future = asyncio.get_running_loop().create_future() if wait else None
         async with self._write_lock:
             call = self._call
             if not self.connected.is_set() or call is None:
@@ -214,12 +243,7 @@ class IoaRelay:
                 call.cancel()
                 raise errors.Unavailable(f"could not publish to the IOA network ({type(exc).__name__}); nothing"
                                          " was sent", reason=NOTHING_SENT) from None
-        if future is None:
-            return None
-        try:
-            return await asyncio.wait_for(future, self.config.receipt_timeout_s if timeout is None else timeout)
-        finally:
-            self._published.pop(publish_id, None)
+        return publish_id
 
     # -- outbound -----------------------------------------------------------
     async def forward(self, sender_id: str, envelopes: list[env_pb.Envelope]) -> list[SendOutcome]:
@@ -249,7 +273,7 @@ class IoaRelay:
                                  to=(node, agent), attempt=attempt, trail=trail, span=span)
             pending.append((index, ioa_id, message, future, span))
         if pending:
-            await self._store.record_events([ev.Event(
+            await self._events.record_events([ev.Event(
                 kind=ev.EVENT_KIND_IOA_PUBLISHED, at_us=now_us(), agent_id=envelopes[i].recipient,
                 message_id=envelopes[i].message_id, sender=sender_id, recipient=envelopes[i].recipient,
                 detail=ioa_id, trace_id=trace_id_of(envelopes[i].trace.traceparent),
@@ -263,7 +287,7 @@ class IoaRelay:
             for _, _, message, _, span in pending:
                 self._receipts.pop((message.ioa_message_id, message.headers[H + "attempt"]), None)
                 span.end()
-        for (index, ioa_id, _, _, _), answer in zip(pending, answers):
+        for (index, *_), answer in zip(pending, answers):
             env = envelopes[index]
             if isinstance(answer, TimeoutError):
                 raise errors.DeadlineExceeded(  # not UNAVAILABLE: the outcome is unknown, so no automatic retry
@@ -276,14 +300,17 @@ class IoaRelay:
                 self.counts["forwarded"] += 1
                 outcomes[index] = self._outcome_of(env, answer)
             elif answer.status == net.PUBLISH_STATUS_UNKNOWN_NODE:
+                node = env.recipient.removeprefix(PREFIX).split("/")[0]
                 outcomes[index] = SendOutcome(env.message_id, env.recipient, UNKNOWN_TARGET,
-                                              detail=f"no IOA node {env.recipient.removeprefix(PREFIX).split('/')[0]!r}")
+                                              detail=f"no IOA node {node!r}")
             else:
                 raise errors.Unavailable(f"the IOA network did not take the message for {env.recipient}:"
                                          f" {answer.detail}; nothing was delivered, retry with the same"
                                          " message_id", reason=Reason("IOA_" + net.PublishStatus.Name(answer.status)))
-        await self._record_outbound(sender_id, envelopes, outcomes)
-        return outcomes
+        done = [outcome for outcome in outcomes if outcome is not None]
+        assert len(done) == len(envelopes), "every message was refused above or has its receipt"
+        await self._record_outbound(sender_id, envelopes, done)
+        return done
 
     async def _deliver(self, message: net.IoaMessage, receipt: asyncio.Future,
                        deadline: float) -> dict | net.PublishResult:
@@ -322,7 +349,8 @@ class IoaRelay:
             if result.status != net.PUBLISH_STATUS_OK:
                 return result
             reached = True
-            await asyncio.wait({receipt, lost}, timeout=max(0.0, min(self._resend_s, deadline - loop.time())),
+            ends = {receipt} if lost is None else {receipt, lost}  # lost is None only before start()
+            await asyncio.wait(ends, timeout=max(0.0, min(self._resend_s, deadline - loop.time())),
                                return_when=asyncio.FIRST_COMPLETED)
             if receipt.done():
                 return receipt.result()
@@ -345,7 +373,8 @@ class IoaRelay:
         return SendOutcome(env.message_id, env.recipient, status, int(receipt.get("sequence", 0)),
                            int(receipt.get("stored_at_us", 0)), str(receipt.get("detail", ""))[:1000])
 
-    async def _record_outbound(self, sender_id: str, envelopes, outcomes) -> None:
+    async def _record_outbound(self, sender_id: str, envelopes: list[env_pb.Envelope],
+                               outcomes: list[SendOutcome]) -> None:
         at = now_us()
         events = []
         for env, outcome in zip(envelopes, outcomes):
@@ -355,7 +384,7 @@ class IoaRelay:
                 sender=sender_id, recipient=env.recipient, sequence=outcome.sequence, detail=f"{status} (via IOA)",
                 trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
                 conversation_id=env.conversation_id))
-        await self._store.record_events(events, lazy=False)
+        await self._events.record_events(events, lazy=False)
 
     # -- inbound ------------------------------------------------------------
     async def _arrived(self, message: net.IoaMessage) -> None:
@@ -429,20 +458,22 @@ class IoaRelay:
                                               detail=str(exc))
                 refused.append(index)
         at = now_us()
-        await self._store.record_events([ev.Event(
+        await self._events.record_events([ev.Event(
             kind=ev.EVENT_KIND_IOA_RECEIVED, at_us=at, agent_id=m.direct.agent, message_id=m.ioa_message_id,
-            sender=key[0], recipient=m.direct.agent, trace_id=trace_id(span), detail=f"from node {getattr(m, 'from').node}")
-            for m, key, span in zip(batch, keys, spans)], lazy=False)
+            sender=key[0], recipient=m.direct.agent, trace_id=trace_id(span),
+            detail=f"from node {getattr(m, 'from').node}") for m, key, span in zip(batch, keys, spans)], lazy=False)
         if storing:
-            delivered = await self.inbox.deliver_from_ioa([env for _, env in storing])
+            delivered = await self._deliver_inbound([env for _, env in storing])
             for (index, _), outcome in zip(storing, delivered):
                 outcomes[index] = outcome
-        events = [ev.Event(kind=ev.EVENT_KIND_MESSAGE_SENT, at_us=at, agent_id=outcomes[i].recipient,
-                           message_id=outcomes[i].message_id, sender=keys[i][0], recipient=outcomes[i].recipient,
+        done = [outcome for outcome in outcomes if outcome is not None]
+        assert len(done) == len(batch), "every message was answered before, refused or stored"
+        events = [ev.Event(kind=ev.EVENT_KIND_MESSAGE_SENT, at_us=at, agent_id=done[i].recipient,
+                           message_id=done[i].message_id, sender=keys[i][0], recipient=done[i].recipient,
                            detail="not_permitted") for i in refused]
         answers: dict[str, list[dict]] = collections.defaultdict(list)
         for index, (message, span) in enumerate(zip(batch, spans)):
-            outcome, key, attempt = outcomes[index], keys[index], attempts[index]
+            outcome, key, attempt = done[index], keys[index], attempts[index]
             if not copies[index] and outcome.status == DUPLICATE:
                 known = self._answered_before(key, attempt)  # an earlier copy in this same batch
                 if known is not None:
@@ -466,7 +497,7 @@ class IoaRelay:
                     "status": inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower(),
                     "sequence": outcome.sequence, "stored_at_us": outcome.stored_at_us, "detail": outcome.detail})
         if events:
-            await self._store.record_events(events)
+            await self._events.record_events(events)
         for node, receipts in answers.items():
             await self._answer(node, receipts)
 
@@ -489,12 +520,12 @@ class IoaRelay:
         waiting for the network's result (a receipt that is lost on the way
         is asked for again: the sender publishes the attempt again); kept
         for later while this relay is not connected."""
-        message = net.IoaMessage(
+        message = from_address(net.IoaMessage(
             ioa_message_id=f"receipts:{self.node_id}:{uuid.uuid4().hex}",
             direct=net.Address(node=node, agent=RELAY_AGENT), media_type=RECEIPTS_MEDIA_TYPE,
-            data=json.dumps(receipts).encode(), **{"from": net.Address(node=self.node_id, agent=RELAY_AGENT)})
+            data=json.dumps(receipts).encode()), self.node_id, RELAY_AGENT)
         try:
-            await self._publish(message, wait=False)
+            await self._publish_unanswered(message)
         except errors.Unavailable:
             self._parked.append(message)
             log.info("relay %s is not connected: %d receipts for %s wait for the connection", self.node_id,
@@ -504,7 +535,7 @@ class IoaRelay:
         while self._parked:
             message = self._parked.popleft()
             try:
-                await self._publish(message, wait=False)
+                await self._publish_unanswered(message)
             except errors.Unavailable:
                 self._parked.appendleft(message)
                 return
@@ -520,15 +551,15 @@ class IoaRelay:
                     except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                         pass  # the connection is ending; the next one joins
         message = net.IoaMessage(ioa_message_id=f"{self.node_id}:{agent_id}:space:{uuid.uuid4().hex}", space=space,
-                                 text=text, headers={H + "relay": f"{self.node_id}/{self.relay_id}"},
-                                 **{"from": net.Address(node=self.node_id, agent=agent_id)})
-        return await self._publish(message)
+                                 text=text, headers={H + "relay": f"{self.node_id}/{self.relay_id}"})
+        return await self._publish(from_address(message, self.node_id, agent_id))
 
     async def space_read(self, space: str, after_seq: int, limit: int) -> list[net.IoaMessage]:
         try:
             response = await self._network.ReadSpace(
                 net.ReadSpaceRequest(space=space, after_seq=after_seq, limit=limit), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            raise errors.Unavailable(f"could not read space {errors.clip(space)!r}: {errors.clip(exc.details() or '', 200)}",
+            raise errors.Unavailable(f"could not read space {errors.clip(space)!r}:"
+                                     f" {errors.clip(exc.details() or '', 200)}",
                                      reason=Reason.IOA_SPACE_UNREADABLE) from None
         return list(response.messages)

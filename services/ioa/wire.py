@@ -6,7 +6,10 @@ refused (Refused, TrailRefused), never cut or guessed."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from inboxmesh.client.tracing import context_of, inject
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
@@ -50,10 +53,15 @@ def to_message(env: env_pb.Envelope, *, node: str, relay_id: str, sender_id: str
     inject(carrier, trace.set_span_in_context(span))
     if carrier.trace.traceparent:
         headers["traceparent"] = carrier.trace.traceparent
-    return net.IoaMessage(
+    return from_address(net.IoaMessage(
         ioa_message_id=ioa_id, direct=net.Address(node=to[0], agent=to[1]), text=env.content.text,
-        data=env.content.data, media_type=env.content.media_type, headers=headers,
-        **{"from": net.Address(node=node, agent=sender_id)})
+        data=env.content.data, media_type=env.content.media_type, headers=headers), node, sender_id)
+
+
+def from_address(message: net.IoaMessage, node: str, agent: str) -> net.IoaMessage:
+    """The message with its `from` address set (a Python keyword, so not a constructor argument)."""
+    getattr(message, "from").CopyFrom(net.Address(node=node, agent=agent))
+    return message
 
 
 def to_envelope(message: net.IoaMessage, *, node: str, max_hops: int, span: trace.Span) -> env_pb.Envelope:
@@ -66,7 +74,7 @@ def to_envelope(message: net.IoaMessage, *, node: str, max_hops: int, span: trac
         message_id=message.ioa_message_id,
         sender=address_of(sender.node, sender.agent),
         recipient=message.direct.agent,
-        kind=env_pb.MessageKind.Value(kind) if kind in env_pb.MessageKind.keys() else env_pb.MESSAGE_KIND_TEXT,
+        kind=kind if kind in env_pb.MessageKind.keys() else "MESSAGE_KIND_TEXT",
         content=env_pb.Content(text=message.text, data=message.data, media_type=message.media_type),
         in_reply_to=local_id(h.get(H + "in-reply-to", ""), node),
         conversation_id=h.get(H + "conversation-id", ""),
@@ -98,7 +106,7 @@ def _count_header(headers, name: str, default: str, low: int, high: int) -> int:
     return int(value)
 
 
-def context_of_headers(headers) -> object:
+def context_of_headers(headers: Mapping[str, str]) -> Context | None:
     if "traceparent" not in headers:
         return None
     return context_of(env_pb.Envelope(trace=env_pb.TraceContext(traceparent=headers["traceparent"])))

@@ -4,7 +4,7 @@ Knows nothing of gRPC."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from inboxmesh.client import errors
@@ -15,25 +15,49 @@ from services import auth
 from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Caller, Directory
-from services.store.base import AGENT_OPEN, AgentRecord, CloseOutcome, Store
+from services.runs.service import CloseAgent, RunService
+from services.store.base import AGENT_OPEN, AgentRecord, AgentStore, CloseOutcome, EventStore, RunStore
 from services.validation import check_map, check_text, fitting, page_size
 
 log = logging.getLogger(__name__)
 CHILD_MODES = (pb.AGENT_MODE_SYNC, pb.AGENT_MODE_ASYNC, pb.AGENT_MODE_FORK)
 
 
-class RegistryService:
-    def __init__(self, store: Store, directory: Directory, limits: InboxLimits):
+class AgentCloser:
+    """Closes an agent and its descendants as the mesh, without a caller's permission check: the registry
+    calls it once it has checked the caller's, a run's cleanup (the mesh's own rule) directly. It stands
+    apart from RegistryService so that RunService can close agents without holding the registry, which
+    holds RunService (the registry <-> runs cycle, broken by this order: closer -> runs -> registry)."""
+
+    def __init__(self, store: AgentStore, directory: Directory, listeners: Sequence[Callable[[CloseOutcome], None]]):
         self._store = store
         self._directory = directory
-        self._limits = limits
-        self._close_listeners: list[Callable[[CloseOutcome], None]] = []
-        self.runs = None
-        """services.runs.service.RunService: children are registered with their runs."""
+        self._listeners = tuple(listeners)
+        """Told after every close, in order (the delivery hub ends the closed agents' subscriptions)."""
 
-    def on_close(self, listener: Callable[[CloseOutcome], None]) -> None:
-        """Call listener after agents were closed (subscriptions end)."""
-        self._close_listeners.append(listener)
+    async def close(self, agent_id: str, reason: str) -> CloseOutcome:
+        outcome = await self._store.close_agent(agent_id, reason, now_us())
+        self._directory.note_closed(outcome.closed)
+        for record in outcome.closed:
+            log.info("closed agent %s (%s)", record.agent_id, record.close_reason)
+        if outcome.dead_lettered:
+            log.info("dead-lettered %d queued messages of closed agents", len(outcome.dead_lettered))
+        for listener in self._listeners:
+            listener(outcome)
+        return outcome
+
+
+class RegistryService:
+    def __init__(self, agents: AgentStore, runs_store: RunStore, events: EventStore, directory: Directory,
+                 limits: InboxLimits, runs: RunService, close_agent: CloseAgent):
+        self._agents = agents
+        self._runs_store = runs_store
+        self._events = events
+        self._directory = directory
+        self._limits = limits
+        self._runs = runs
+        """Children are registered with their runs; a close may end runs, which it then announces."""
+        self._close_agent = close_agent
 
     async def register(
         self,
@@ -67,8 +91,8 @@ class RegistryService:
         if parent_id:
             if caller is None:
                 raise errors.Unauthenticated(
-                    f"registering a child of {parent_id} needs the parent's credential", reason=Reason.MISSING_CREDENTIAL
-                )
+                    f"registering a child of {parent_id} needs the parent's credential",
+                    reason=Reason.MISSING_CREDENTIAL)
             if caller.agent is None or caller.agent.agent_id != parent_id:
                 raise errors.PermissionDenied(
                     f"only agent {parent_id} itself may register its children; the credential is {caller}'s",
@@ -84,13 +108,13 @@ class RegistryService:
         else:
             if mode not in (pb.AGENT_MODE_UNSPECIFIED, pb.AGENT_MODE_MAIN):
                 raise errors.InvalidArgument(
-                    f"a top-level agent has mode MAIN; {pb.AgentMode.Name(mode)} needs a parent_id", reason=Reason.BAD_MODE
-                )
+                    f"a top-level agent has mode MAIN; {pb.AgentMode.Name(mode)} needs a parent_id",
+                    reason=Reason.BAD_MODE)
             mode, scope_id, depth = pb.AGENT_MODE_MAIN, "", 0
         if request_id:
             agent_id = auth.agent_id_for(parent_id, request_id)
             credential = auth.credential_for(agent_id, request_id)
-            existing = await self._store.get_agent(agent_id)
+            existing = await self._agents.get_agent(agent_id)
             if existing is not None:
                 return await self._registered_before(existing, credential, name, parent_id, run)
         else:
@@ -110,14 +134,14 @@ class RegistryService:
             credential_hash=auth.credential_hash(credential),
         )
         run_id = ""
-        if parent_id and self.runs is not None:
-            run_record, child_metadata = self.runs.new_run(parent, record, run or pb.RunSpec(),
-                                                           idempotent=bool(request_id))
+        if parent_id:
+            run_record, child_metadata = self._runs.new_run(parent, record, run or pb.RunSpec(),
+                                                            idempotent=bool(request_id))
             record = replace(record, metadata=child_metadata)
             try:
-                await self._store.create_child(record, run_record, self.runs.limits_for(parent))
+                await self._runs_store.create_child(record, run_record, self._runs.limits_for(parent))
             except errors.ResourceExhausted as exc:
-                await self._store.record_events([ev.Event(
+                await self._events.record_events([ev.Event(
                     at_us=now_us(), kind=ev.EVENT_KIND_LIMIT_REFUSED, agent_id=parent_id, sender=parent_id,
                     detail=f"{exc.reason}: {exc.message}")])
                 log.info("spawn of %r by %s refused: %s", name, parent_id, exc.message)
@@ -125,8 +149,9 @@ class RegistryService:
             run_id = run_record.run_id
         else:
             if run is not None and run.ByteSize():
-                raise errors.InvalidArgument("run is only for children (give parent_id)", reason=Reason.RUN_WITHOUT_PARENT)
-            await self._store.create_agent(record)
+                raise errors.InvalidArgument("run is only for children (give parent_id)",
+                                             reason=Reason.RUN_WITHOUT_PARENT)
+            await self._agents.create_agent(record)
         self._directory.remember(record)
         log.info(
             "registered agent %s name=%r mode=%s parent=%s scope=%s%s",
@@ -146,18 +171,20 @@ class RegistryService:
                 or not auth.hashes_match(credential, existing.credential_hash):
             raise errors.FailedPrecondition(
                 f"request_id was used before to register {existing.name!r} ({agent_id}), not this registration;"
-                " use a new request_id for a new agent", reason=Reason.REQUEST_ID_REUSED, metadata={"agent_id": agent_id})
+                " use a new request_id for a new agent", reason=Reason.REQUEST_ID_REUSED,
+                metadata={"agent_id": agent_id})
         if not existing.is_open:
             raise errors.FailedPrecondition(
                 f"this registration was made before, and agent {agent_id} is closed since ({existing.close_reason})",
                 reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent_id})
         run_id = ""
-        if parent_id and self.runs is not None:
-            found = await self._store.get_run(child_id=agent_id)
+        if parent_id:
+            found = await self._runs_store.get_run(child_id=agent_id)
             if found is None:
                 parent = await self._directory.fresh(parent_id)
-                run_record, _ = self.runs.new_run(parent, existing, run or pb.RunSpec(), idempotent=True)
-                await self._store.create_child(existing, run_record, self.runs.limits_for(parent), resume=True)
+                run_record, _ = self._runs.new_run(parent, existing, run or pb.RunSpec(), idempotent=True)
+                await self._runs_store.create_child(existing, run_record, self._runs.limits_for(parent),
+                                                    resume=True)
                 found = run_record
             run_id = found.run_id
         self._directory.remember(existing)
@@ -173,7 +200,7 @@ class RegistryService:
     async def resolve(self, caller: Caller, name: str, scope_id: str, include_closed: bool) -> AgentRecord:
         check_text("name", name, max_len=128, required=True)
         scope_id = await self._scope_for(caller, scope_id)
-        found = await self._store.find_agents(scope_id, name, include_closed)
+        found = await self._agents.find_agents(scope_id, name, include_closed)
         if not found:
             raise errors.NotFound(
                 f"no {'' if include_closed else 'open '}agent named {name!r} in scope {scope_id}",
@@ -199,12 +226,12 @@ class RegistryService:
         if parent_id:
             parent = await self._directory.require(parent_id)
             self._directory.check_reach(caller, parent, "list the children of")
-            found = await self._store.list_agents(
+            found = await self._agents.list_agents(
                 parent_id=parent_id, include_closed=include_closed, after_key=page_token, limit=limit
             )
         else:
             scope_id = await self._scope_for(caller, scope_id)
-            found = await self._store.list_agents(
+            found = await self._agents.list_agents(
                 scope_id=scope_id, include_closed=include_closed, after_key=page_token, limit=limit
             )
         fit = fitting(_agent_bytes(a) for a in found)
@@ -222,19 +249,8 @@ class RegistryService:
                 reason=Reason.NOT_ANCESTOR,
                 metadata={"agent_id": agent_id},
             )
-        return await self.close_as_mesh(agent_id, reason or "closed")
-
-    async def close_as_mesh(self, agent_id: str, reason: str) -> CloseOutcome:
-        """Close an agent and its descendants without a caller's permission
-        check (the mesh's own rules, e.g. a run's cleanup)."""
-        outcome = await self._store.close_agent(agent_id, reason, now_us())
-        self._directory.note_closed(outcome.closed)
-        for record in outcome.closed:
-            log.info("closed agent %s (%s)", record.agent_id, record.close_reason)
-        if outcome.dead_lettered:
-            log.info("dead-lettered %d queued messages of closed agents", len(outcome.dead_lettered))
-        for listener in self._close_listeners:
-            listener(outcome)
+        outcome = await self._close_agent(agent_id, reason or "closed")
+        self._runs.on_closed(outcome)  # closed children ended their runs (CLOSED): to be announced
         return outcome
 
     async def _scope_for(self, caller: Caller, scope_id: str) -> str:

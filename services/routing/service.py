@@ -6,6 +6,7 @@ by the ordinary Inbox path. Knows nothing of gRPC."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
@@ -17,16 +18,18 @@ from services import auth
 from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Directory
-from services.inbox.service import InboxService
-from services.routing.config import PeerMatch, RoutingConfig
+from services.routing.config import AgentConfig, PeerMatch, RoutingConfig
 from services.routing.resolve import ResolvedRoute, resolve_route
 from services.runs.service import AGENT_KEY, ORIGIN_PREFIX
-from services.store.base import AGENT_OPEN, CHANNEL_PREFIX, AgentRecord, SendOutcome, Store
+from services.store.base import AGENT_OPEN, CHANNEL_PREFIX, AgentRecord, AgentStore, EventStore, RunStore, SendOutcome
 from services.validation import check_map, check_text
 
 log = logging.getLogger(__name__)
 PEER_KINDS = {pb.PEER_KIND_DM: "dm", pb.PEER_KIND_GROUP: "group", pb.PEER_KIND_CHANNEL: "channel"}
 _CHANNEL_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_CHANNEL)
+
+DeliverFromChannel = Callable[[list[envelope_pb2.Envelope]], Awaitable[list[SendOutcome]]]
+"""Stores channel messages by the ordinary inbox path (services.inbox.writer.InboxWriter.deliver_from_channel)."""
 
 
 def _peer(peer: pb.Peer, field: str) -> PeerMatch | None:
@@ -47,12 +50,14 @@ def route_pb(route: ResolvedRoute) -> pb.ResolvedRoute:
 
 
 class RoutingService:
-    def __init__(self, config: RoutingConfig, store: Store, directory: Directory, inbox: InboxService,
-                 limits: InboxLimits, admin_token: str | None):
+    def __init__(self, config: RoutingConfig, *, agents: AgentStore, sessions: RunStore, events: EventStore,
+                 directory: Directory, deliver: DeliverFromChannel, limits: InboxLimits, admin_token: str | None):
         self.config = config
-        self._store = store
+        self._agents = agents
+        self._sessions = sessions
+        self._events = events
         self._directory = directory
-        self._inbox = inbox
+        self._deliver = deliver
         self._limits = limits
         self._tokens = tuple(config.ingress_tokens) + ((admin_token,) if admin_token else ())
         for warning in config.warnings:
@@ -104,12 +109,12 @@ class RoutingService:
         if envelope.ByteSize() > self._limits.max_message_bytes:
             raise errors.InvalidArgument(f"the message is {envelope.ByteSize()} bytes; the limit is"
                                          f" {self._limits.max_message_bytes}", reason=Reason.MESSAGE_TOO_LARGE)
-        [outcome] = await self._inbox.deliver_from_channel([envelope])
+        [outcome] = await self._deliver([envelope])
         detail = f"{route.matched_by} -> {route.agent_id} session={route.session_key}"
         if route.warning:
             detail += f" ({route.warning})"
             log.warning("ingress %s: %s", request.message_id, route.warning)
-        await self._store.record_events([ev.Event(
+        await self._events.record_events([ev.Event(
             at_us=now_us(), kind=ev.EVENT_KIND_ROUTED, agent_id=agent.agent_id, message_id=request.message_id,
             sender=sender, recipient=agent.agent_id, sequence=outcome.sequence, detail=detail)])
         log.info("ingress %s from %s routed %s: %s", request.message_id, sender, detail, outcome.status)
@@ -137,7 +142,7 @@ class RoutingService:
             created_at_us=now_us(),
             # nobody holds this credential: a host takes the session over with ClaimSession
             credential_hash=auth.credential_hash(auth.new_credential(agent_id)))
-        agent, created = await self._store.session_agent(route.session_key, record)
+        agent, created = await self._sessions.session_agent(route.session_key, record)
         self._directory.remember(agent)
         if created:
             log.info("session %s of agent %s registered as %s", route.session_key, route.agent_id, agent.agent_id)
@@ -156,7 +161,7 @@ class RoutingService:
                               matched_by="claim", binding_index=-1, warning="")
         agent, _ = await self._session_agent(route, pb.RouteInput())
         credential = auth.new_credential(agent.agent_id)
-        record = await self._store.set_credential(agent.agent_id, auth.credential_hash(credential))
+        record = await self._agents.set_credential(agent.agent_id, auth.credential_hash(credential))
         self._directory.credential_changed(record)
         log.info("session %s (%s) claimed; earlier credentials revoked", session_key, agent.agent_id)
         return pb.ClaimSessionResponse(session_agent_id=agent.agent_id, credential=credential,
@@ -164,7 +169,8 @@ class RoutingService:
 
     def configured_agents(self) -> pb.ListConfiguredAgentsResponse:
         cfg = self.config
-        agents = cfg.agents or (cfg.agent(cfg.default_agent_id),)
+        default = cfg.agent(cfg.default_agent_id)  # with no agents.list: the defaults under the default id
+        agents: tuple[AgentConfig, ...] = cfg.agents or ((default,) if default is not None else ())
         return pb.ListConfiguredAgentsResponse(
             default_id=cfg.default_agent_id, main_key=cfg.session.main_key, dm_scope=cfg.session.dm_scope,
             agents=[pb.ConfiguredAgent(

@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
@@ -28,15 +29,17 @@ from services.config import RunsConfig
 from services.directory import Caller, Directory
 from services.faults import crash_point
 from services.inbox.delivery import DeliveryHub
+from services.routing.config import AgentConfig, RoutingConfig
 from services.store.base import (
     ANNOUNCE_ID_PREFIX,
     ANNOUNCE_WAITING,
     REQUESTER_GONE,
     AgentRecord,
+    AgentStore,
     CloseOutcome,
     RunRecord,
+    RunStore,
     SpawnLimits,
-    Store,
 )
 from services.validation import check_text, fitting, page_size
 
@@ -47,17 +50,22 @@ ORIGIN_PREFIX = "inboxmesh-route-"
 """Agent metadata copied into its children's runs as the requester origin."""
 CLEANUP_REASON = "run {run_id} ended and was announced (cleanup: delete)"
 
+CloseAgent = Callable[[str, str], Awaitable[CloseOutcome]]
+"""(agent_id, reason) -> what was closed: closing an agent and its descendants as the mesh, without a
+caller's permission check (services.registry.service.AgentCloser.close)."""
+
 
 class RunService:
-    def __init__(self, store: Store, directory: Directory, hub: DeliveryHub, config: RunsConfig):
+    def __init__(self, store: RunStore, agents: AgentStore, directory: Directory, hub: DeliveryHub,
+                 config: RunsConfig, routing: RoutingConfig | None, close_agent: CloseAgent):
         self._store = store
+        self._agents = agents
         self._directory = directory
         self._hub = hub
-        self.config = config
-        self.routing = None
-        """services.routing.config.RoutingConfig when the mesh has one."""
-        self.close_agent = None
-        """Coroutine (agent_id, reason) -> CloseOutcome closing as the mesh (set by the Mesh)."""
+        self._config = config
+        self._routing = routing
+        """The mesh's routing config: configured agents' spawn policies (None: the mesh has none)."""
+        self._close_agent = close_agent
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -84,15 +92,15 @@ class RunService:
             self._wake.set()
 
     # -- spawning ---------------------------------------------------------------
-    def _policy(self, agent: AgentRecord):
-        if self.routing is None:
+    def _policy(self, agent: AgentRecord) -> AgentConfig | None:
+        if self._routing is None:
             return None
-        return self.routing.agent(agent.metadata.get(AGENT_KEY, "") or self.routing.default_agent_id)
+        return self._routing.agent(agent.metadata.get(AGENT_KEY, "") or self._routing.default_agent_id)
 
     def limits_for(self, parent: AgentRecord) -> SpawnLimits:
         policy = self._policy(parent)
         if policy is None:
-            return SpawnLimits(self.config.max_spawn_depth, self.config.max_active_children)
+            return SpawnLimits(self._config.max_spawn_depth, self._config.max_active_children)
         return SpawnLimits(policy.subagents.max_spawn_depth, policy.subagents.max_children_per_agent)
 
     def new_run(self, parent: AgentRecord, child: AgentRecord, spec: reg_pb.RunSpec,
@@ -106,13 +114,13 @@ class RunService:
         parent_agent = parent.metadata.get(AGENT_KEY, "")
         target = spec.agent_config_id.strip().lower()
         metadata = dict(child.metadata)
-        if self.routing is not None:
-            parent_agent = parent_agent or self.routing.default_agent_id
+        if self._routing is not None:
+            parent_agent = parent_agent or self._routing.default_agent_id
             target = target or parent_agent
-            if self.routing.agent(target) is None:
+            if self._routing.agent(target) is None:
                 raise errors.NotFound(f"run.agent_config_id {target!r} is not in agents.list",
                                       reason=Reason.AGENT_CONFIG_NOT_FOUND, metadata={"agent_config_id": target})
-            if not self.routing.may_spawn(parent_agent, target):
+            if not self._routing.may_spawn(parent_agent, target):
                 raise errors.PermissionDenied(
                     f"{parent_agent!r} may not spawn agent {target!r}: not in its subagents.allowAgents",
                     reason=Reason.AGENT_NOT_ALLOWED, metadata={"requester": parent_agent, "agent_config_id": target})
@@ -132,7 +140,7 @@ class RunService:
             conversation_id=spec.conversation_id, created_at_us=child.created_at_us, status=pb.RUN_STATUS_RUNNING,
             deadline_us=child.created_at_us + spec.run_timeout_s * 1_000_000 if spec.run_timeout_s else 0,
             announce_state=ANNOUNCE_WAITING, announce_message_id=ANNOUNCE_ID_PREFIX + run_id,
-            archive_after_us=int(self.config.archive_after_s * 1_000_000),
+            archive_after_us=int(self._config.archive_after_s * 1_000_000),
         )
         return run, metadata
 
@@ -170,7 +178,7 @@ class RunService:
             self._hub.on_appended([outcome.envelope])
             log.info("announced run %s to %s at seq %d", run.run_id, run.requester_id, run.announce_sequence)
         elif outcome.retry:
-            self._wake_later(self.config.announce_retry_s)
+            self._wake_later(self._config.announce_retry_s)
             return run
         elif run.announce_state == REQUESTER_GONE and not run.cleaned_up_at_us:
             log.info("run %s: %s", run.run_id, run.announce_detail)
@@ -181,10 +189,11 @@ class RunService:
 
     async def _cleanup(self, run: RunRecord) -> RunRecord:
         """cleanup=delete: close the child (once announced), then record it."""
-        child = await self._store.get_agent(run.child_id)
+        child = await self._agents.get_agent(run.child_id)
         detail = "child already closed"
         if child is not None and child.is_open:
-            await self.close_agent(run.child_id, CLEANUP_REASON.format(run_id=run.run_id))
+            closed = await self._close_agent(run.child_id, CLEANUP_REASON.format(run_id=run.run_id))
+            self.on_closed(closed)  # the child's own children may have had runs: the close ended them
             detail = "child closed"
         return await self._store.finish_cleanup(run.run_id, detail, now_us())
 
@@ -227,7 +236,7 @@ class RunService:
             if self._stopping:
                 return
             try:
-                await asyncio.wait_for(self._wake.wait(), self.config.sweep_interval_s)
+                await asyncio.wait_for(self._wake.wait(), self._config.sweep_interval_s)
             except TimeoutError:
                 pass
             self._wake.clear()
