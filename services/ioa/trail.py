@@ -72,20 +72,19 @@ def decode(value: str | None, *, node: str, sender: tuple[str, str], max_entries
     (node, agent) with header `value` (None: a sender that carries no
     trail, such as a node that is not an inboxmesh relay). It ends with the
     sender's entry."""
-    if value is None:
-        entries = []
-    else:
+    entries: list[str] = []
+    if value is not None:
         if len(value) > max_header_chars(max_entries):
             raise TrailRefused(f"loop guard: the {HEADER} header is {len(value)} characters; at most {max_entries}"
                                f" entries of {MAX_ENTRY_CHARS} characters cross IOA")
         try:
-            entries = json.loads(value)
+            written = json.loads(value)
         except ValueError:
-            entries = None
-        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            written = None
+        if not isinstance(written, list) or not all(isinstance(e, str) for e in written):
             raise TrailRefused(f"loop guard: the {HEADER} header is not a JSON list of strings")
         # plain ids from the sending node are its local ids (an inboxmesh relay never sends them)
-        entries = [_qualified(e, sender[0]) for e in entries]
+        entries = [_qualified(e, sender[0]) for e in written]
     sender_entry = f"{IOA_PREFIX}{sender[0]}/{sender[1]}"
     if not entries or entries[-1] != sender_entry:
         entries.append(sender_entry)

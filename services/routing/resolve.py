@@ -39,7 +39,7 @@ written %3a and %25 so that keys stay unambiguous):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -158,7 +158,7 @@ def resolve_route(
     for matched_by, tier, peer_seen in tiers:
         if matched_by == "binding.peer.parent" and parent is None:
             continue
-        found = _first(candidates, lambda b: binding_tier(b) == tier and conditions_hold(b, peer_seen))
+        found = next((b for b in candidates if binding_tier(b) == tier and conditions_hold(b, peer_seen)), None)
         if found is not None:
             return _route(cfg, found, matched_by, channel, account, msg_peer, parent)
     return _route(cfg, None, "default", channel, account, msg_peer, parent)
@@ -217,10 +217,6 @@ def _route(
         binding_index=index,
         warning=warning,
     )
-
-
-def _first(bindings: list[Binding], accept: Callable[[Binding], bool]) -> Binding | None:
-    return next((binding for binding in bindings if accept(binding)), None)
 
 
 def _account_fits(binding_account: str | None, account: str) -> bool:
