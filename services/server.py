@@ -34,7 +34,7 @@ from services.store.base import Store
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAMES = {
+SERVICE_NAMES = {  # the names services.assembly.KNOWN_SERVICES allows
     "registry": registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
     "inbox": inbox_pb2.DESCRIPTOR.services_by_name["InboxService"].full_name,
     "events": events_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,

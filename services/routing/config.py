@@ -161,12 +161,19 @@ class RoutingConfig:
     agents: tuple[AgentConfig, ...] = ()
     """agents.list in config order; empty when none are listed."""
     bindings: tuple[Binding, ...] = ()
+    """The bindings in config order (resolution tries them tier by tier, in this order within a tier)."""
     default_agent_id: str = DEFAULT_AGENT_ID
+    """The first agent with `default: true`, else the first listed, else "main"."""
     session: SessionConfig = field(default_factory=SessionConfig)
+    """How session keys are formed."""
     ingress_tokens: tuple[str, ...] = ()
+    """Bearer tokens the ingress accepts (ingress.tokens); empty: the ingress is disabled."""
     archive_after_minutes: float = 60.0
-    """Ended subagent runs are archived after this long."""
+    """Ended subagent runs are archived after this long. A mesh-wide setting: services.settings merges it
+    into MeshConfig.runs (a flag wins over it)."""
     loop_guard: LoopGuard = field(default_factory=LoopGuard)
+    """The loop guard's limits. Mesh-wide settings: services.settings merges them into MeshConfig.limits
+    (a flag wins over them)."""
     warnings: tuple[str, ...] = ()
     """Problems that do not stop the config from loading."""
     defaults: AgentConfig = field(default_factory=lambda: AgentConfig(id=DEFAULT_AGENT_ID))
