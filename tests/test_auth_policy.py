@@ -128,9 +128,21 @@ def first_request(method: str) -> Message:
     return message_factory.GetMessageClass(rpc(method).input_type)()
 
 
+def least_requests(method: str) -> list[Message]:
+    """What a call sends before it reads: none on a stream whose refusal needs none (SendStream is refused
+    before it reads anything, and a write racing that refusal makes grpc report "Internal error from Core"
+    instead of the status), else the first request."""
+    rule = METHOD_POLICIES[method]
+    if rpc(method).client_streaming and rule.policy is not Policy.PUBLIC and rule.credentials_of is None:
+        return []
+    return [first_request(method)]
+
+
 async def outcome(channel: grpc.aio.Channel, method: str, requests: Sequence[Message],
-                  metadata: Metadata) -> grpc.aio.AioRpcError | None:
-    """How the call ended: its error, or None once it answered (a stream: its first response, or its end)."""
+                  metadata: Metadata, half_close: bool = False) -> grpc.aio.AioRpcError | None:
+    """How the call ended: its error, or None once it answered (a stream: its first response, or its end).
+    A client stream is half-closed only when asked (a half-close racing the server's refusal can turn the
+    status into "Internal error from Core" on the client side)."""
     desc = rpc(method)
     deserialize = message_factory.GetMessageClass(desc.output_type).FromString
     try:
@@ -144,7 +156,8 @@ async def outcome(channel: grpc.aio.Channel, method: str, requests: Sequence[Mes
             call = channel.stream_stream(method, serialize, deserialize)(metadata=metadata, timeout=10)
             for request in requests:
                 await call.write(request)
-            await call.done_writing()
+            if half_close:
+                await call.done_writing()
         async for _ in call:
             call.cancel()
             return None
@@ -229,7 +242,7 @@ async def test_every_policy_refuses_a_missing_or_bad_credential_as_before(channe
     checked = 0
     for method, rule in METHOD_POLICIES.items():
         for credential, metadata in CREDENTIALS.items():
-            exc = await outcome(channel, method, [first_request(method)], metadata)
+            exc = await outcome(channel, method, least_requests(method), metadata)
             expected = expected_refusal(rule.policy, credential)
             if expected is None:
                 not_refused_for_credentials(exc, f"{method} ({credential})")
@@ -243,7 +256,7 @@ async def test_the_admin_token_cannot_act_as_an_agent_and_an_agent_cannot_sweep(
     agent_only = {m: rule for m, rule in METHOD_POLICIES.items() if rule.policy is Policy.AGENT}
     assert set(agent_only) == {"/inboxmesh.inbox.v1.InboxService/Ack", "/inboxmesh.ioa.v1.IoaRelayService/SpaceSend"}
     for method, rule in agent_only.items():
-        refused(await outcome(channel, method, [first_request(method)], bearer(ADMIN_TOKEN)),
+        refused(await outcome(channel, method, least_requests(method), bearer(ADMIN_TOKEN)),
                 grpc.StatusCode.PERMISSION_DENIED, "AGENT_CREDENTIAL_REQUIRED",
                 f"{rule.action} needs an agent's credential; the admin token cannot act as an agent", method)
     sweep = "/inboxmesh.runs.v1.SubagentRunService/SweepRuns"
@@ -271,7 +284,7 @@ async def test_a_subscription_authenticates_the_credentials_it_carries(channel, 
 
 async def test_a_consume_stream_that_subscribes_nobody_is_judged_by_its_protocol(channel):
     """No subscribe, no authentication: an empty stream ends cleanly, an ack first is SUBSCRIBE_FIRST."""
-    assert await outcome(channel, CONSUME, [], None) is None
+    assert await outcome(channel, CONSUME, [], None, half_close=True) is None
     refused(await outcome(channel, CONSUME, [inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest())], None),
             grpc.StatusCode.INVALID_ARGUMENT, "SUBSCRIBE_FIRST", "the first ConsumeRequest must be `subscribe`",
             CONSUME)
@@ -302,11 +315,12 @@ async def test_a_served_method_without_a_policy_is_refused(tmp_path, monkeypatch
             MeshClient(mesh.address, timeout=10.0, admin_token=ADMIN_TOKEN) as client:
         lead = await client.register("lead")  # RegisterAgent keeps its row
         async with grpc.aio.insecure_channel(mesh.address) as channel:
-            requests = {GET_AGENT: registry_pb2.GetAgentRequest(agent_id=lead.agent_id),
-                        WATCH_EVENTS: events_pb2.WatchEventsRequest(), CONSUME: first_request(CONSUME)}
-            for method, request in requests.items():
+            requests: dict[str, list[Message]] = {  # the refused stream reads nothing: the client sends nothing
+                GET_AGENT: [registry_pb2.GetAgentRequest(agent_id=lead.agent_id)],
+                WATCH_EVENTS: [events_pb2.WatchEventsRequest()], CONSUME: []}
+            for method, sent in requests.items():
                 for metadata in (bearer(lead.credential), bearer(ADMIN_TOKEN), None):
-                    refused(await outcome(channel, method, [request], metadata), grpc.StatusCode.INTERNAL,
+                    refused(await outcome(channel, method, sent, metadata), grpc.StatusCode.INTERNAL,
                             "INTERNAL", f"{method} has no authentication policy on this mesh", method)
         assert (await lead.resolve("lead")).agent_id == lead.agent_id  # the others are served as before
         assert [a.agent_id for a in await lead.list_agents()] == [lead.agent_id]
