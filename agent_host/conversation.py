@@ -12,6 +12,7 @@ can rely on:
 from __future__ import annotations
 
 import copy
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,22 @@ class Conversation:
         """Something the model has not answered yet: a user turn (the task, a
         message) or tool results after its last reply."""
         return bool(self.messages) and self.messages[-1]["role"] in ("user", "tool")
+
+    def done_so_far(self) -> list[str]:
+        """What the agent's successful tool calls did ("send_message B (accepted)", ...), oldest first."""
+        calls: dict[str, tuple[str, dict[str, Any]]] = {}
+        done = []
+        for message in self.messages:
+            for call in message.get("tool_calls") or []:
+                calls[call["id"]] = (call["function"]["name"], json.loads(call["function"]["arguments"] or "{}"))
+            if message["role"] == "tool" and message["tool_call_id"] in calls:
+                name, arguments = calls[message["tool_call_id"]]
+                result = json.loads(message["content"])
+                if "error" in result:
+                    continue
+                target = arguments.get("to") or arguments.get("agent_name") or result.get("to_name") or ""
+                done.append(f"{name} {target}".strip() + (f" ({result['status']})" if "status" in result else ""))
+        return done
 
     def fork(self) -> Conversation:
         """A copy for a forked child: everything but the parent's unanswered

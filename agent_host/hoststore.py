@@ -25,8 +25,9 @@ CREATE TABLE IF NOT EXISTS conversations (
 
 
 @dataclass
-class AgentRecord:
-    """A hosted agent as the host remembers it."""
+class HostedAgent:
+    """A hosted agent as the host remembers it (the mesh's own record of an agent is
+    services.store's AgentRecord)."""
 
     agent_id: str
     name: str
@@ -55,14 +56,14 @@ class AgentRecord:
 
 
 class HostStore:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(str(path), isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.executescript(SCHEMA)
 
-    def save(self, record: AgentRecord, conversation: Conversation | None = None) -> None:
+    def save(self, record: HostedAgent, conversation: Conversation | None = None) -> None:
         with self._conn:
             self._conn.execute("INSERT OR REPLACE INTO agents VALUES (?, ?)",
                                (record.agent_id, json.dumps(asdict(record))))
@@ -71,7 +72,7 @@ class HostStore:
                                    (record.agent_id, json.dumps(conversation.messages),
                                     json.dumps(sorted(conversation.injected))))
 
-    def load_open(self) -> list[tuple[AgentRecord, Conversation]]:
+    def load_open(self) -> list[tuple[HostedAgent, Conversation]]:
         found = []
         rows = self._conn.execute(
             "SELECT a.record, c.messages, c.injected FROM agents a LEFT JOIN conversations c USING (agent_id)"
@@ -79,10 +80,11 @@ class HostStore:
         for record_json, messages, injected in rows:
             data = json.loads(record_json)
             data["tools"] = tuple(data.get("tools", ()))
-            record = AgentRecord(**data)
+            record = HostedAgent(**data)
             if record.closed:
                 continue
-            conversation = Conversation(messages=json.loads(messages or "[]"), injected=set(json.loads(injected or "[]")))
+            conversation = Conversation(messages=json.loads(messages or "[]"),
+                                        injected=set(json.loads(injected or "[]")))
             found.append((record, conversation))
         return found
 

@@ -12,77 +12,80 @@ Rules (docs/lifecycle.md):
   starts at once.
 - Messages arriving while the agent is idle wake it.
 - Cancel stops the current run at its next await; the inbox stays.
+
+The runner sees its host only through `AgentHost`, the mesh only through
+its agent's `AgentCalls` and `Inbox` (agent_host/ports.py); what the agent
+does through its tools is its `AgentActions` (agent_host/actions.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator
+from typing import Any, Generic, TypeVar
 
 from opentelemetry import trace
 
+from agent_host.actions import AgentActions, ChildGone
+from agent_host.budget import BudgetExceeded, TaskBudget
+from agent_host.config import CLOSE_ON_COMPLETE, IDLE_TIMEOUT, HostConfig
 from agent_host.conversation import NOTE_PREFIX, Conversation
-from agent_host.hoststore import AgentRecord
-from agent_host.models.base import ModelError
-from agent_host.tools import result_message, run_tool, schemas
+from agent_host.hoststore import HostedAgent
+from agent_host.models.base import Model, ModelError, ModelReply
+from agent_host.ports import AgentCalls, AgentHost, Inbox
+from agent_host.tools import ToolContext, available, result_message, run_tool, schemas
 from inboxmesh.client import errors
-from inboxmesh.client.mesh import AgentHandle
-from inboxmesh.client.stream import InboxStream
+from inboxmesh.client.stream import StreamItem
 from inboxmesh.client.tracing import context_of, tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
-from inboxmesh.runs.v1 import runs_pb2
 
-if TYPE_CHECKING:
-    from agent_host.host import Host, TaskBudget
-    from agent_host.models.base import Model
-
+__all__ = ["AgentRunner", "BudgetExceeded", "ChildGone"]
 log = logging.getLogger(__name__)
+HandleT = TypeVar("HandleT", bound=AgentCalls)
+"""The runner's mesh calls: AgentHandle on a real host, an in-memory one in tests/test_runner.py."""
 
 
-class BudgetExceeded(Exception):
-    """A task's budget ran out; the message says where it stopped."""
-
-
-class ChildGone(Exception):
-    """A sync child was closed before it completed."""
-
-
-class AgentRunner:
-    def __init__(self, host: Host, record: AgentRecord, handle: AgentHandle, model: Model,
-                 conversation: Conversation, budget: TaskBudget):
+class AgentRunner(Generic[HandleT]):
+    def __init__(self, host: AgentHost, record: HostedAgent, handle: HandleT, inbox: Inbox, model: Model,
+                 conversation: Conversation, budget: TaskBudget, config: HostConfig, *,
+                 max_spawns: int | None = None):
         self.host = host
         self.record = record
         self.handle = handle
+        self.stream = inbox
         self.model = model
         self.conversation = conversation
         self.budget = budget
-        self.stream = InboxStream([handle], max_in_flight=host.config.max_in_flight)
+        self.config = config
+        self.max_spawns = max_spawns
+        """Children the agent may start in all (None: no limit)."""
+        self.actions = AgentActions(record, handle, host, conversation, budget, max_spawns=max_spawns,
+                                    consume=self._consume, record_event=self.event)
         self.pending: list[env_pb.Envelope] = []
-        self.received: dict[str, env_pb.Envelope] = {}
-        self.awaiting: dict[str, tuple[str, asyncio.Future]] = {}
-        """task message id -> (child id, future of its completion message): sync spawns."""
         self.wake = asyncio.Event()
         self.state = "starting"
         self.start_requested = False
         self.stopping = False
-        self.run_task: asyncio.Task | None = None
+        self.run_task: asyncio.Task[None] | None = None
         self.runs_active = 0
         self.max_runs_active = 0
         self.model_requests = 0
-        self.max_spawns: int | None = None
-        self._finished_now = False
-        self._yield_now = False
-        self._consume_contexts: dict[str, trace.SpanContext] = {}
-        self._items = None
-        self._tasks: list[asyncio.Task] = []
+        self._tools = ToolContext(agent=record, handle=handle, host=host, actions=self.actions,
+                                  max_spawns=max_spawns)
+        self._items: AsyncGenerator[StreamItem, None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._recording: set[asyncio.Future] = set()
+        self._recording: set[asyncio.Future[None]] = set()
         self._stream_down = False
         """An ack failed because the inbox stream was lost; cleared when it attaches again."""
+
+    @property
+    def received(self) -> dict[str, env_pb.Envelope]:
+        """Every message this agent consumed, by message id, oldest first."""
+        return self.actions.received
 
     @property
     def agent_id(self) -> str:
@@ -92,14 +95,17 @@ class AgentRunner:
         return f"AgentRunner({self.record.name}:{self.agent_id})"
 
     # -- lifecycle ----------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, *, run: bool = False) -> None:
         """Subscribe the inbox (and wait until the mesh confirmed it), then
-        start reading and scheduling: before the agent's first turn."""
-        self._items = self.stream.__aiter__()
-        first = await anext(self._items)
+        start reading and scheduling: before the agent's first turn. With
+        `run` the agent takes a turn at once (a new task, a resumed run)."""
+        if run:
+            self.start_requested = True
+        items = self._items = self.stream.__aiter__()
+        first = await anext(items)
         if first.agent_event is None or first.agent_event.kind != inbox_pb2.SUBSCRIPTION_EVENT_KIND_ATTACHED:
             raise errors.Unavailable(f"{self}: expected the subscription to attach first, got {first}")
-        self._tasks = [asyncio.create_task(self._read(), name=f"read-{self.record.name}"),
+        self._tasks = [asyncio.create_task(self._read(items), name=f"read-{self.record.name}"),
                        asyncio.create_task(self._loop(), name=f"loop-{self.record.name}")]
         self.state = "idle"
         if self.start_requested:
@@ -118,12 +124,35 @@ class AgentRunner:
             except (asyncio.CancelledError, Exception):  # already reported by the task itself
                 pass
         if self._recording:  # runtime events already on their way (a stop right after a finish)
-            await asyncio.wait(self._recording, timeout=self.host.config.call_timeout_s)
-        for _, future in self.awaiting.values():
-            if not future.done():
-                future.set_exception(ChildGone("the waiting agent stopped"))
+            await asyncio.wait(self._recording, timeout=self.config.call_timeout_s)
+        self.actions.abandon()
         if self._items is not None:
             await self._items.aclose()
+
+    def is_own_task(self, task: asyncio.Task[Any] | None) -> bool:
+        """Whether `task` is this runner's reader or loop: such a task must not await stop(), which
+        cancels it."""
+        return task in self._tasks
+
+    def take_recovered(self, items: list[tuple[env_pb.Envelope, str]]) -> list[env_pb.Envelope]:
+        """Messages (with their senders' names) the mesh recorded as consumed by this agent that its
+        conversation lacks (a host died between ack and save): received now, and written into the
+        conversation. Returns those added."""
+        for message, _ in items:
+            self.actions.took(message)
+        return self.conversation.inject(items)
+
+    async def send(self, to: str, text: str, **fields: Any) -> inbox_pb2.Receipt:
+        """Send as this agent (AgentActions.send), from outside its turns."""
+        return await self.actions.send(to, text, **fields)
+
+    def child_gone(self, child_id: str, reason: str) -> None:
+        """A child of this agent was closed (a sync spawn waiting for it fails)."""
+        self.actions.child_gone(child_id, reason)
+
+    def tools_now(self) -> tuple[str, ...]:
+        """The tools the agent needs now (agent_host.tools.available)."""
+        return available(self.record, self.max_spawns)
 
     def cancel_run(self) -> bool:
         """Stop the current run at its next await; the inbox stays open."""
@@ -133,18 +162,18 @@ class AgentRunner:
         return False
 
     # -- inbox --------------------------------------------------------------
-    async def _read(self) -> None:
+    async def _read(self, items: AsyncGenerator[StreamItem, None]) -> None:
         try:
-            async for item in self._items:
+            async for item in items:
                 event = item.agent_event
                 if event is not None:
                     if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED:
-                        await self.host.agent_closed(self, event.detail)
+                        await self.host.release([self.agent_id], event.detail)
                         return
                     if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_SUPERSEDED:
                         log.error("%s: another subscriber took over this agent's inbox (%s); stopping here",
                                   self, event.detail)
-                        self.host.observe(self, "superseded", event.detail)
+                        self.host.observe(self.record, "superseded", event.detail)
                         return
                     if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_ATTACHED:
                         self._stream_down = False
@@ -155,17 +184,14 @@ class AgentRunner:
                     self._route(message)
         except errors.MeshError as exc:
             log.error("%s: inbox stream failed: %s", self, exc)
-            self.host.observe(self, "stream-failed", str(exc))
+            self.host.observe(self.record, "stream-failed", str(exc))
         except Exception as exc:  # a bug here must be seen, not end delivery silently
             log.exception("%s: inbox reader failed", self)
-            self.host.observe(self, "stream-failed", repr(exc))
+            self.host.observe(self.record, "stream-failed", repr(exc))
 
     def _route(self, message: env_pb.Envelope) -> None:
-        if message.kind == env_pb.MESSAGE_KIND_COMPLETION and message.in_reply_to in self.awaiting:
-            _, future = self.awaiting.pop(message.in_reply_to)
-            if not future.done():
-                future.set_result(message)
-                return
+        if self.actions.completion_arrived(message):
+            return  # a sync spawn of the current turn takes it
         if any(p.sequence == message.sequence for p in self.pending):
             return  # redelivered after a reconnect while still pending here
         self.pending.append(message)
@@ -184,18 +210,18 @@ class AgentRunner:
             self._stream_down = True
             return None
         for message in won:
-            self.received[message.message_id] = message
             with tracer.start_as_current_span("consume", context=context_of(message), attributes={
                 "messaging.message.id": message.message_id, "inboxmesh.sender": message.sender,
                 "inboxmesh.recipient": self.agent_id, "inboxmesh.turn": self.record.turn}) as span:
-                self._consume_contexts[message.message_id] = span.get_span_context()
-            self.host.observe(self, "consumed", f"{message.message_id} from {await self.host.name_of(message.sender)}"
-                              f" (turn {self.record.turn})")
+                self.actions.took(message, span.get_span_context())
+            self.host.observe(self.record, "consumed", f"{message.message_id} from"
+                              f" {await self.host.name_of(message.sender)} (turn {self.record.turn})")
         return won
 
     async def _take_pending(self) -> bool:
-        """Consume what is pending into the conversation; False when there was
-        something to take and the ack could not be made (the stream is lost)."""
+        """Consume what is pending into the conversation; False when something
+        was pending and none of it was taken in: the ack could not be made (the
+        stream is lost; it stays pending), or this ack won none of it."""
         if not self.pending:
             return True
         batch, self.pending = self.pending, []
@@ -205,7 +231,8 @@ class AgentRunner:
         if won:
             names = {m.sender: await self.host.name_of(m.sender) for m in won}
             self.conversation.inject([(m, names[m.sender]) for m in won], note=self._task_note(won),
-                                     show_ids=self.host.config.show_ids)
+                                     show_ids=self.config.show_ids)
+        return bool(won)
 
     def _task_note(self, won: list[env_pb.Envelope]) -> str:
         """Notes the runtime adds after the messages of a turn: which of the
@@ -213,7 +240,7 @@ class AgentRunner:
         with restate_task the agent's task and what it has done so far."""
         notes = []
         if any(m.kind == env_pb.MESSAGE_KIND_COMPLETION for m in won):
-            reported, working = self.host.children_status(self)
+            reported, working = self.actions.children_status()
             if working:
                 notes.append(f"Reports received from: {', '.join(reported) or 'none'}. Still working: "
                              f"{', '.join(working)}.")
@@ -225,7 +252,7 @@ class AgentRunner:
         return f"\n{NOTE_PREFIX}".join(notes)
 
     def _restated_task(self, won: list[env_pb.Envelope]) -> str:
-        if not self.host.config.restate_task:
+        if not self.config.restate_task:
             return ""
         task = next((m.content.text for m in won if m.kind == env_pb.MESSAGE_KIND_TASK), "")
         if not task:
@@ -233,24 +260,15 @@ class AgentRunner:
                          if m.kind == env_pb.MESSAGE_KIND_TASK), "")
         if not task or any(m.kind == env_pb.MESSAGE_KIND_TASK for m in won):
             return ""
-        done = self._done_so_far()
+        done = self.conversation.done_so_far()
         return f"Your task: {task}" + (f"\n{NOTE_PREFIX}Done so far: {'; '.join(done)}." if done else "")
 
-    def _done_so_far(self) -> list[str]:
-        """What the agent's successful tool calls did, from its conversation."""
-        calls: dict[str, tuple[str, dict]] = {}
-        done = []
-        for message in self.conversation.messages:
-            for call in message.get("tool_calls") or []:
-                calls[call["id"]] = (call["function"]["name"], json.loads(call["function"]["arguments"] or "{}"))
-            if message["role"] == "tool" and message["tool_call_id"] in calls:
-                name, arguments = calls[message["tool_call_id"]]
-                result = json.loads(message["content"])
-                if "error" in result:
-                    continue
-                target = arguments.get("to") or arguments.get("agent_name") or result.get("to_name") or ""
-                done.append(f"{name} {target}".strip() + (f" ({result['status']})" if "status" in result else ""))
-        return done
+    def _team_targets(self) -> list[str] | None:
+        """send_message's choice of names (config.team_targets): the agent's children and siblings here."""
+        if not self.config.team_targets:
+            return None
+        team = self.host.team(self.record)
+        return sorted({a.name for a in team.children + team.siblings}) or None
 
     # -- the one loop ---------------------------------------------------------
     async def _loop(self) -> None:
@@ -274,18 +292,18 @@ class AgentRunner:
             try:
                 await self.run_task
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
+                if _cancelling():
                     raise  # the loop itself is being stopped
                 await self.event(ev.EVENT_KIND_RUN_CANCELLED, turn=self.record.turn)
             except (BudgetExceeded, ModelError) as exc:
-                self.host.run_failed(self, exc)
+                self.host.task_ended(self.record, self.budget, exc)
             except Exception as exc:  # a bug must fail the task loudly, not kill the loop silently
                 log.exception("%s: run failed unexpectedly", self)
-                self.host.run_failed(self, exc)
+                self.host.task_ended(self.record, self.budget, exc)
             finally:
                 self.run_task = None
                 self.record.running = False
-                self.host.save(self)
+                self.host.save(self.record, self.conversation)
             if self.stopping:
                 return
             if self.pending and not self._stream_down:
@@ -320,152 +338,64 @@ class AgentRunner:
                                          detail=f"no model call: the inbox stream was lost, {len(self.pending)}"
                                                 " message(s) stay pending")
                         return
-                    offered = schemas(self.tools_now(), self.host.team_targets(self))
-                    reply = await self.host.call_model(self, offered)
+                    reply = await self._call_model(schemas(self.tools_now(), self._team_targets()))
                     assistant = reply.as_message()
                     self.conversation.messages.append(assistant)
                     done = []
                     for call in reply.tool_calls:
-                        if self._yield_now:
+                        if self.actions.turn_ends:
                             # an earlier call said "wait": the rest of this turn does not run, and is left out
                             # of the conversation (the history shows what happened, nothing to copy wrongly)
-                            self.host.observe(self, "tool", f"{call.name} -> skipped: the turn ended with a wait")
+                            self.host.observe(self.record, "tool",
+                                              f"{call.name} -> skipped: the turn ended with a wait")
                             continue
                         with tracer.start_as_current_span(f"tool {call.name}"):
-                            result = await run_tool(self, call)
+                            result = await run_tool(self._tools, call)
                         done.append(call.id)
                         self.conversation.messages.append(result_message(call, result))
-                        self.host.observe(self, "tool", f"{call.name} -> {_brief(result)}")
+                        self.host.observe(self.record, "tool", f"{call.name} -> {_brief(result)}")
                     if reply.tool_calls and len(done) < len(reply.tool_calls):
                         assistant["tool_calls"] = [c for c in assistant["tool_calls"] if c["id"] in done]
                 tools = ", ".join(c.name for c in reply.tool_calls) or "no tool calls"
                 await self.event(ev.EVENT_KIND_TURN_ENDED, turn=turn, detail=tools)
-                self.host.save(self)
-                if self._finished_now:
-                    self._finished_now = False
-                    self.host.after_finish(self)
+                self.host.save(self.record, self.conversation)
+                if self.actions.finished:
+                    self.actions.finished = False
+                    self._after_finish()
                     return
                 if not reply.tool_calls:
                     return
-                if self._yield_now or (self.host.config.yield_after_send
-                                       and any(c.name == "send_message" for c in reply.tool_calls)):
-                    self._yield_now = False
+                if self.actions.turn_ends or (self.config.yield_after_send
+                                              and any(c.name == "send_message" for c in reply.tool_calls)):
+                    self.actions.turn_ends = False
                     return  # wait for answers: the next message wakes the agent
         finally:
             self.runs_active -= 1
 
-    # -- what tools do ------------------------------------------------------
-    def _cause(self) -> env_pb.Envelope | None:
-        """The newest message this agent consumed (its task included): what
-        its sends now answer. Their trail and conversation continue its own,
-        so the mesh's loop guard sees chains of agents."""
-        for message in reversed(list(self.received.values())):
-            if message.kind != env_pb.MESSAGE_KIND_CONTROL:
-                return message
-        return None
+    async def _call_model(self, tools: list[dict[str, Any]]) -> ModelReply:
+        """One model reply within the task's budget (its requests counted for this agent too)."""
+        try:
+            reply = await self.budget.complete(self.model, self.conversation.messages, tools, self.record)
+        except ModelError as exc:
+            self.model_requests += exc.attempts
+            raise
+        self.model_requests += reply.attempts
+        self.host.observe(self.record, "model", f"{self.model.name}: {len(reply.tool_calls)} tool call(s)"
+                                                f"{', text' if reply.text else ''} ({reply.attempts} request(s))")
+        return reply
 
-    async def send(self, to: str, text: str, **fields: Any) -> inbox_pb2.Receipt:
-        cause = self._cause()
-        if cause is not None:
-            fields.setdefault("trail", list(cause.trail))
-            fields.setdefault("conversation_id", cause.conversation_id or self.record.conversation_id)
-        to = await self.host.address_for(self, to)
-        receipt = await self.handle.send(to, text, **fields)
-        self.host.observe(self, "sent", f"{receipt.message_id} to {await self.host.name_of(to)}: "
-                          f"{inbox_pb2.ReceiptStatus.Name(receipt.status).removeprefix('RECEIPT_STATUS_')}")
-        return receipt
-
-    async def reply(self, original: env_pb.Envelope, text: str) -> inbox_pb2.Receipt:
-        parent = self._consume_contexts.get(original.message_id)
-        ctx = trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent is not None else None
-        with tracer.start_as_current_span("reply", context=ctx, attributes={"inboxmesh.in_reply_to":
-                                                                           original.message_id}):
-            return await self.send(original.sender, text, kind=env_pb.MESSAGE_KIND_REPLY,
-                                   in_reply_to=original.message_id, conversation_id=original.conversation_id,
-                                   trail=list(original.trail),
-                                   hop_count=original.hop_count)
-
-    def wait_for_messages(self) -> None:
-        """End the run after this turn: there is nothing to act on until a
-        message arrives (which wakes the agent)."""
-        self._yield_now = True
-
-    def tools_now(self) -> tuple[str, ...]:
-        """The tools the agent needs now: `finish` only while its task is
-        open, `spawn_agent` only while it may start more children."""
-        hidden = set()
-        if self.record.completed:
-            hidden.add("finish")
-        if self.max_spawns is not None and self.record.spawned >= self.max_spawns:
-            hidden.add("spawn_agent")
-        return tuple(t for t in self.record.tools if t not in hidden)
-
-    async def finish(self, result: str) -> dict[str, Any]:
-        if self.record.completed:
-            self.wait_for_messages()
-            return {"error": "your task is already finished"}
-        working = self.host.children_working(self)
-        if working:
-            self.wait_for_messages()  # the only thing to do is wait for their reports
-            return {"error": f"not finished: {', '.join(working)} still working; their reports will arrive as"
-                             " messages. End your turn now and wait."}
-        outcome: dict[str, Any] = {"status": "completed"}
-        completion_id = ""
-        if self.record.parent_id:
-            # the mesh ends the run and announces the result in the parent's inbox, exactly once
-            ended = await self.handle.end_run(result)
-            run = ended.run
-            completion_id = run.announce_message_id
-            outcome["delivered_to"] = self.record.parent_id
-            outcome["announce"] = runs_pb2.AnnounceState.Name(run.announce_state).removeprefix(
-                "ANNOUNCE_STATE_").lower()
-            if ended.already_ended:
-                outcome["note"] = "your run had already ended; nothing was sent again"
-            self.host.observe(self, "sent", f"result to {await self.host.name_of(self.record.parent_id)}: "
-                              f"{outcome['announce']}")
-        self.record.completed = True
-        self.record.result = result
-        self._finished_now = True
-        await self.event(ev.EVENT_KIND_TASK_COMPLETED, message_id=completion_id, turn=self.record.turn,
-                         detail=result[:500])
-        return outcome
-
-    def newest_received(self) -> env_pb.Envelope | None:
-        """The newest message this agent consumed that can be answered (not
-        its task, not a mesh notice)."""
-        for message in reversed(list(self.received.values())):
-            if message.kind not in (env_pb.MESSAGE_KIND_TASK, env_pb.MESSAGE_KIND_CONTROL):
-                return message
-        return None
-
-    def expect_completion(self, task_message_id: str, child_id: str) -> asyncio.Future:
-        """Register, before the task is sent, that this agent waits for the
-        child's completion (so it cannot slip past into `pending`)."""
-        future = asyncio.get_running_loop().create_future()
-        self.awaiting[task_message_id] = (child_id, future)
-        return future
-
-    async def wait_for_completion(self, future: asyncio.Future, child_id: str) -> env_pb.Envelope:
-        """Block this run until the child's completion reaches this agent's
-        inbox; the completion is consumed here, in this turn."""
-        message = await future
-        won = await self._consume([message])
-        if not won:
-            raise ChildGone(f"the completion of {child_id} could not be consumed")
-        return message
-
-    def child_gone(self, child_id: str, reason: str) -> None:
-        for key, (waited, future) in list(self.awaiting.items()):
-            if waited == child_id and not future.done():
-                del self.awaiting[key]
-                future.set_exception(ChildGone(f"subagent {child_id} was closed before it completed: {reason}"))
+    def _after_finish(self) -> None:
+        """The turn in which the agent finished its task has ended: the result is the task's outcome,
+        and with close_on_complete a child is closed now."""
+        self.host.task_ended(self.record, self.budget)
+        if self.record.keep_alive == CLOSE_ON_COMPLETE and self.record.parent_id:
+            self.host.close_soon(self.agent_id, "task completed (close_on_complete)")
 
     # -- evidence -------------------------------------------------------------
-    async def event(self, kind: int, **fields: Any) -> None:
+    async def event(self, kind: ev.EventKind, **fields: Any) -> None:
         """Record a runtime event about this agent in the mesh's event record."""
-        request = ev.RecordEventsRequest(events=[ev.Event(kind=kind, **fields)])
-        call = asyncio.ensure_future(self.handle.client.events.RecordEvents(
-            request, metadata=self.handle.metadata, timeout=self.host.config.call_timeout_s))
+        call = asyncio.ensure_future(self.handle.record_events([ev.Event(kind=kind, **fields)],
+                                                               timeout=self.config.call_timeout_s))
         self._recording.add(call)  # a stop waits for it: the record keeps the last turn's end
         call.add_done_callback(self._recording.discard)
         try:
@@ -474,21 +404,29 @@ class AgentRunner:
             raise
         except Exception as exc:  # evidence must not take the agent down; say so loudly
             log.error("%s: could not record %s: %s", self, ev.EventKind.Name(kind), exc)
-        self.host.observe(self, ev.EventKind.Name(kind).removeprefix("EVENT_KIND_").lower(),
+        self.host.observe(self.record, ev.EventKind.Name(kind).removeprefix("EVENT_KIND_").lower(),
                           fields.get("detail", "") or (f"turn {fields['turn']}" if fields.get("turn") else ""))
 
     # -- keep-alive -----------------------------------------------------------
     def _arm_idle_timer(self) -> None:
-        from agent_host.config import IDLE_TIMEOUT
-
         if self.record.completed and self.record.keep_alive == IDLE_TIMEOUT and self._idle_timer is None:
-            self._idle_timer = asyncio.get_running_loop().call_later(
-                self.host.config.idle_timeout_s, self.host.idle_expired, self)
+            self._idle_timer = asyncio.get_running_loop().call_later(self.config.idle_timeout_s, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        if self.state == "idle":
+            self.host.close_soon(self.agent_id, f"idle for {self.config.idle_timeout_s:.0f}s after completing"
+                                                " its task")
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled itself (not only what it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _span_of(message: env_pb.Envelope) -> trace.Span | None:

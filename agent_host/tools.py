@@ -1,5 +1,6 @@
 """The tools an agent's model can call, with their JSON schemas, and how the
-host carries them out against the mesh. Every result is a JSON object the
+host carries them out against the mesh. A tool is given a ToolContext
+(below), never the runner. Every result is a JSON object the
 model sees as the tool's answer; failures are {"error": ...} naming what was
 wrong, never an exception into the loop.
 
@@ -20,17 +21,20 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from agent_host.actions import AgentActions
+from agent_host.hoststore import HostedAgent
+from agent_host.models.base import ToolCall
+from agent_host.ports import AgentCalls, AgentHost
 from inboxmesh.client import errors
 from inboxmesh.client.addressing import IOA_PREFIX
 from inboxmesh.client.errors import Reason
 from inboxmesh.inbox.v1 import inbox_pb2
+from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.registry.v1 import registry_pb2 as reg
-
-if TYPE_CHECKING:
-    from agent_host.models.base import ToolCall
-    from agent_host.runner import AgentRunner
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +123,34 @@ def schemas(names: tuple[str, ...], targets: list[str] | None = None) -> list[di
     return found
 
 
+@dataclass(frozen=True)
+class ToolContext:
+    """Everything a tool call is given: the agent it acts as, its mesh calls, its host, what it may do
+    in its turn, and its limits. Built once per agent by its runner."""
+
+    agent: HostedAgent
+    """The agent's record: name, parent, task, tools, turn, completed, spawned."""
+    handle: AgentCalls
+    """Mesh calls as the agent."""
+    host: AgentHost
+    """The host's side: names, the team here, releasing closed agents."""
+    actions: AgentActions
+    """Send, reply, spawn, finish, wait; the messages the agent consumed."""
+    max_spawns: int | None = None
+    """Children the agent may start in all (None: no limit)."""
+
+
+def available(agent: HostedAgent, max_spawns: int | None) -> tuple[str, ...]:
+    """The tools the agent needs now: `finish` only while its task is open, `spawn_agent` only while it
+    may start more children."""
+    hidden = set()
+    if agent.completed:
+        hidden.add("finish")
+    if max_spawns is not None and agent.spawned >= max_spawns:
+        hidden.add("spawn_agent")
+    return tuple(t for t in agent.tools if t not in hidden)
+
+
 def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
     if "_unparsed" in arguments:
         return f"the arguments were not a JSON object: {str(arguments['_unparsed'])[:200]}"
@@ -139,20 +171,35 @@ def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
     return None
 
 
-async def run_tool(runner: AgentRunner, call: ToolCall) -> dict[str, Any]:
-    if call.name not in runner.tools_now():
-        runner.wait_for_messages()
-        return {"error": f"you have no tool {call.name!r} now; yours: {list(runner.tools_now())}"}
+async def run_tool(ctx: ToolContext, call: ToolCall) -> dict[str, Any]:
+    now = available(ctx.agent, ctx.max_spawns)
+    if call.name not in now:
+        ctx.actions.wait_for_messages()
+        return {"error": f"you have no tool {call.name!r} now; yours: {list(now)}"}
     problem = _check_arguments(call.name, call.arguments)
     if problem:
         return {"error": f"{call.name}: {problem}"}
     try:
-        return await _HANDLERS[call.name](runner, **call.arguments)
+        return await _HANDLERS[call.name](ctx, **call.arguments)
     except errors.MeshError as exc:
         return {"error": f"{exc.reason}: {exc.message}"}
 
 
-async def resolve(runner: AgentRunner, target: str) -> reg.Agent | dict[str, Any]:
+_T = TypeVar("_T")
+
+
+async def relay_call(call: Awaitable[_T]) -> _T:
+    """A call to the mesh's IOA relay; on a mesh that has none (gRPC's UNIMPLEMENTED) FailedPrecondition
+    NO_RELAY."""
+    try:
+        return await call
+    except errors.MeshError as exc:
+        if exc.reason == "UNIMPLEMENTED":
+            raise errors.FailedPrecondition("this mesh has no IOA relay", reason="NO_RELAY") from None
+        raise
+
+
+async def resolve(ctx: ToolContext, target: str) -> reg.Agent | dict[str, Any]:
     """An agent by id, IOA address or name (in this agent's scope), or an
     error result."""
     target = target.strip()
@@ -160,11 +207,11 @@ async def resolve(runner: AgentRunner, target: str) -> reg.Agent | dict[str, Any
         return reg.Agent(agent_id=target)  # a peer on the IOA network: the relay answers for it
     if target.startswith("agt_"):
         try:
-            return await runner.handle.get(target)
+            return await ctx.handle.get(target)
         except errors.NotFound:
             return {"error": f"no agent with id {target}"}
     try:
-        return await runner.handle.resolve(target)
+        return await ctx.handle.resolve(target)
     except errors.FailedPrecondition as exc:
         if exc.reason == Reason.AMBIGUOUS_NAME:
             return {"error": f"several agents are named {target!r}; use an id: {exc.metadata.get('candidates')}"}
@@ -188,73 +235,86 @@ def receipt_result(receipt: inbox_pb2.Receipt, to: reg.Agent | None = None) -> d
     return result
 
 
-async def spawn_agent(runner: AgentRunner, agent_name: str, task: str, mode: str = "async") -> dict[str, Any]:
+async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = "async") -> dict[str, Any]:
     # `agent_name`, not `name`: small models confuse a `name` argument with the tool call's own "name"
-    return await runner.host.spawn(runner, name=agent_name, task=task, mode=mode)
+    return await ctx.actions.spawn(agent_name, task, mode)
 
 
-async def send_message(runner: AgentRunner, to: str, text: str) -> dict[str, Any]:
-    target = await resolve(runner, to)
+async def send_message(ctx: ToolContext, to: str, text: str) -> dict[str, Any]:
+    target = await resolve(ctx, to)
     if isinstance(target, dict):
         return target
-    receipt = await runner.send(target.agent_id, text)
+    receipt = await ctx.actions.send(target.agent_id, text)
     return receipt_result(receipt, target)
 
 
-async def reply(runner: AgentRunner, text: str, message_id: str = "") -> dict[str, Any]:
-    original = runner.received.get(message_id.strip()) if message_id else runner.newest_received()
+async def reply(ctx: ToolContext, text: str, message_id: str = "") -> dict[str, Any]:
+    original = ctx.actions.message(message_id.strip() if message_id else None)
     if original is None:
-        if not message_id or not runner.newest_received():
-            runner.wait_for_messages()  # nothing to answer yet: the answer's question wakes the agent
+        if not message_id or not ctx.actions.message():
+            ctx.actions.wait_for_messages()  # nothing to answer yet: the answer's question wakes the agent
             return {"error": "you have received no message to answer yet; end your turn and wait"}
         return {"error": f"you received no message with message_id {message_id!r}"}
-    receipt = await runner.reply(original, text)
+    receipt = await ctx.actions.reply(original, text)
     return receipt_result(receipt)
 
 
-async def list_agents(runner: AgentRunner) -> dict[str, Any]:
+async def list_agents(ctx: ToolContext) -> dict[str, Any]:
     def brief(agent: reg.Agent) -> dict[str, str]:
         return {"agent_id": agent.agent_id, "name": agent.name,
                 "state": reg.AgentState.Name(agent.state).removeprefix("AGENT_STATE_").lower()}
 
-    me = runner.handle
-    result: dict[str, Any] = {"self": {"agent_id": me.agent_id, "name": runner.record.name}}
+    me = ctx.handle
+    result: dict[str, Any] = {"self": {"agent_id": me.agent_id, "name": ctx.agent.name}}
     result["children"] = [brief(a) for a in await me.list_agents(parent_id=me.agent_id, include_closed=True)]
-    if runner.record.parent_id:
-        result["parent"] = brief(await me.get(runner.record.parent_id))
-        siblings = await me.list_agents(parent_id=runner.record.parent_id, include_closed=True)
+    if ctx.agent.parent_id:
+        result["parent"] = brief(await me.get(ctx.agent.parent_id))
+        siblings = await me.list_agents(parent_id=ctx.agent.parent_id, include_closed=True)
         result["siblings"] = [brief(a) for a in siblings if a.agent_id != me.agent_id]
     return result
 
 
-async def close_agent(runner: AgentRunner, agent: str) -> dict[str, Any]:
-    target = await resolve(runner, agent)
+async def close_agent(ctx: ToolContext, agent: str) -> dict[str, Any]:
+    target = await resolve(ctx, agent)
     if isinstance(target, dict):
         return target
-    if target.agent_id == runner.handle.agent_id:
+    if target.agent_id == ctx.handle.agent_id:
         return {"error": "close_agent closes your subagents; call finish to end your own task"}
-    closed = await runner.host.close(target.agent_id, reason=f"closed by {runner.record.name}", by=runner)
+    reason = f"closed by {ctx.agent.name}"
+    response = await ctx.handle.close(target.agent_id, reason=reason)
+    closed = list(response.closed_agent_ids)
+    await ctx.host.release(closed, reason)  # the closed agents' runners stop here
     return {"closed": closed}
 
 
-async def finish(runner: AgentRunner, result: str) -> dict[str, Any]:
-    return await runner.finish(result)
+async def finish(ctx: ToolContext, result: str) -> dict[str, Any]:
+    return await ctx.actions.finish(result)
 
 
-async def space_send(runner: AgentRunner, space: str, text: str) -> dict[str, Any]:
-    return await runner.host.space_send(runner, space, text)
+async def space_send(ctx: ToolContext, space: str, text: str) -> dict[str, Any]:
+    response = await relay_call(ctx.handle.space_send(space, text))
+    status = net.PublishStatus.Name(response.status).removeprefix("PUBLISH_STATUS_").lower()
+    return {"status": status, "ioa_message_id": response.ioa_message_id, **(
+        {"detail": response.detail} if response.detail else {})}
 
 
-async def space_read(runner: AgentRunner, space: str, after: int = 0) -> dict[str, Any]:
-    return await runner.host.space_read(runner, space, after)
+async def space_read(ctx: ToolContext, space: str, after: int = 0) -> dict[str, Any]:
+    response = await relay_call(ctx.handle.space_read(space, after))
+    messages = []
+    for m in response.messages:
+        sender = getattr(m, "from")  # a Python keyword
+        address = f"{IOA_PREFIX}{sender.node}/{sender.agent}"
+        messages.append({"position": m.space_seq, "from": await ctx.host.name_of(address),
+                         "from_address": address, "text": m.text})
+    return {"space": space, "messages": messages}
 
 
-async def wait(runner: AgentRunner) -> dict[str, Any]:
-    runner.wait_for_messages()
+async def wait(ctx: ToolContext) -> dict[str, Any]:
+    ctx.actions.wait_for_messages()
     return {"status": "waiting"}
 
 
-_HANDLERS = {
+_HANDLERS: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
     "spawn_agent": spawn_agent,
     "send_message": send_message,
     "reply": reply,

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from agent_host.config import Budget, HostConfig
 from agent_host.host import AgentProfile, Host, HostEvent
-from agent_host.hoststore import AgentRecord
+from agent_host.hoststore import HostedAgent
+from agent_host.models.base import ModelReply
 from agent_host.models.scripted import Policy, ScriptedModel, say
 from agent_host.tools import ALL_TOOLS
 
@@ -26,7 +28,8 @@ class GatedModel(ScriptedModel):
         self.gates = gates
         self.waiting = asyncio.Event()
 
-    async def complete(self, messages, tools, *, max_output_tokens, max_requests):
+    async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, max_output_tokens: int,
+                       max_requests: int) -> ModelReply:
         gate = self.gates.get(self.requests + 1)
         if gate is not None:
             self.waiting.set()
@@ -36,13 +39,13 @@ class GatedModel(ScriptedModel):
                                       max_requests=max_requests)
 
 
-def scripted_profiles(policies: dict[str, Policy | ScriptedModel], tools: tuple[str, ...] = ALL_TOOLS,
-                      default: Policy | None = None) -> Callable[[AgentRecord], AgentProfile]:
+def scripted_profiles(policies: Mapping[str, Policy | ScriptedModel], tools: tuple[str, ...] = ALL_TOOLS,
+                      default: Policy | None = None) -> Callable[[HostedAgent], AgentProfile]:
     """Profiles by agent name: a policy (one ScriptedModel per agent) or a
     ready model instance."""
     models: dict[str, ScriptedModel] = {}
 
-    def profile(record: AgentRecord) -> AgentProfile:
+    def profile(record: HostedAgent) -> AgentProfile:
         chosen = policies.get(record.name, default or (lambda view: say("no policy")))
         if isinstance(chosen, ScriptedModel):
             return AgentProfile(model=chosen, tools=tools)
@@ -52,14 +55,20 @@ def scripted_profiles(policies: dict[str, Policy | ScriptedModel], tools: tuple[
     return profile
 
 
+class ScriptedHost(Host):
+    """A Host that keeps its live log (`log`) for the scenario to read."""
+
+    log: list[HostEvent]
+
+
 @contextlib.asynccontextmanager
-async def scripted_host(address: str, data_dir: Path, policies: dict[str, Policy | ScriptedModel], **config):
+async def scripted_host(address: str, data_dir: Path, policies: Mapping[str, Policy | ScriptedModel],
+                        **config: Any) -> AsyncIterator[ScriptedHost]:
     budget = config.pop("budget", Budget(max_wall_time_s=60))
-    host = Host(replace(HostConfig(mesh_address=address, data_dir=data_dir, budget=budget), **config),
-                scripted_profiles(policies))
-    log: list[HostEvent] = []
-    host.observers.append(log.append)
-    host.log = log
+    host = ScriptedHost(replace(HostConfig(mesh_address=address, data_dir=data_dir, budget=budget), **config),
+                        scripted_profiles(policies))
+    host.log = []
+    host.observers.append(host.log.append)
     await host.start()
     try:
         yield host
@@ -67,5 +76,5 @@ async def scripted_host(address: str, data_dir: Path, policies: dict[str, Policy
         await host.stop()
 
 
-def by_name(host: Host, name: str):
+def by_name(host: Host, name: str):  # -> AgentRunner[AgentHandle]; untyped: scenarios read its InboxStream
     return next(r for r in host.runners.values() if r.record.name == name)

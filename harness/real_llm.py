@@ -36,7 +36,7 @@ from pathlib import Path
 
 from agent_host.config import Budget, HostConfig
 from agent_host.host import AgentProfile, Host, HostEvent
-from agent_host.hoststore import AgentRecord
+from agent_host.hoststore import HostedAgent
 from agent_host.models.base import Model
 from harness.prepare import SCENARIO_MODEL, log_progress, prepare, prepared, scenario_endpoint
 from inboxmesh.cli.run import exchange_summary
@@ -64,7 +64,8 @@ NODE = "scenario"
 """The IOA node id of the scenario's mesh."""
 
 
-B_TASK = "Wait for a message from A. Answer it with the reply tool, repeating the code in it. Then call finish with the code."
+B_TASK = ("Wait for a message from A. Answer it with the reply tool, repeating the code in it. Then call finish with"
+          " the code.")
 
 
 def a_task(secret: str) -> str:
@@ -165,10 +166,11 @@ async def verify(client: MeshClient, host: Host, secret: str, spans=None) -> lis
     for child in (a, b):
         report = next((reports[s] for s in sent_by(child) if s in reports), None)
         if not e.check(report is not None and report.message_id in parent_consumed,
-                       f"the parent consumed {child.record.name}'s report"):
+                       f"the parent consumed {child.record.name}'s report") or report is None:
             continue
         status = await view.status(report.message_id, sender=report.sender)
-        e.check(status.envelope.kind == env_pb.MESSAGE_KIND_COMPLETION, f"{child.record.name}'s report is a completion")
+        e.check(status.envelope.kind == env_pb.MESSAGE_KIND_COMPLETION,
+                f"{child.record.name}'s report is a completion")
         announces = [x for x in of(K.EVENT_KIND_RUN_ANNOUNCED) if x.agent_id == child.agent_id]
         e.check(len(announces) == 1 and report.message_id == f"inboxmesh:announce:{announces[0].message_id}",
                 f"{child.record.name}'s result was announced exactly once, by its run")
@@ -196,7 +198,7 @@ def _local(message_id: str) -> str:
 
 
 def profiles(model: Model):
-    def profile(record: AgentRecord) -> AgentProfile:
+    def profile(record: HostedAgent) -> AgentProfile:
         return AgentProfile(model=model, tools=TOOLS.get(record.name, ("finish",)), role=ROLES.get(record.name, ""),
                             max_spawns=2 if record.name == "parent" else 0)
     return profile
@@ -303,7 +305,8 @@ async def reliability(runs: int, via_ioa: bool) -> int:
                     result = await run_once(mesh.address, model, Path(tmp) / "host", via_ioa=via_ioa, client=client,
                                             label=f"run{index + 1:02d}")
             results.append(result)
-            print(f"run {index + 1:2d}/{runs} {result.mode}: {'PASS' if result.ok else 'FAIL'} in {result.elapsed_s:6.1f}s,"
+            print(f"run {index + 1:2d}/{runs} {result.mode}: {'PASS' if result.ok else 'FAIL'} in"
+                  f" {result.elapsed_s:6.1f}s,"
                   f" requests {sum(result.model_requests.values()):2d} {result.model_requests}"
                   + ("" if result.ok else f"  {result.problems[0]}"), flush=True)
     passed = sum(r.ok for r in results)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from agent_host.config import KEEP_ALIVE_POLICIES, Budget, HostConfig
 from agent_host.host import AgentProfile, Host, HostEvent, TaskOutcome
-from agent_host.hoststore import AgentRecord
+from agent_host.hoststore import HostedAgent
 from agent_host.models.scripted import POLICIES, ScriptedModel
 from agent_host.settings import model_settings, openai_model
 from agent_host.tools import ALL_TOOLS
@@ -55,7 +55,7 @@ def _profiles(args) -> tuple:
         policies = getattr(importlib.import_module(module), name)
         models: dict[str, ScriptedModel] = {}
 
-        def by_name(record: AgentRecord) -> AgentProfile:
+        def by_name(record: HostedAgent) -> AgentProfile:
             policy = policies.get(record.name) or POLICIES["finish"]
             return AgentProfile(models.setdefault(record.agent_id, ScriptedModel(policy, f"scripted:{record.name}")),
                                 tools)
