@@ -112,7 +112,10 @@ async def test_the_compose_services_form_a_working_mesh(tmp_path):
         relay = f"127.0.0.1:{local.port('relay', '7403')}"
         token = load()["registry"]["environment"]["INBOXMESH_ADMIN_TOKEN"]
         host = load()["agent-host"]
+        # the host loads its scripted policies from harness/, which the distribution does not install: the
+        # image puts its copy on PYTHONPATH (Dockerfile), this run the repository's
         agent_host = await asyncio.create_subprocess_exec(*local.argv("agent-host", host["command"]), cwd=ROOT,
+                                                          env={**os.environ, "PYTHONPATH": str(ROOT)},
                                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(agent_host.communicate(), timeout=120)
