@@ -42,7 +42,8 @@ async def test_the_same_name_in_two_scopes_resolves_inside_each(mesh, client, tm
             (_, spawned), = tool_results(boss_runner, "spawn_agent")
             (_, sent), = tool_results(boss_runner, "send_message")
             assert sent["status"] == "accepted" and sent["to"] == spawned["agent_id"], "its own worker, by name"
-        assert tool_results(first, "spawn_agent")[0][1]["agent_id"] != tool_results(second, "spawn_agent")[0][1]["agent_id"]
+        assert (tool_results(first, "spawn_agent")[0][1]["agent_id"]
+                != tool_results(second, "spawn_agent")[0][1]["agent_id"])
 
 
 def twins(view):

@@ -11,10 +11,10 @@ SENT, STORED, DELIVERED, CONSUMED = (ev.EVENT_KIND_MESSAGE_SENT, ev.EVENT_KIND_M
 
 
 async def test_demo_exchange_is_proven_by_the_event_record(mesh, client):
-    lines = []
+    lines: list[str] = []
     ids = await run_demo(mesh.address, say=lines.append)
     events = await client.admin_events(after=0, limit=1000)
-    by_message = {}
+    by_message: dict[str, list[ev.Event]] = {}
     for event in events:
         by_message.setdefault(event.message_id, []).append(event)
 

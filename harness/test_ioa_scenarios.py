@@ -40,6 +40,7 @@ async def ioa_mesh(network, tmp_path, node_id):
     config = replace(make_config(tmp_path / node_id), ioa=IoaConfig(node_id=node_id, network=network.address))
     mesh = Mesh(config)
     await mesh.start()
+    assert mesh.relay is not None, "the mesh's config names the network"
     await mesh.relay.wait_connected(10)
     client = MeshClient(mesh.address, admin_token=ADMIN_TOKEN)
     try:
@@ -211,12 +212,14 @@ async def test_one_trace_runs_from_send_through_the_network_to_the_reply(network
             near = by_name(host_a, "caller")
             (_, sent), = tool_results(near, "send_message")
     finished = spans.get_finished_spans()
-    send = next(s for s in finished if s.name == "send" and s.attributes.get("messaging.message.id") == sent["message_id"])
+    send = next(s for s in finished
+                if s.name == "send" and s.attributes.get("messaging.message.id") == sent["message_id"])
     in_trace = [s for s in finished if s.context.trace_id == send.context.trace_id]
     names = [s.name for s in in_trace]
     for step in ("send", "ioa.publish", "ioa.receive", "enqueue", "deliver", "consume", "reply", "ack"):
         assert step in names, (step, sorted(set(names)))
     reply = next(s for s in in_trace if s.name == "reply")
-    consume = next(s for s in in_trace if s.name == "consume" and s.attributes.get("inboxmesh.recipient") == far.agent_id)
+    consume = next(s for s in in_trace
+                   if s.name == "consume" and s.attributes.get("inboxmesh.recipient") == far.agent_id)
     assert reply.parent.span_id == consume.context.span_id, "the reply continues the trace on the far side"
     assert names.count("ioa.publish") >= 2 and names.count("ioa.receive") >= 2, "there and back in one trace"

@@ -59,7 +59,8 @@ async def test_close_on_complete_and_idle_timeout(mesh, client, tmp_path):
             lead = await host.start_task("lead", "spawn")
             await eventually(lambda: any(r.record.name == "child" for r in host.runners.values()))
             child_id = by_name(host, "child").agent_id
-            await eventually(lambda: child_id not in host.runners, message=f"{policy_name} closes the child")
+            await eventually(lambda child_id=child_id: child_id not in host.runners,
+                             message=f"{policy_name} closes the child")
             info = await lead.handle.get(child_id)
             assert info.state == reg.AGENT_STATE_CLOSED
             assert ("task completed" if policy_name == CLOSE_ON_COMPLETE else "idle for") in info.close_reason

@@ -10,6 +10,7 @@ import secrets
 
 import pytest
 
+from agent_host.models.scripted import Policy, ScriptedModel
 from harness.hosts import GatedModel, by_name, scripted_host
 from harness.nats import NatsNode
 from harness.policies import SIBLING_POLICIES
@@ -27,7 +28,7 @@ async def test_the_exchange_survives_the_loss_of_the_hosts_replica(tmp_path):
     secret = f"SEC-{secrets.randbelow(10**6):06d}"
     gate = asyncio.Event()
     b_model = GatedModel(SIBLING_POLICIES["B"], {2: gate})  # B's second model call: A's message is in hand
-    policies = {**SIBLING_POLICIES, "B": b_model}
+    policies: dict[str, Policy | ScriptedModel] = {**SIBLING_POLICIES, "B": b_model}
     with NatsNode(tmp_path / "nats") as node:
         args = ("--store", "jetstream", "--nats", node.url)
         with MeshProcess(tmp_path / "r1", *args) as r1, MeshProcess(tmp_path / "r2", *args) as r2:
@@ -73,7 +74,7 @@ async def test_an_ack_whose_answer_was_lost_still_reaches_the_agent(tmp_path):
                 outcome = await host.outcome(parent.agent_id, timeout=90)
                 assert outcome.ok, outcome.error
                 runners = {r.agent_id: r for r in host.runners.values()}
-            assert r1.proc.wait(10) == 137, "r1 died at its second ack, after recording it"
+            assert r1.proc is not None and r1.proc.wait(10) == 137, "r1 died at its second ack, after recording it"
             async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
                 events = await admin.admin_events(limit=1000)
             consumed = [e for e in events if e.kind == K.EVENT_KIND_MESSAGE_CONSUMED]

@@ -96,8 +96,9 @@ def mutual(other):
 
 def spawn_pair(view):
     if not view.called("spawn_agent"):
-        return Decision(calls=[("spawn_agent", {"agent_name": "A", "task": "Greet B, answer B's greeting, then finish."}),
-                               ("spawn_agent", {"agent_name": "B", "task": "Greet A, answer A's greeting, then finish."})])
+        return Decision(calls=[
+            ("spawn_agent", {"agent_name": "A", "task": "Greet B, answer B's greeting, then finish."}),
+            ("spawn_agent", {"agent_name": "B", "task": "Greet A, answer A's greeting, then finish."})])
     if len([m for m in view.inbox if m.kind == "completion"]) == 2:
         return call("finish", result="both done")
     return say("waiting")

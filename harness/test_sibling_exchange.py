@@ -64,7 +64,8 @@ async def test_siblings_exchange_a_secret_through_their_inboxes(mesh, client, tm
     assert secret in reply_text, "A consumed B's reply quoting the secret"
 
     # A confirms to B (a reply to B's reply), consumed by B
-    (confirm,) = of(K.EVENT_KIND_MESSAGE_STORED, sender=a.agent_id, recipient=b.agent_id, in_reply_to=b_reply.message_id)
+    (confirm,) = of(K.EVENT_KIND_MESSAGE_STORED, sender=a.agent_id, recipient=b.agent_id,
+                    in_reply_to=b_reply.message_id)
     assert of(K.EVENT_KIND_MESSAGE_CONSUMED, message_id=confirm.message_id, agent_id=b.agent_id)
 
     # both report to the parent through its inbox; the parent consumes both, then completes

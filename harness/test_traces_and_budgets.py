@@ -21,7 +21,8 @@ async def test_a_reply_is_traced_in_the_same_trace_as_the_message_it_answers(mes
         receipt = await poker.send(worker.agent_id, "question")
         await eventually(lambda: len(worker.received) == 1 and worker.state == "idle" and worker.record.turn >= 2)
     finished = spans.get_finished_spans()
-    send = next(s for s in finished if s.name == "send" and s.attributes.get("messaging.message.id") == receipt.message_id)
+    send = next(s for s in finished
+                if s.name == "send" and s.attributes.get("messaging.message.id") == receipt.message_id)
     trace_id = send.context.trace_id
     in_trace = {s.name: s for s in finished if s.context.trace_id == trace_id}
     assert {"send", "enqueue", "deliver", "consume", "reply", "ack"} <= set(in_trace), sorted(in_trace)
@@ -30,7 +31,7 @@ async def test_a_reply_is_traced_in_the_same_trace_as_the_message_it_answers(mes
     assert reply.parent.span_id == consume.context.span_id, "the reply continues the trace of what it answers"
     reply_send = [s for s in finished if s.name == "send" and s.parent and s.parent.span_id == reply.context.span_id]
     assert reply_send, "the reply's own send span hangs under it"
-    wake = [s for s in finished if s.name == "wake" and any(l.context.trace_id == trace_id for l in s.links)]
+    wake = [s for s in finished if s.name == "wake" and any(link.context.trace_id == trace_id for link in s.links)]
     assert wake, "the wake-up links to the message that caused it"
     turns = [s for s in finished if s.name == "turn" and s.attributes.get("inboxmesh.agent") == worker.agent_id]
     assert len(turns) >= 2

@@ -31,7 +31,7 @@ class Endpoint:
 
     def __init__(self, script):
         self.script = list(script)
-        self.requests = []
+        self.requests: list[tuple[str, dict[str, str], dict]] = []
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -103,7 +103,8 @@ async def test_the_budget_bounds_the_retries(endpoint):
     with pytest.raises(ModelError) as caught:
         await model.complete([{"role": "user", "content": "go"}], [], max_output_tokens=16, max_requests=3)
     await model.close()
-    assert caught.value.attempts == 3 and len(server.requests) == 3 and "no usable reply in 3 requests" in str(caught.value)
+    assert caught.value.attempts == 3 and len(server.requests) == 3
+    assert "no usable reply in 3 requests" in str(caught.value)
 
 
 async def test_a_refused_request_is_not_retried(endpoint):
@@ -133,7 +134,8 @@ async def test_unparseable_arguments_become_an_error_the_model_sees(endpoint):
     assert reply.tool_calls[0].arguments == {"_unparsed": "{not json"}
     from agent_host.tools import _check_arguments
 
-    assert "not a JSON object" in _check_arguments("finish", reply.tool_calls[0].arguments)
+    problem = _check_arguments("finish", reply.tool_calls[0].arguments)
+    assert problem is not None and "not a JSON object" in problem
 
 
 def test_settings_come_from_the_usual_variables(monkeypatch):

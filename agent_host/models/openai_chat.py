@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 import openai
+from openai.types.chat import (
+    ChatCompletionMessageParam,
+    ChatCompletionToolChoiceOptionParam,
+    ChatCompletionToolUnionParam,
+)
 
 from agent_host.models.base import ModelError, ModelReply, ToolCall, Usage
 
@@ -32,11 +37,15 @@ class OpenAIChatModel:
         max_requests: int,
     ) -> ModelReply:
         failures: list[str] = []
+        # the conversation and the tool schemas are plain dicts in exactly the SDK's shapes (TypedDicts)
+        sdk_messages = cast(list[ChatCompletionMessageParam], messages)
+        sdk_tools = cast(list[ChatCompletionToolUnionParam], tools)
+        tool_choice = cast(ChatCompletionToolChoiceOptionParam, self.tool_choice)  # "auto" or "required"
         for attempt in range(1, max(1, max_requests) + 1):
             try:
                 response = await self._client.chat.completions.create(
-                    model=self.model, messages=messages, tools=tools or openai.NOT_GIVEN,
-                    tool_choice=self.tool_choice if tools else openai.NOT_GIVEN,
+                    model=self.model, messages=sdk_messages, tools=sdk_tools or openai.omit,
+                    tool_choice=tool_choice if tools else openai.omit,
                     max_tokens=max_output_tokens, temperature=self._temperature(attempt),
                 )
             except (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError,

@@ -268,9 +268,9 @@ class LlamaServer:
         if self.process is not None:
             raise RuntimeError(f"llama-server already running as pid {self.process.pid}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log_file:
-            self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
-                                            stderr=subprocess.STDOUT)
+        with self.log_path.open("wb") as log_file:  # fork and exec off the event loop
+            self.process = await asyncio.to_thread(subprocess.Popen, self.command(), stdin=subprocess.DEVNULL,
+                                                   stdout=log_file, stderr=subprocess.STDOUT)
         started = time.monotonic()
         try:
             await self._wait_until_healthy(started + self.startup_timeout_s)
