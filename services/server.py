@@ -95,16 +95,16 @@ class Mesh:
         wanted = self.config.services
         extra = []
         if "registry" in wanted:
-            registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(built.registry, directory), server)
-            runs_pb2_grpc.add_SubagentRunServiceServicer_to_server(RunServicer(built.runs, directory), server)
+            registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(built.registry), server)
+            runs_pb2_grpc.add_SubagentRunServiceServicer_to_server(RunServicer(built.runs), server)
             extra.append(RUNS_SERVICE)
         if built.routing is not None:
             routing_pb2_grpc.add_RoutingServiceServicer_to_server(RoutingServicer(built.routing), server)
             extra.append(ROUTING_SERVICE)
         if "inbox" in wanted:
-            inbox_pb2_grpc.add_InboxServiceServicer_to_server(InboxServicer(built.inbox, directory), server)
+            inbox_pb2_grpc.add_InboxServiceServicer_to_server(InboxServicer(built.inbox), server)
         if "events" in wanted:
-            events_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(built.events, directory), server)
+            events_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(built.events), server)
         if built.relay is not None:
             relay_pb2_grpc.add_IoaRelayServiceServicer_to_server(IoaRelayServicer(built.relay, directory), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -5,15 +5,13 @@ from __future__ import annotations
 from inboxmesh.events.v1 import events_pb2 as pb
 from inboxmesh.events.v1 import events_pb2_grpc
 from services.auth_policy import authenticated
-from services.directory import Directory
 from services.events.service import EventsService
 from services.grpc_common import streaming, unary
 
 
 class EventServicer(events_pb2_grpc.EventServiceServicer):
-    def __init__(self, service: EventsService, directory: Directory):
-        self._service = service
-        del directory  # authentication is the interceptor's (services/auth_policy.py)
+    def __init__(self, service: EventsService):
+        self._service = service  # who is calling: auth_policy.authenticated() (the interceptor proved it)
 
     @unary
     async def ListEvents(self, request: pb.ListEventsRequest, context) -> pb.ListEventsResponse:

@@ -14,7 +14,7 @@ from inboxmesh.client.status import status_code_of, to_grpc
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from services.auth_policy import authenticated
-from services.directory import Caller, Directory
+from services.directory import Caller
 from services.grpc_common import streaming, unary
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.inbox.service import InboxService
@@ -91,9 +91,8 @@ async def _write(context: grpc.aio.ServicerContext, response: pb.SubscribeRespon
 
 
 class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
-    def __init__(self, service: InboxService, directory: Directory):
-        self._service = service
-        del directory  # authentication is the interceptor's (services/auth_policy.py)
+    def __init__(self, service: InboxService):
+        self._service = service  # who is calling: auth_policy.authenticated() (the interceptor proved it)
 
     @unary
     async def Send(self, request: pb.SendRequest, context) -> pb.SendResponse:

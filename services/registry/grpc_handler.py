@@ -7,7 +7,6 @@ from typing import cast
 from inboxmesh.registry.v1 import registry_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2_grpc
 from services.auth_policy import authenticated
-from services.directory import Directory
 from services.grpc_common import unary
 from services.registry.service import RegistryService
 from services.store.base import AgentRecord
@@ -31,9 +30,8 @@ def agent_pb(record: AgentRecord) -> pb.Agent:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    def __init__(self, service: RegistryService, directory: Directory):
-        self._service = service
-        del directory  # authentication is the interceptor's (services/auth_policy.py)
+    def __init__(self, service: RegistryService):
+        self._service = service  # who is calling: auth_policy.authenticated() (the interceptor proved it)
 
     @unary
     async def RegisterAgent(self, request: pb.RegisterAgentRequest, context) -> pb.RegisterAgentResponse:

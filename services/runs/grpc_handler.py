@@ -5,15 +5,13 @@ from __future__ import annotations
 from inboxmesh.runs.v1 import runs_pb2 as pb
 from inboxmesh.runs.v1 import runs_pb2_grpc
 from services.auth_policy import authenticated
-from services.directory import Directory
 from services.grpc_common import unary
 from services.runs.service import RunService
 
 
 class RunServicer(runs_pb2_grpc.SubagentRunServiceServicer):
-    def __init__(self, service: RunService, directory: Directory):
-        self._service = service
-        del directory  # authentication is the interceptor's (services/auth_policy.py)
+    def __init__(self, service: RunService):
+        self._service = service  # who is calling: auth_policy.authenticated() (the interceptor proved it)
 
     @unary
     async def EndRun(self, request: pb.EndRunRequest, context) -> pb.EndRunResponse:
