@@ -163,9 +163,9 @@ async def test_a_registration_retried_with_its_request_id_names_the_same_agent(c
     with pytest.raises(errors.FailedPrecondition) as caught:
         await first.spawn("someone-else", request_id="req-child-0123456789")
     assert caught.value.reason == "REQUEST_ID_REUSED" and child.agent_id in caught.value.message
-    with pytest.raises(errors.InvalidArgument) as caught:
+    with pytest.raises(errors.InvalidArgument) as refused:
         await first.spawn("worker", request_id="short")
-    assert caught.value.reason == "REQUEST_ID_TOO_SHORT"
+    assert refused.value.reason == "REQUEST_ID_TOO_SHORT"
     await first.close(child.agent_id)
     with pytest.raises(errors.FailedPrecondition) as caught:
         await first.spawn("worker", run=reg.RunSpec(task="t"), request_id="req-child-0123456789")
