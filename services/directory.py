@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from services import auth
-from services.store.base import AgentRecord, Store
+from services.store.base import AgentRecord, AgentStore
 
 _MAX_CACHED = 100_000
 
@@ -41,7 +41,7 @@ class Caller:
 
 
 class Directory:
-    def __init__(self, store: Store, *, admin_token: str | None, allow_cross_scope: bool):
+    def __init__(self, store: AgentStore, *, admin_token: str | None, allow_cross_scope: bool):
         self._store = store
         self._admin_token = admin_token
         self.allow_cross_scope = allow_cross_scope

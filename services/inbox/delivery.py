@@ -50,7 +50,7 @@ class Feed:
         self.fresh: collections.deque[envelope_pb2.Envelope] = collections.deque()
         self.fresh_limit = max(64, 2 * max_in_flight)
         self.needs_store = True
-        self.ended: tuple[int, str] | None = None
+        self.ended: tuple[pb.SubscriptionEventKind, str] | None = None
         self.woken = 0
         """Counts wake-ups for appends the feed must read from the store; a
         read that raced one does not clear needs_store."""
@@ -75,7 +75,7 @@ class Feed:
         return True
 
     def take_fresh(self, now: int) -> list[envelope_pb2.Envelope]:
-        taken = []
+        taken: list[envelope_pb2.Envelope] = []
         room = self.room
         while self.fresh and len(taken) < room:
             envelope = self.fresh[0]
@@ -92,7 +92,7 @@ class Feed:
             taken.append(envelope)
         return taken
 
-    def end(self, kind: int, detail: str) -> None:
+    def end(self, kind: pb.SubscriptionEventKind, detail: str) -> None:
         if self.ended is None:
             self.ended = (kind, detail)
             self.fresh.clear()
@@ -302,7 +302,7 @@ class DeliveryHub:
             subscription.wake.set()
 
     @staticmethod
-    def subscription_events(kind: int, agent_ids: list[str], detail: str) -> list[ev.Event]:
+    def subscription_events(kind: ev.EventKind, agent_ids: list[str], detail: str) -> list[ev.Event]:
         at = now_us()
         return [ev.Event(at_us=at, kind=kind, agent_id=a, detail=detail) for a in agent_ids]
 
