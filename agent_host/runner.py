@@ -49,6 +49,11 @@ HandleT = TypeVar("HandleT", bound=AgentCalls)
 
 
 class AgentRunner(Generic[HandleT]):
+    """One hosted agent: its inbox stream, its pending messages, its one loop. The host builds it
+    (Host._runner) and reads it through its public names only: record, conversation, budget, state,
+    pending, received, stream, the run counters, start/stop/cancel_run/child_gone/is_own_task/
+    take_recovered."""
+
     def __init__(self, host: AgentHost, record: HostedAgent, handle: HandleT, inbox: Inbox, model: Model,
                  conversation: Conversation, budget: TaskBudget, config: HostConfig, *,
                  max_spawns: int | None = None):
