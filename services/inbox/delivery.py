@@ -107,6 +107,8 @@ class Subscription:
         self.wake = asyncio.Event()
         self.heartbeat_due = False
         self.stopped = False
+        self.attached: collections.deque[str] = collections.deque()
+        """Agents attached after open (DeliveryHub.attach) whose ATTACHED event is still to be sent."""
 
     def stop(self) -> None:
         """End responses() at its next step (the stream failed elsewhere).
@@ -125,8 +127,16 @@ class Subscription:
             )
         while self.feeds and not hub.closing and not self.stopped:
             self.wake.clear()
+            while self.attached:
+                agent_id = self.attached.popleft()
+                if agent_id in self.feeds:
+                    yield pb.SubscribeResponse(
+                        subscription=pb.SubscriptionEvent(agent_id=agent_id, kind=pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
+                    )
             batch: list[envelope_pb2.Envelope] = []
             for feed in list(self.feeds.values()):
+                if self.feeds.get(feed.agent_id) is not feed:
+                    continue  # detached (or replaced) while this pass awaited the store
                 if feed.ended is not None:
                     del self.feeds[feed.agent_id]
                     kind, detail = feed.ended
@@ -232,18 +242,70 @@ class DeliveryHub:
     def open(self, agent_ids: list[str], max_in_flight: int, peer: str) -> Subscription:
         if self._heartbeat is None and not self.closing:
             self._heartbeat = asyncio.get_running_loop().call_later(self.heartbeat_interval_s, self._beat)
-        max_in_flight = min(max_in_flight or self.limits.max_in_flight, 10 * self.limits.max_in_flight)
+        max_in_flight = self._capped(max_in_flight)
         subscription = Subscription(self, [Feed(a, max_in_flight) for a in agent_ids], peer)
         for agent_id in agent_ids:
-            previous = self._owners.get(agent_id)
-            if previous is not None:
-                old_subscription, old_feed = previous
-                old_feed.end(pb.SUBSCRIPTION_EVENT_KIND_SUPERSEDED, f"taken over by a subscription from {peer}")
-                old_subscription.wake.set()
-                log.info("agent %s: subscription from %s supersedes %r", agent_id, peer, old_subscription)
-            self._owners[agent_id] = (subscription, subscription.feeds[agent_id])
+            self._take_over(agent_id, subscription, subscription.feeds[agent_id])
         log.info("subscribed %s from %s", ", ".join(agent_ids), peer)
         return subscription
+
+    def _capped(self, max_in_flight: int) -> int:
+        return min(max_in_flight or self.limits.max_in_flight, 10 * self.limits.max_in_flight)
+
+    def _take_over(self, agent_id: str, subscription: Subscription, feed: Feed) -> None:
+        """Make `feed` the agent's one feed, ending the one it had elsewhere."""
+        previous = self._owners.get(agent_id)
+        if previous is not None and previous[1] is not feed:
+            old_subscription, old_feed = previous
+            old_feed.end(pb.SUBSCRIPTION_EVENT_KIND_SUPERSEDED,
+                         f"taken over by a subscription from {subscription.peer}")
+            old_subscription.wake.set()
+            log.info("agent %s: subscription from %s supersedes %r", agent_id, subscription.peer, old_subscription)
+        self._owners[agent_id] = (subscription, feed)
+
+    def attach(self, subscription: Subscription, agent_ids: list[str], max_in_flight: int) -> None:
+        """Add feeds for these agents to an open subscription, superseding
+        their other owners as open() does. Each new feed reads the store
+        (redelivering what is unacked) and is announced by an ATTACHED event
+        on the subscription's responses before any of its deliveries. An
+        agent the subscription already delivers for keeps its feed."""
+        max_in_flight = self._capped(max_in_flight)
+        added = []
+        for agent_id in agent_ids:
+            current = subscription.feeds.get(agent_id)
+            if current is not None and current.ended is None:
+                continue
+            feed = Feed(agent_id, max_in_flight)
+            subscription.feeds[agent_id] = feed
+            self._take_over(agent_id, subscription, feed)
+            subscription.attached.append(agent_id)
+            added.append(agent_id)
+        if added:
+            log.info("attached %s to %r", ", ".join(added), subscription)
+            subscription.wake.set()
+
+    def detach(self, subscription: Subscription, agent_ids: list[str]) -> list[str]:
+        """Remove these agents' feeds from the subscription; returns those it
+        owned. A detached feed delivers nothing more (what it delivered and
+        was not acked stays in flight in the store, redelivered on the next
+        attach); no subscription event is sent for it. A subscription left
+        with no feeds ends its responses()."""
+        detached = []
+        for agent_id in agent_ids:
+            feed = subscription.feeds.get(agent_id)
+            if feed is None:
+                continue
+            owner = self._owners.get(agent_id)
+            if owner is not None and owner[0] is subscription:
+                del self._owners[agent_id]
+            del subscription.feeds[agent_id]
+            if feed.ended is None:
+                feed.end(pb.SUBSCRIPTION_EVENT_KIND_UNSPECIFIED, "detached")
+                detached.append(agent_id)
+        if detached:
+            log.info("detached %s from %r", ", ".join(detached), subscription)
+            subscription.wake.set()
+        return detached
 
     def release(self, subscription: Subscription) -> list[str]:
         """Forget a finished subscription; returns the agents it still owned."""
