@@ -1,0 +1,188 @@
+"""Many agents on one host: one measurement. A mesh process (`inboxmesh up
+--no-demo --port 0`, SQLite with synchronous=FULL by default, or JetStream on
+a nats-server with file storage) and one host process (bench/many_host.py)
+that registers one parent and N children, attaches all N, and then:
+
+1. warm-up: a few messages between random pairs;
+2. idle: nothing for `--idle-seconds`: CPU of the mesh and of the host;
+3. wake: single messages to random idle agents, one at a time, spread over
+   `--wake-seconds` (a heartbeat of the mesh falls inside): from the
+   accepted receipt to the agent's wake at the host;
+4. load: `--messages` between random pairs with 64 in flight, then
+   `--messages-1` with 1 in flight: msgs/s, send->consume p50/p99, CPU per
+   message of each process.
+
+RSS per agent is (RSS after attaching N - RSS before attaching) / N, for the
+mesh and for the host (for --host agent_host, before and after registering,
+which subscribes each agent). CPU and RSS come from /proc.
+
+    python bench/many_bench.py --agents 1000 --streams one
+    python bench/many_bench.py --agents 1000 --streams per-agent --uvloop
+    python bench/many_bench.py --agents 1000 --store jetstream
+    python bench/many_bench.py --agents 1000 --host agent_host
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import emit, python_env  # noqa: E402
+from bench.many_client import STREAM_MODES  # noqa: E402
+from bench.procs import Child, proc_cpu_seconds  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class ManyConfig:
+    agents: int
+    streams: str = "one"
+    """one: one InboxStream for all agents; per-agent: one each (what agent_host does today)."""
+    store: str = "sqlite"
+    uvloop: bool = False
+    """The mesh process and the host process on uvloop."""
+    host: str = "client"
+    """client: the client-level host (bench/many_host.py); agent_host: a real agent_host.Host."""
+    messages: int = 2000
+    """Messages with 64 in flight."""
+    messages_1: int = 200
+    """Messages with 1 in flight."""
+    wakes: int = 200
+    wake_seconds: float = 12.0
+    idle_seconds: float = 20.0
+    window: int = 64
+    """Registrations (and, per agent, subscriptions waiting for ATTACHED) at once."""
+    warmup: int = 100
+
+    @property
+    def name(self) -> str:
+        host = "agent_host" if self.host == "agent_host" else f"{self.streams} stream" + (
+            "s" if self.streams == "per-agent" else "")
+        return f"{self.store} N={self.agents:,} {host}{' uvloop' if self.uvloop else ''}"
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise SystemExit(f"no VmRSS for process {pid}")
+
+
+def on_uvloop(pid: int) -> bool:
+    """Whether uvloop's extension is loaded in the process."""
+    return "uvloop" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _python(config: ManyConfig) -> list[str]:
+    return [sys.executable, "-m", "bench.with_uvloop"] if config.uvloop else [sys.executable, "-m"]
+
+
+def run(config: ManyConfig) -> dict[str, Any]:
+    env = python_env()
+    n = config.agents
+    with tempfile.TemporaryDirectory(prefix="manybench") as data:
+        children: list[Child] = []
+        nats_node = None
+        extra: list[str] = []
+        if config.store == "jetstream":
+            from harness.nats import NatsNode
+
+            nats_node = NatsNode(Path(data) / "nats").start()
+            extra += ["--store", "jetstream", "--nats", nats_node.url]
+        extra += ["--max-active-children", str(n + 1)]  # the N children of one parent stay open all along
+        try:
+            mesh = Child("mesh", [*_python(config), "inboxmesh.cli.main", "--log-level", "warning", "up", "--port",
+                                  "0", "--no-demo", "--data-dir", f"{data}/mesh", *extra], env)
+            children.append(mesh)
+            address = mesh.expect("inboxmesh listening on ").split()[0]
+            host = Child("host", [sys.executable, str(BENCH / "many_host.py"), "--address", address, "--host",
+                                  config.host, *(["--uvloop"] if config.uvloop else [])], env)
+            children.append(host)
+            host.expect("ready", others=children)
+            pids = {"mesh": mesh.pid, "host": host.pid}
+            if nats_node is not None and nats_node.proc is not None:
+                pids["nats"] = nats_node.proc.pid
+
+            def cpu() -> dict[str, float]:
+                return {k: proc_cpu_seconds(p) for k, p in pids.items()}
+
+            def rss() -> dict[str, int]:
+                return {k: rss_kb(p) for k, p in pids.items()}
+
+            def ask(command: str, answer: str, timeout: float) -> dict[str, Any]:
+                host.send(command)
+                result: dict[str, Any] = json.loads(host.expect(answer + " ", timeout=timeout, others=children))
+                return result
+
+            result: dict[str, Any] = {"config": asdict(config), "name": config.name}
+            rss_before_register = rss()
+            result["registration"] = ask(f"register {n} {config.window}", "registered", 120 + n / 20)
+            result["registration"]["agents_per_s"] = round(n / result["registration"]["seconds"], 1)
+            rss_before = rss() if config.host == "client" else rss_before_register
+            result["attach"] = ask(f"attach {config.streams} {config.window}", "attached", 120 + n / 20)
+            rss_after = rss()
+            result["rss_kb"] = {"before_register": rss_before_register, "before_attach": rss_before,
+                                "after_attach": rss_after}
+            result["kb_per_agent"] = {k: round((rss_after[k] - rss_before[k]) / n, 2) for k in ("mesh", "host")}
+            ask(f"load {config.warmup} 16 w", "loaded", 600)
+
+            time.sleep(1.0)  # let the warm-up's last commits and timers pass before the quiet window
+            before = cpu()
+            time.sleep(config.idle_seconds)
+            after = cpu()
+            result["idle_cpu_percent"] = {k: round((after[k] - before[k]) / config.idle_seconds * 100, 2)
+                                          for k in before}
+            result["rss_kb"]["after_idle"] = rss()
+
+            result["wake"] = ask(f"wake {config.wakes} {config.wake_seconds}", "woken", 600 + config.wake_seconds)
+            for in_flight, count in ((64, config.messages), (1, config.messages_1)):
+                before = cpu()
+                phase = ask(f"load {count} {in_flight} m{in_flight}-", "loaded", 1800)
+                after = cpu()
+                phase["cpu_us_per_msg"] = {k: round((after[k] - before[k]) / count * 1e6, 1) for k in before}
+                result[f"load_{in_flight}"] = phase
+            result["on_uvloop"] = {k: on_uvloop(pids[k]) for k in ("mesh", "host")}
+            return result
+        finally:
+            for child in reversed(children):
+                child.close()
+            if nats_node is not None:
+                nats_node.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = ManyConfig(agents=0)
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--streams", choices=STREAM_MODES, default=defaults.streams,
+                        help="one InboxStream for all agents, or one per agent (what agent_host does today)")
+    parser.add_argument("--store", choices=["sqlite", "jetstream"], default=defaults.store)
+    parser.add_argument("--uvloop", action="store_true", help="run the mesh and the host process on uvloop")
+    parser.add_argument("--host", choices=["client", "agent_host"], default=defaults.host,
+                        help="the client-level host, or a real agent_host.Host with a scripted model")
+    parser.add_argument("--messages", type=int, default=defaults.messages, help="messages with 64 in flight")
+    parser.add_argument("--messages-1", type=int, default=defaults.messages_1, help="messages with 1 in flight")
+    parser.add_argument("--wakes", type=int, default=defaults.wakes)
+    parser.add_argument("--wake-seconds", type=float, default=defaults.wake_seconds)
+    parser.add_argument("--idle-seconds", type=float, default=defaults.idle_seconds)
+    parser.add_argument("--window", type=int, default=defaults.window)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    args = parser.parse_args()
+    config = ManyConfig(agents=args.agents, streams=args.streams, store=args.store, uvloop=args.uvloop,
+                        host=args.host, messages=args.messages, messages_1=args.messages_1, wakes=args.wakes,
+                        wake_seconds=args.wake_seconds, idle_seconds=args.idle_seconds, window=args.window,
+                        warmup=args.warmup)
+    emit(run(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""The host process of the many-agent benchmark (bench/many_bench.py starts
+it): it registers the agents, attaches them, sends between them and consumes
+what they receive, and times all of it. Commands come on stdin, one answer
+line on stdout each (bench/procs.py):
+
+    register <agents> <window>      -> registered {"seconds": ...}
+    attach <one|per-agent> <window> -> attached {"seconds": ...}
+    load <messages> <in flight> <id prefix> -> loaded {"msgs_per_s": ..., "p50_ms": ..., ...}
+    wake <messages> <seconds>       -> woken {"from_receipt_p50_ms": ..., ...}
+
+Two kinds of host (--host):
+- `client`: the host side of the client, bench/many_client.py (InboxStream,
+  one for all agents or one per agent). A message is *woken* when the
+  host-side stream yields its delivery to the consumer, and *consumed* when
+  its ack came back CONSUMED. Each agent has at most one ack out at a time
+  and its next ack takes everything that arrived meanwhile, as an agent's
+  turn does (agent_host/runner.py); agents with nothing to do cost no task.
+- `agent_host`: a real agent_host.Host with a scripted model (every agent
+  answers a turn with text and goes idle). A message is *woken* when the
+  host starts the recipient's turn (the host's TURN_STARTED observation:
+  after the runner recorded AGENT_WOKEN and TURN_STARTED in the mesh), and
+  *consumed* when the runner's ack of it came back (its "consumed"
+  observation). Agents are registered and subscribed by Host.start_child, so
+  `attach` has nothing left to do.
+
+Sends are made by the host's agents: for each message a random sender and a
+random other recipient among the N (a fixed seed), through the unary Send
+with the sender's credential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import many_client  # noqa: E402
+from bench.common import now_ns, payload, percentile  # noqa: E402
+from bench.procs import read_command  # noqa: E402
+from inboxmesh.client.mesh import AgentHandle, MeshClient  # noqa: E402
+from inboxmesh.common.v1 import envelope_pb2 as env_pb  # noqa: E402
+from inboxmesh.inbox.v1 import inbox_pb2  # noqa: E402
+
+WAIT_S = 120.0
+"""The longest a message may take to be woken or consumed before the run fails."""
+ANSWERS = {"register": "registered", "attach": "attached", "load": "loaded", "wake": "woken"}
+MAX_IN_FLIGHT = 64
+"""Delivered-but-unacked messages per agent (agent_host's default)."""
+
+
+class Side(Protocol):
+    """What the load and wake phases need from either kind of host."""
+
+    agents: list[AgentHandle]
+
+    async def register(self, count: int, window: int) -> None: ...
+
+    async def attach(self, streams: many_client.StreamMode, window: int) -> None: ...
+
+    def expect(self, message_id: str, recipient: str) -> tuple[asyncio.Future[int], asyncio.Future[int]]:
+        """Futures of the times (now_ns) the message is woken and consumed; made before it is sent."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class _Expected:
+    """The woken and consumed futures of the messages a phase waits for."""
+
+    def __init__(self) -> None:
+        self.woken: dict[str, asyncio.Future[int]] = {}
+        self.consumed: dict[str, asyncio.Future[int]] = {}
+
+    def _futures(self, message_id: str) -> tuple[asyncio.Future[int], asyncio.Future[int]]:
+        loop = asyncio.get_running_loop()
+        woken = self.woken[message_id] = loop.create_future()
+        consumed = self.consumed[message_id] = loop.create_future()
+        return woken, consumed
+
+    def mark(self, futures: dict[str, asyncio.Future[int]], message_id: str, at: int) -> None:
+        future = futures.pop(message_id, None)
+        if future is not None and not future.done():
+            future.set_result(at)
+
+
+class ClientSide(_Expected):
+    """The client-level host: bench/many_client.py's HostInbox and a consumer."""
+
+    def __init__(self, client: MeshClient) -> None:
+        super().__init__()
+        self.client = client
+        self.agents: list[AgentHandle] = []
+        self.inbox: many_client.HostInbox | None = None
+        self._pending: dict[str, list[env_pb.Envelope]] = {}
+        self._acking: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def register(self, count: int, window: int) -> None:
+        _, self.agents = await many_client.register(self.client, count, window)
+
+    async def attach(self, streams: many_client.StreamMode, window: int) -> None:
+        self.inbox = many_client.HostInbox(self.agents, streams, max_in_flight=MAX_IN_FLIGHT,
+                                           on_messages=self._on_messages)
+        await self.inbox.attach(window)
+
+    def expect(self, message_id: str, recipient: str) -> tuple[asyncio.Future[int], asyncio.Future[int]]:
+        if self.inbox is not None and self.inbox.failed.done():
+            self.inbox.failed.result()  # raises the stream's failure
+        return self._futures(message_id)
+
+    def _on_messages(self, messages: list[env_pb.Envelope]) -> None:
+        at = now_ns()
+        for message in messages:
+            self.mark(self.woken, message.message_id, at)
+            self._pending.setdefault(message.recipient, []).append(message)
+            if message.recipient not in self._acking:
+                self._acking.add(message.recipient)
+                task = asyncio.create_task(self._ack(message.recipient))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _ack(self, agent_id: str) -> None:
+        """One ack at a time for the agent, each taking all that is pending."""
+        assert self.inbox is not None, "deliveries come only after attach"
+        try:
+            while batch := self._pending.pop(agent_id, None):
+                try:
+                    won = await self.inbox.consume(agent_id, batch)
+                except Exception as exc:
+                    for message in batch:
+                        future = self.consumed.pop(message.message_id, None)
+                        if future is not None and not future.done():
+                            future.set_exception(exc)
+                    raise
+                at = now_ns()
+                for message in won:
+                    self.mark(self.consumed, message.message_id, at)
+        finally:
+            self._acking.discard(agent_id)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.inbox is not None:
+            await self.inbox.close()
+
+
+class AgentHostSide(_Expected):
+    """A real agent_host.Host with a scripted model that idles after every turn."""
+
+    def __init__(self, client: MeshClient, data_dir: Path) -> None:
+        from agent_host.config import Budget, HostConfig
+        from agent_host.host import AgentProfile, Host, HostEvent
+        from agent_host.models.scripted import ScriptedModel, say
+
+        super().__init__()
+        self.client = client
+        self.agents: list[AgentHandle] = []
+        self._turn_of: dict[str, asyncio.Future[int]] = {}
+        unlimited = Budget(max_model_requests=10**9, max_wall_time_s=10.0**7, max_turns_per_agent=10**9)
+        config = HostConfig(mesh_address=client.target, data_dir=data_dir, max_in_flight=MAX_IN_FLIGHT,
+                            budget=unlimited)
+        model = ScriptedModel(lambda view: say("ok"), name="idle")
+        self.host = Host(config, lambda record: AgentProfile(model=model), client=client)
+
+        def observe(event: HostEvent) -> None:
+            at = now_ns()
+            if event.kind == "turn_started":
+                turn = self._turn_of.pop(event.agent_id, None)
+                if turn is not None and not turn.done():
+                    turn.set_result(at)
+            elif event.kind == "consumed":
+                self.mark(self.consumed, event.detail.split(" ", 1)[0], at)
+
+        self.host.observers.append(observe)
+
+    async def register(self, count: int, window: int) -> None:
+        await self.host.start()
+        parent = await self.host.start_task("many", "stay idle")
+        children: list[AgentHandle | None] = [None] * count
+
+        async def spawn(index: int) -> None:
+            record = await self.host.start_child(parent.record, name=f"a{index}", task="stay idle", mode="async",
+                                                 history=[], budget=parent.budget)
+            children[index] = self.host.runners[record.agent_id].handle
+
+        await many_client.windowed(count, window, spawn)
+        self.agents = [c for c in children if c is not None]
+
+    async def attach(self, streams: many_client.StreamMode, window: int) -> None:
+        return None  # Host.start_child subscribed each agent (one stream per agent)
+
+    def expect(self, message_id: str, recipient: str) -> tuple[asyncio.Future[int], asyncio.Future[int]]:
+        _, consumed = self._futures(message_id)
+        self.woken.pop(message_id)
+        turn = self._turn_of[recipient] = asyncio.get_running_loop().create_future()
+        return turn, consumed
+
+    async def close(self) -> None:
+        await self.host.stop()
+
+
+def pick(rng: random.Random, agents: list[AgentHandle]) -> tuple[AgentHandle, AgentHandle]:
+    sender, recipient = rng.sample(agents, 2)
+    return sender, recipient
+
+
+async def checked_send(sender: AgentHandle, recipient: AgentHandle, message_id: str) -> None:
+    receipt = await many_client.send(sender, recipient.agent_id, payload(0), message_id)
+    if receipt.status != inbox_pb2.RECEIPT_STATUS_ACCEPTED:
+        raise SystemExit(f"message {message_id} to {recipient.agent_id} not accepted: {receipt}")
+
+
+async def load(side: Side, rng: random.Random, count: int, in_flight: int, prefix: str) -> dict[str, Any]:
+    """`count` messages between random pairs, at most `in_flight` sent and not yet consumed."""
+    window = asyncio.Semaphore(in_flight)
+    sent: dict[str, int] = {}
+    consumed: dict[str, int] = {}
+
+    async def one(index: int) -> None:
+        try:
+            sender, recipient = pick(rng, side.agents)
+            message_id = f"{prefix}{index}"
+            _, done = side.expect(message_id, recipient.agent_id)
+            sent[message_id] = now_ns()
+            await checked_send(sender, recipient, message_id)
+            consumed[message_id] = await asyncio.wait_for(done, WAIT_S)
+        finally:
+            window.release()
+
+    async with asyncio.TaskGroup() as group:
+        for index in range(count):
+            await window.acquire()
+            group.create_task(one(index))
+    latencies = [(consumed[k] - sent[k]) / 1e6 for k in sent]
+    elapsed = (max(consumed.values()) - min(sent.values())) / 1e9
+    return {"messages": count, "in_flight": in_flight, "elapsed_s": round(elapsed, 3),
+            "msgs_per_s": round(count / elapsed, 1), "p50_ms": round(percentile(latencies, 50), 2),
+            "p99_ms": round(percentile(latencies, 99), 2)}
+
+
+async def wake(side: Side, rng: random.Random, count: int, seconds: float) -> dict[str, Any]:
+    """Single messages to idle agents, one at a time, spread over `seconds` (so
+    that heartbeats fall inside): from the accepted receipt (and from the send's
+    start) to the recipient's wake. A wake before the receipt reached the
+    sender counts as 0 from the receipt."""
+    from_receipt: list[float] = []
+    from_send: list[float] = []
+    before_receipt = 0
+    gap = seconds / count
+    for index in range(count):
+        started = time.monotonic()
+        sender, recipient = pick(rng, side.agents)
+        woken, done = side.expect(f"k{index}", recipient.agent_id)
+        sent_at = now_ns()
+        await checked_send(sender, recipient, f"k{index}")
+        accepted_at = now_ns()
+        woken_at = await asyncio.wait_for(woken, WAIT_S)
+        await asyncio.wait_for(done, WAIT_S)  # idle again before the next
+        before_receipt += woken_at < accepted_at
+        from_receipt.append(max(0, woken_at - accepted_at) / 1e6)
+        from_send.append((woken_at - sent_at) / 1e6)
+        await asyncio.sleep(max(0.0, started + gap - time.monotonic()))
+    return {"wakes": count, "seconds": seconds, "woken_before_receipt": before_receipt,
+            "from_receipt_p50_ms": round(percentile(from_receipt, 50), 2),
+            "from_receipt_p99_ms": round(percentile(from_receipt, 99), 2),
+            "from_send_p50_ms": round(percentile(from_send, 50), 2),
+            "from_send_p99_ms": round(percentile(from_send, 99), 2)}
+
+
+async def serve(address: str, kind: str, seed: int) -> None:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="manyhost") as data:
+        async with MeshClient(address, timeout=60.0) as client:
+            side: Side = ClientSide(client) if kind == "client" else AgentHostSide(client, Path(data))
+            print("ready", flush=True)
+            try:
+                while command := await read_command():
+                    name, *args = command.split()
+                    started = time.monotonic()
+                    if name == "register":
+                        await side.register(int(args[0]), int(args[1]))
+                        answer: dict[str, Any] = {"seconds": round(time.monotonic() - started, 3)}
+                    elif name == "attach":
+                        await side.attach(many_client.stream_mode(args[0]), int(args[1]))
+                        answer = {"seconds": round(time.monotonic() - started, 3)}
+                    elif name == "load":
+                        answer = await load(side, rng, int(args[0]), int(args[1]), args[2])
+                    elif name == "wake":
+                        answer = await wake(side, rng, int(args[0]), float(args[1]))
+                    else:
+                        raise SystemExit(f"unknown command {command!r}")
+                    print(ANSWERS[name], json.dumps(answer), flush=True)
+            finally:
+                await side.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--host", choices=["client", "agent_host"], default="client")
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
+    parser.add_argument("--seed", type=int, default=13)
+    args = parser.parse_args()
+    if args.uvloop:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(serve(args.address, args.host, args.seed))
+
+
+if __name__ == "__main__":
+    main()
