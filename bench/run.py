@@ -2,10 +2,13 @@
 runtime and this mesh (local delivery, and through its IOA relay and the
 reference IOA network), at concurrency 1 and 64, interleaved, three rounds;
 report medians and ratios against AutoGen, and write them into
-docs/benchmarks.md between the result markers.
+docs/benchmarks.md between the result markers. Then the many-agent suite
+(bench/many_run.py, N = 10 to 10,000 agents on one host), with its ratios
+against this run's two-agent pair, between the many-agent markers.
 
     bash scripts/bench.sh            # sets up .venv and .venv-autogen, then runs this
     python bench/run.py --rounds 1   # quicker, noisier
+    python bench/run.py --many none  # the two-agent comparison only
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import many_run  # noqa: E402
 from bench.common import python_env, read_result  # noqa: E402
 
 AUTOGEN_PYTHON = ROOT / ".venv-autogen" / "bin" / "python"
@@ -87,6 +91,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every message count")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument("--many", choices=["full", "quick", "none"], default="full",
+                        help="the many-agent suite afterwards: all of it (about 13 minutes), a smoke run, or none")
     args = parser.parse_args()
     if not AUTOGEN_PYTHON.exists():
         raise SystemExit("no .venv-autogen: run `bash scripts/bench.sh`, which creates it")
@@ -117,6 +123,10 @@ def main() -> None:
     if not args.no_doc:
         write_doc(text)
         print(f"\nwritten to {DOC.relative_to(ROOT)}")
+    if args.many != "none":
+        pair = {c: summary[("inboxmesh", c)]["msgs_per_s"] for c in (1, 64)}
+        configs = many_run.QUICK if args.many == "quick" else many_run.SUITE
+        many_run.run_suite(configs, pair, "bash scripts/bench.sh", write=not args.no_doc)
 
 
 if __name__ == "__main__":
