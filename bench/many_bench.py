@@ -14,7 +14,9 @@ that registers one parent and N children, attaches all N, and then:
 
 RSS per agent is (RSS after attaching N - RSS before attaching) / N, for the
 mesh and for the host (for --host agent_host, before and after registering,
-which subscribes each agent). CPU and RSS come from /proc.
+which subscribes each agent). CPU and RSS come from /proc; the mesh's
+fsyncs per message during the load phases from Linux perf, where it can
+count them.
 
     python bench/many_bench.py --agents 1000 --streams one
     python bench/many_bench.py --agents 1000 --streams per-agent --uvloop
@@ -26,6 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,7 +91,67 @@ def _python(config: ManyConfig) -> list[str]:
     return [sys.executable, "-m", "bench.with_uvloop"] if config.uvloop else [sys.executable, "-m"]
 
 
-def run(config: ManyConfig) -> dict[str, Any]:
+class Profiler:
+    """py-spy sampling processes during one phase (collapsed stacks, one file per process)."""
+
+    def __init__(self, folder: Path | None, pids: dict[str, int], phase: str) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        spy = Path(sys.executable).parent / "py-spy"
+        for name, pid in pids.items():
+            if name != "nats":
+                self.procs.append(subprocess.Popen(
+                    [str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking",
+                     "--output", str(folder / f"{phase}-{name}.txt")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.0)  # py-spy attaches
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            proc.wait(timeout=30)
+
+
+class FsyncCounter:
+    """The fsync and fdatasync calls of one process during a phase (Linux perf's syscall tracepoints,
+    cheap enough not to change what they count); None where perf cannot count them here."""
+
+    EVENTS = "syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync"
+
+    def __init__(self, pid: int, folder: str) -> None:
+        self.output = Path(folder) / f"fsyncs-{pid}-{time.monotonic_ns()}.csv"
+        self.proc: subprocess.Popen[bytes] | None = None
+        if shutil.which("perf") is None:
+            return
+        self.proc = subprocess.Popen(["perf", "stat", "-x", ",", "-o", str(self.output), "-e", self.EVENTS, "-p",
+                                      str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)  # perf attaches
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGINT)  # perf prints its counts and exits by the signal
+        self.proc.wait(timeout=30)
+        if not self.output.exists():
+            return None
+        total = 0
+        for line in self.output.read_text().splitlines():
+            if "sys_enter_f" not in line:
+                continue
+            count = line.split(",")[0]
+            if count.isdigit():
+                total += int(count)
+            elif count != "<not counted>":  # not counted: the process made no syscall while counted
+                return None
+        return total
+
+
+def run(config: ManyConfig, profile: Path | None = None) -> dict[str, Any]:
+    """One measurement; with `profile`, py-spy samples the mesh and the host during the load phases
+    (collapsed stacks in that folder: bench/profile_top.py sums them up)."""
     env = python_env()
     n = config.agents
     with tempfile.TemporaryDirectory(prefix="manybench") as data:
@@ -145,9 +210,14 @@ def run(config: ManyConfig) -> dict[str, Any]:
 
             result["wake"] = ask(f"wake {config.wakes} {config.wake_seconds}", "woken", 600 + config.wake_seconds)
             for in_flight, count in ((64, config.messages), (1, config.messages_1)):
+                profiler = Profiler(profile, pids, f"load{in_flight}")
+                fsyncs = FsyncCounter(mesh.pid, data)
                 before = cpu()
                 phase = ask(f"load {count} {in_flight} m{in_flight}-", "loaded", 1800)
                 after = cpu()
+                synced = fsyncs.stop()
+                profiler.stop()
+                phase["mesh_fsyncs_per_msg"] = round(synced / count, 3) if synced is not None else None
                 phase["cpu_us_per_msg"] = {k: round((after[k] - before[k]) / count * 1e6, 1) for k in before}
                 result[f"load_{in_flight}"] = phase
             result["on_uvloop"] = {k: on_uvloop(pids[k]) for k in ("mesh", "host")}
@@ -176,12 +246,13 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=defaults.idle_seconds)
     parser.add_argument("--window", type=int, default=defaults.window)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--profile", type=Path, help="sample the load phases with py-spy into this folder")
     args = parser.parse_args()
     config = ManyConfig(agents=args.agents, streams=args.streams, store=args.store, uvloop=args.uvloop,
                         host=args.host, messages=args.messages, messages_1=args.messages_1, wakes=args.wakes,
                         wake_seconds=args.wake_seconds, idle_seconds=args.idle_seconds, window=args.window,
                         warmup=args.warmup)
-    emit(run(config))
+    emit(run(config, args.profile))
 
 
 if __name__ == "__main__":

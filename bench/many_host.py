@@ -23,9 +23,10 @@ Two kinds of host (--host):
   observation). Agents are registered and subscribed by Host.start_child, so
   `attach` has nothing left to do.
 
-Sends are made by the host's agents: for each message a random sender and a
-random other recipient among the N (a fixed seed), through the unary Send
-with the sender's credential.
+Sends are made by the host's agents: for each message a random sender among
+the first half of the N and a random recipient among the second half (a
+fixed seed; why two halves: `pick`), through the unary Send with the
+sender's credential.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ class Side(Protocol):
 
     def expect(self, message_id: str, recipient: str) -> tuple[asyncio.Future[int], asyncio.Future[int]]:
         """Futures of the times (now_ns) the message is woken and consumed; made before it is sent."""
+        ...
+
+    def stages(self, recipient: str) -> dict[str, int]:
+        """When the steps before the recipient's last wake happened (now_ns), by name."""
         ...
 
     async def close(self) -> None: ...
@@ -115,6 +120,9 @@ class ClientSide(_Expected):
         if self.inbox is not None and self.inbox.failed.done():
             self.inbox.failed.result()  # raises the stream's failure
         return self._futures(message_id)
+
+    def stages(self, recipient: str) -> dict[str, int]:
+        return {}
 
     def _on_messages(self, messages: list[env_pb.Envelope]) -> None:
         at = now_ns()
@@ -166,6 +174,7 @@ class AgentHostSide(_Expected):
         self.client = client
         self.agents: list[AgentHandle] = []
         self._turn_of: dict[str, asyncio.Future[int]] = {}
+        self._woken_recorded: dict[str, int] = {}
         unlimited = Budget(max_model_requests=10**9, max_wall_time_s=10.0**7, max_turns_per_agent=10**9)
         config = HostConfig(mesh_address=client.target, data_dir=data_dir, max_in_flight=MAX_IN_FLIGHT,
                             budget=unlimited)
@@ -178,6 +187,8 @@ class AgentHostSide(_Expected):
                 turn = self._turn_of.pop(event.agent_id, None)
                 if turn is not None and not turn.done():
                     turn.set_result(at)
+            elif event.kind == "agent_woken":
+                self._woken_recorded[event.agent_id] = at
             elif event.kind == "consumed":
                 self.mark(self.consumed, event.detail.split(" ", 1)[0], at)
 
@@ -203,15 +214,27 @@ class AgentHostSide(_Expected):
         _, consumed = self._futures(message_id)
         self.woken.pop(message_id)
         turn = self._turn_of[recipient] = asyncio.get_running_loop().create_future()
+        self._woken_recorded.pop(recipient, None)
         return turn, consumed
+
+    def stages(self, recipient: str) -> dict[str, int]:
+        """The runner recorded AGENT_WOKEN in the mesh (and then TURN_STARTED, which is the wake)."""
+        at = self._woken_recorded.get(recipient)
+        return {"agent_woken_recorded": at} if at is not None else {}
 
     async def close(self) -> None:
         await self.host.stop()
 
 
 def pick(rng: random.Random, agents: list[AgentHandle]) -> tuple[AgentHandle, AgentHandle]:
-    sender, recipient = rng.sample(agents, 2)
-    return sender, recipient
+    """A random sender from the first half of the agents and a random recipient from the second.
+
+    Why two halves: an agent's message continues the causal chain of what it consumed last (the
+    loop guard, services/inbox/service.py), so if the agents that send also consumed, random
+    traffic among them would be one endless chain, refused once it is 32 hops long or passes an
+    agent 5 times (at N = 10 after a few hundred messages)."""
+    half = len(agents) // 2
+    return agents[rng.randrange(half)], agents[half + rng.randrange(len(agents) - half)]
 
 
 async def checked_send(sender: AgentHandle, recipient: AgentHandle, message_id: str) -> None:
@@ -255,6 +278,7 @@ async def wake(side: Side, rng: random.Random, count: int, seconds: float) -> di
     sender counts as 0 from the receipt."""
     from_receipt: list[float] = []
     from_send: list[float] = []
+    stages: dict[str, list[float]] = {}
     before_receipt = 0
     gap = seconds / count
     for index in range(count):
@@ -269,12 +293,16 @@ async def wake(side: Side, rng: random.Random, count: int, seconds: float) -> di
         before_receipt += woken_at < accepted_at
         from_receipt.append(max(0, woken_at - accepted_at) / 1e6)
         from_send.append((woken_at - sent_at) / 1e6)
+        for stage, at in side.stages(recipient.agent_id).items():
+            stages.setdefault(stage, []).append(max(0, at - accepted_at) / 1e6)
         await asyncio.sleep(max(0.0, started + gap - time.monotonic()))
     return {"wakes": count, "seconds": seconds, "woken_before_receipt": before_receipt,
             "from_receipt_p50_ms": round(percentile(from_receipt, 50), 2),
             "from_receipt_p99_ms": round(percentile(from_receipt, 99), 2),
             "from_send_p50_ms": round(percentile(from_send, 50), 2),
-            "from_send_p99_ms": round(percentile(from_send, 99), 2)}
+            "from_send_p99_ms": round(percentile(from_send, 99), 2),
+            "stages_from_receipt": {k: {"p50_ms": round(percentile(v, 50), 2), "p99_ms": round(percentile(v, 99), 2)}
+                                    for k, v in stages.items()}}
 
 
 async def serve(address: str, kind: str, seed: int) -> None:
