@@ -185,6 +185,18 @@ class DeliveryBatch:
 
 
 @dataclass(frozen=True)
+class Closes:
+    """Agents closed after a cursor (InboxStore.closes_since)."""
+
+    closed: list[tuple[str, str]]
+    """(agent_id, close reason) of each close found, in the order they were made."""
+    cursor: int
+    """Where the next call goes on from: after the last close (or write) this call read."""
+    more: bool = False
+    """The page was full: more may follow at once (call again with `cursor`)."""
+
+
+@dataclass(frozen=True)
 class SpawnLimits:
     """Limits checked atomically when a child is registered."""
 
@@ -343,6 +355,15 @@ class InboxStore(abc.ABC):
         over the attempt limit are dead-lettered instead (senders notified).
         `in_flight`: how many earlier messages the subscriber holds unacked (a store that settles capacity
         after appending delivers only messages within the recipient's capacity)."""
+
+    @abc.abstractmethod
+    async def closes_since(self, cursor: int | None, limit: int) -> Closes:
+        """Agents closed by any process after `cursor` (a value an earlier call returned), oldest first, at
+        most `limit` (and `more` set when that cut the page short). `cursor` None: nothing is returned
+        but the current position, to follow from. One bounded read: its cost grows with the closes (or,
+        on a store that cannot tell closes from other agent writes, the agent writes) made since the
+        cursor, never with the number of agents. Delivery streams use it to notice closes made
+        elsewhere without reading every feed."""
 
     @abc.abstractmethod
     async def mark_delivered(

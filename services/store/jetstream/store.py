@@ -35,6 +35,7 @@ from services.store.base import (
     AnnounceOutcome,
     AppendItem,
     CloseOutcome,
+    Closes,
     CommitListener,
     DeliveryBatch,
     EventQuery,
@@ -47,6 +48,7 @@ from services.store.base import (
     SpawnLimits,
 )
 from services.store.jetstream.agents import Agents
+from services.store.jetstream.closes import CloseFollower
 from services.store.jetstream.connection import JetStreamConnection, nats_call
 from services.store.jetstream.events import EventLog
 from services.store.jetstream.inbox import InboxLog
@@ -67,6 +69,7 @@ class JetStreamStore(base.Store):
         self.agents = Agents(self.conn, self.events, self.inbox, self.runs)
         self.sessions = Sessions(self.conn, self.agents, self.runs)
         self.keeper = EventKeeper(self.conn, self.events, self.agents, self.runs)
+        self.closes = CloseFollower(self.conn)
 
     # -- lifecycle ------------------------------------------------------------
     @nats_call
@@ -78,6 +81,7 @@ class JetStreamStore(base.Store):
     @nats_call
     async def close(self) -> None:
         await self.keeper.stop()
+        await self.closes.drop()
         await self.events.drain()
         await self.conn.close()
 
@@ -177,6 +181,11 @@ class JetStreamStore(base.Store):
                               now_us: int, in_flight: int = 0) -> DeliveryBatch:
         self.conn.require_open()
         return await self.inbox.next_deliveries(recipient, after_sequence, limit, max_attempts, now_us, in_flight)
+
+    @nats_call
+    async def closes_since(self, cursor: int | None, limit: int) -> Closes:
+        self.conn.require_open()
+        return await self.closes.closes_since(cursor, limit)
 
     async def mark_delivered(self, recipient: str, envelopes: list[envelope_pb2.Envelope],
                              at_us: int) -> asyncio.Future[Any]:

@@ -12,9 +12,9 @@ from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.store import base
-from services.store.base import AGENT_CLOSED, AGENT_OPEN, AgentRecord, CloseOutcome, EventRow, MessageRecord
+from services.store.base import AGENT_CLOSED, AGENT_OPEN, AgentRecord, CloseOutcome, Closes, EventRow, MessageRecord
 from services.store.sqlite import inbox
-from services.store.sqlite.schema import AGENT_COLUMNS, MESSAGE_COLUMNS, agent_of, message_of, row_after
+from services.store.sqlite.schema import AGENT_COLUMNS, CLOSED_KIND, MESSAGE_COLUMNS, agent_of, message_of, row_after
 
 
 # -- reads --------------------------------------------------------------------
@@ -38,6 +38,19 @@ def list_agents(conn: sqlite3.Connection, *, scope_id: str, parent_id: str, incl
         + ("" if include_closed else f" AND state = {AGENT_OPEN}") + " ORDER BY row LIMIT ?",
         (value, after_row, limit)).fetchall()
     return [agent_of(r) for r in rows]
+
+
+def closes_since(conn: sqlite3.Connection, cursor: int | None, limit: int) -> Closes:
+    """Closes by any process sharing the file, from their events (written in the close's transaction;
+    SQLite has one writer at a time, so event ids follow commit order). The cursor is an event id; the
+    partial index events_closes makes this a read of the closes alone."""
+    if cursor is None:
+        row = conn.execute(f"SELECT COALESCE(MAX(event_id), 0) FROM events WHERE kind = {CLOSED_KIND}").fetchone()
+        return Closes([], int(row[0]))
+    rows = conn.execute(
+        f"SELECT event_id, agent_id, detail FROM events WHERE kind = {CLOSED_KIND} AND event_id > ?"
+        " ORDER BY event_id LIMIT ?", (cursor, limit)).fetchall()
+    return Closes([(r[1], r[2]) for r in rows], rows[-1][0] if rows else cursor, more=len(rows) >= limit)
 
 
 # -- writes -------------------------------------------------------------------

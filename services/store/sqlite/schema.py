@@ -9,11 +9,13 @@ import sqlite3
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.common.v1 import envelope_pb2
+from inboxmesh.events.v1 import events_pb2 as ev
 from services.store.base import EVENT_ROW_FIELDS, AgentRecord, MessageRecord
 
-SCHEMA_VERSION = 4
-UPGRADABLE = {2, 3}
-"""Versions that SCHEMA upgrades in place (it only adds tables)."""
+SCHEMA_VERSION = 5
+UPGRADABLE = {2, 3, 4}
+"""Versions that SCHEMA upgrades in place (it only adds tables and indexes)."""
+CLOSED_KIND = ev.EVENT_KIND_AGENT_CLOSED
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -128,6 +130,9 @@ CREATE TABLE IF NOT EXISTS conversations (
     conversation_id TEXT PRIMARY KEY,
     messages INTEGER NOT NULL
 ) WITHOUT ROWID;
+""" + f"""
+-- Closes in commit order (delivery streams follow closes made by other processes: agents.closes_since).
+CREATE INDEX IF NOT EXISTS events_closes ON events(event_id) WHERE kind = {CLOSED_KIND};
 """
 
 AGENT_COLUMNS = (

@@ -29,6 +29,7 @@ from services.store.base import (
     AnnounceOutcome,
     AppendItem,
     CloseOutcome,
+    Closes,
     CommitListener,
     DeliveryBatch,
     EventQuery,
@@ -186,6 +187,9 @@ class SqliteStore(base.Store):
         # capacity is settled inside the append's transaction: whatever is stored may be delivered
         return await self.writer.run(lambda conn, rows: inbox.next_deliveries(
             conn, rows, recipient, after_sequence, limit, max_attempts, now_us))
+
+    async def closes_since(self, cursor: int | None, limit: int) -> Closes:
+        return await self._read(lambda conn: agents.closes_since(conn, cursor, limit))
 
     async def mark_delivered(
         self, recipient: str, envelopes: list[envelope_pb2.Envelope], at_us: int
