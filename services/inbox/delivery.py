@@ -9,7 +9,16 @@ messages outstanding, and gets its messages two ways:
   (bounded; when the buffer overflows or shows a gap the feed falls back);
 - store path: the feed reads from the store after its cursor. Always used
   on attach (this is how unacked messages are redelivered on reconnect),
-  after a fallback, and every heartbeat as a safety net.
+  after a fallback, and as a safety net for a slice of the feeds each
+  heartbeat.
+
+Work is proportional to the feeds that have something to do: a feed that
+gets work (an offer, a wake, an ack that makes room, its end) is put on its
+subscription's ready queue, once, and the subscription visits only those,
+in rounds, each feed taking at most `_ROUND_SHARE` messages per round. A
+feed with no room costs nothing until an ack. On a heartbeat the hub reads
+the store once for closes made by other processes (InboxStore.closes_since)
+and re-reads at most `SAFETY_SLICE` feeds, round robin.
 
 Sequences are contiguous per inbox, so a feed can tell a gap from a
 duplicate by comparing with its cursor.
@@ -21,8 +30,9 @@ import asyncio
 import collections
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
+from inboxmesh.client import errors
 from inboxmesh.client.tracing import context_of, message_attributes, tracer
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -33,14 +43,38 @@ from services.store.base import CloseOutcome, Store
 
 log = logging.getLogger(__name__)
 _MAX_DELIVERIES_BYTES = 1024 * 1024
+_ROUND_SHARE = 32
+"""Messages one feed takes per round: a feed with a long backlog goes to the back of the ready queue
+after this many, so the other feeds of its stream are served in between."""
+_ROUND_FEEDS = 256
+"""Ready feeds visited per round before the round's deliveries are streamed."""
+SAFETY_SLICE = 64
+"""Feeds the hub re-reads from the store per heartbeat, round robin over all it serves (the safety net
+for a wake that never came, such as an append by another process the store does not report)."""
+CLOSE_PAGE = 512
+"""Closes read per store call on a heartbeat."""
+CLOSE_PAGES = 8
+"""Store calls for closes per heartbeat at most; more closes wait for the next beat."""
+_SHOWN_AGENTS = 8
+"""Agent ids a log line or repr lists before it gives only the count."""
+_DETACHED = pb.SUBSCRIPTION_EVENT_KIND_UNSPECIFIED
+"""The end of a feed that streams no event (any more): detached (DeliveryHub.detach), or its end was
+streamed."""
 _sub_ids = itertools.count(1)
+
+
+def shown(agent_ids: list[str]) -> str:
+    """Agent ids for a log line: the first few, then how many in all."""
+    if len(agent_ids) <= _SHOWN_AGENTS:
+        return ", ".join(agent_ids)
+    return f"{', '.join(agent_ids[:_SHOWN_AGENTS])}, ... ({len(agent_ids)} agents)"
 
 
 class Feed:
     """One agent's delivery state on one subscription."""
 
     __slots__ = ("agent_id", "max_in_flight", "cursor", "in_flight", "fresh", "fresh_limit", "needs_store", "ended",
-                 "woken", "held_back")
+                 "woken", "held_back", "queued", "announced")
 
     def __init__(self, agent_id: str, max_in_flight: int):
         self.agent_id = agent_id
@@ -56,10 +90,22 @@ class Feed:
         read that raced one does not clear needs_store."""
         self.held_back = False
         """The store held messages back for the recipient's capacity: read again after an ack."""
+        self.queued = False
+        """On its subscription's ready queue (a feed is there at most once)."""
+        self.announced = False
+        """Its ATTACHED event was streamed."""
 
     @property
     def room(self) -> int:
         return self.max_in_flight - len(self.in_flight)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a visit would do something: announce it, stream its end, or deliver (it has room and
+        messages in memory or to read). A full feed has none until an ack."""
+        if self.ended is not None:
+            return self.ended[0] != _DETACHED
+        return not self.announced or (self.room > 0 and (self.needs_store or bool(self.fresh)))
 
     def offer(self, envelope: envelope_pb2.Envelope) -> bool:
         """Take a just-appended message; True when the feed has new work."""
@@ -74,9 +120,10 @@ class Feed:
         self.fresh.append(envelope)
         return True
 
-    def take_fresh(self, now: int) -> list[envelope_pb2.Envelope]:
+    def take_fresh(self, now: int, limit: int) -> list[envelope_pb2.Envelope]:
+        """Up to `limit` (and the room) buffered messages that follow the cursor."""
         taken: list[envelope_pb2.Envelope] = []
-        room = self.room
+        room = min(self.room, limit)
         while self.fresh and len(taken) < room:
             envelope = self.fresh[0]
             if envelope.sequence <= self.cursor:
@@ -98,17 +145,34 @@ class Feed:
             self.fresh.clear()
 
 
+def _event(agent_id: str, kind: pb.SubscriptionEventKind, detail: str = "") -> pb.SubscribeResponse:
+    return pb.SubscribeResponse(subscription=pb.SubscriptionEvent(agent_id=agent_id, kind=kind, detail=detail))
+
+
 class Subscription:
     def __init__(self, hub: DeliveryHub, feeds: list[Feed], peer: str):
         self.id = next(_sub_ids)
         self.hub = hub
         self.peer = peer
         self.feeds = {feed.agent_id: feed for feed in feeds}
+        """The feeds it delivers for (an ended one until its event is streamed)."""
+        self.ready: collections.deque[Feed] = collections.deque()
+        """Feeds with something to do, in the order they got it; bounded by the feeds (each once)."""
+        self.finished: set[str] = set()
+        """Agents whose feed it closed and streamed the end of while it owned them (DeliveryHub.release)."""
         self.wake = asyncio.Event()
         self.heartbeat_due = False
         self.stopped = False
-        self.attached: collections.deque[str] = collections.deque()
-        """Agents attached after open (DeliveryHub.attach) whose ATTACHED event is still to be sent."""
+        for feed in feeds:
+            self.make_ready(feed)
+
+    def make_ready(self, feed: Feed) -> None:
+        """Queue the feed for a visit (once) and wake the stream, when a visit would do something."""
+        if feed.has_work:
+            if not feed.queued:
+                feed.queued = True
+                self.ready.append(feed)
+            self.wake.set()
 
     def stop(self) -> None:
         """End responses() at its next step (the stream failed elsewhere).
@@ -117,57 +181,64 @@ class Subscription:
         self.wake.set()
 
     def __repr__(self) -> str:
-        return f"Subscription#{self.id}({', '.join(self.feeds)})"
+        return f"Subscription#{self.id}({shown(list(self.feeds))})"
 
     async def responses(self) -> AsyncIterator[pb.SubscribeResponse]:
         hub = self.hub
-        for agent_id in self.feeds:
-            yield pb.SubscribeResponse(
-                subscription=pb.SubscriptionEvent(agent_id=agent_id, kind=pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
-            )
+        for feed in list(self.feeds.values()):
+            if not feed.announced:
+                feed.announced = True
+                yield _event(feed.agent_id, pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
+        await hub.following_closes()
         while self.feeds and not hub.closing and not self.stopped:
             self.wake.clear()
-            while self.attached:
-                agent_id = self.attached.popleft()
-                if agent_id in self.feeds:
-                    yield pb.SubscribeResponse(
-                        subscription=pb.SubscriptionEvent(agent_id=agent_id, kind=pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
-                    )
-            batch: list[envelope_pb2.Envelope] = []
-            for feed in list(self.feeds.values()):
-                if self.feeds.get(feed.agent_id) is not feed:
-                    continue  # detached (or replaced) while this pass awaited the store
+            batch: list[tuple[Feed, list[envelope_pb2.Envelope]]] = []
+            for _ in range(min(len(self.ready), _ROUND_FEEDS)):
+                feed = self.ready.popleft()
+                feed.queued = False
+                if not feed.has_work:
+                    continue  # detached, or it changed while queued (an ack it waited for was not enough)
+                if not feed.announced:
+                    feed.announced = True
+                    yield _event(feed.agent_id, pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
                 if feed.ended is not None:
-                    del self.feeds[feed.agent_id]
                     kind, detail = feed.ended
-                    yield pb.SubscribeResponse(
-                        subscription=pb.SubscriptionEvent(agent_id=feed.agent_id, kind=kind, detail=detail)
-                    )
+                    feed.ended = (_DETACHED, detail)  # streamed: never again
+                    if self.feeds.get(feed.agent_id) is feed:  # not replaced by a newer attach
+                        del self.feeds[feed.agent_id]
+                        hub.finished(self, feed)
+                    yield _event(feed.agent_id, kind, detail)
                     continue
-                if feed.room <= 0:
-                    continue
-                if feed.needs_store:
-                    batch += await self._read_store(feed)
-                else:
-                    fresh = feed.take_fresh(now_us())
-                    if fresh:
-                        await hub.store.mark_delivered(feed.agent_id, fresh, now_us())
-                        batch += fresh
+                taken = await self._take(feed)
+                if taken:
+                    batch.append((feed, taken))
+                self.make_ready(feed)  # when it has more: its next share comes in a later round
             if batch:
                 for response in self._deliveries(batch):
                     yield response
                 continue
-            if not self.feeds or any(f.ended or (f.needs_store and f.room > 0) for f in self.feeds.values()):
+            if self.ready:
                 continue
+            if not self.feeds:
+                break
             await self.wake.wait()
             if self.heartbeat_due:
                 self.heartbeat_due = False
                 yield pb.SubscribeResponse(heartbeat=pb.Heartbeat(at_us=now_us()))
-                for feed in self.feeds.values():
-                    feed.needs_store = True  # safety net: re-read (also notices closes by other processes)
 
-    async def _read_store(self, feed: Feed) -> list[envelope_pb2.Envelope]:
-        limit = feed.room
+    async def _take(self, feed: Feed) -> list[envelope_pb2.Envelope]:
+        """The feed's share of this round: from the store when it needs it, else from memory."""
+        if feed.room <= 0:
+            return []
+        share = min(feed.room, _ROUND_SHARE)
+        if feed.needs_store:
+            return await self._read_store(feed, share)
+        fresh = feed.take_fresh(now_us(), share)
+        if fresh:
+            await self.hub.store.mark_delivered(feed.agent_id, fresh, now_us())
+        return fresh
+
+    async def _read_store(self, feed: Feed, limit: int) -> list[envelope_pb2.Envelope]:
         woken = feed.woken
         found = await self.hub.store.next_deliveries(
             feed.agent_id, feed.cursor, limit, self.hub.limits.max_delivery_attempts, now_us(),
@@ -195,24 +266,31 @@ class Subscription:
                 feed.fresh.popleft()
         return found.messages
 
-    def _deliveries(self, batch: list[envelope_pb2.Envelope]):
+    def _deliveries(self, batch: list[tuple[Feed, list[envelope_pb2.Envelope]]]) -> Iterator[pb.SubscribeResponse]:
+        """The round's messages in chunks of at most _MAX_DELIVERIES_BYTES. A feed detached while an
+        earlier chunk was written sends nothing more (its messages stay unacked in the store)."""
+        envelopes = [e for _, taken in batch for e in taken]
         spans = [
-            tracer.start_span("deliver", context=context_of(e), attributes=message_attributes(e)) for e in batch
+            tracer.start_span("deliver", context=context_of(e), attributes=message_attributes(e)) for e in envelopes
         ]
         if log.isEnabledFor(logging.DEBUG):
-            for e in batch:
+            for e in envelopes:
                 log.debug("delivering %s seq=%d from %s to %s (attempt %d) on %r",
                           e.message_id, e.sequence, e.sender, e.recipient, e.delivery_attempt, self)
         chunk: list[envelope_pb2.Envelope] = []
         size = 0
-        for envelope in batch:
-            envelope_size = envelope.ByteSize()
-            if chunk and size + envelope_size > _MAX_DELIVERIES_BYTES:
-                yield pb.SubscribeResponse(deliveries=pb.Deliveries(messages=chunk))
-                chunk, size = [], 0
-            chunk.append(envelope)
-            size += envelope_size
-        yield pb.SubscribeResponse(deliveries=pb.Deliveries(messages=chunk))
+        for feed, taken in batch:
+            if self.feeds.get(feed.agent_id) is not feed:
+                continue
+            for envelope in taken:
+                envelope_size = envelope.ByteSize()
+                if chunk and size + envelope_size > _MAX_DELIVERIES_BYTES:
+                    yield pb.SubscribeResponse(deliveries=pb.Deliveries(messages=chunk))
+                    chunk, size = [], 0
+                chunk.append(envelope)
+                size += envelope_size
+        if chunk:
+            yield pb.SubscribeResponse(deliveries=pb.Deliveries(messages=chunk))
         for span in spans:
             span.end()
 
@@ -227,62 +305,117 @@ class DeliveryHub:
         self.closing = False
         self.shut = asyncio.Event()
         """Set with `closing`: for streams that wait on something other than their feeds."""
-        self._owners: dict[str, tuple[Subscription, Feed]] = {}
-        self._heartbeat: asyncio.TimerHandle | None = None
+        self._owners: collections.OrderedDict[str, tuple[Subscription, Feed]] = collections.OrderedDict()
+        """Each served agent's subscription and feed; the order is the safety net's round robin."""
+        self._subscriptions: set[Subscription] = set()
+        self._beats: asyncio.Task[None] | None = None
+        self._close_cursor: int | None = None
+        """Where the closes read on the last beat ended (InboxStore.closes_since); None until known."""
+        self._cursor_known = asyncio.Event()
+        """Set once the first cursor read is done (or failed): streams read their feeds only after it."""
+        self.beats = 0
+        """Heartbeats done (tests wait for them)."""
 
-    def _beat(self) -> None:
-        """Every heartbeat interval: tell each open subscription to send a
-        heartbeat and re-read its feeds (one timer for all of them, rather
-        than a timeout on every wait)."""
-        for subscription in {s for s, _ in self._owners.values()}:
+    # -- heartbeats -------------------------------------------------------------------
+    def _start_beats(self) -> None:
+        if self._beats is None and not self.closing:
+            self._beats = asyncio.get_running_loop().create_task(self._beat_loop(), name="delivery-heartbeats")
+
+    async def following_closes(self) -> None:
+        """Return once the hub follows closes from a known cursor, so a close made after a feed's first
+        store read is among those the next beats read."""
+        await self._cursor_known.wait()
+
+    async def _beat_loop(self) -> None:
+        """One task for every subscription (rather than a timeout on every wait): establish the close
+        cursor, then every heartbeat interval beat."""
+        await self._read_cursor()
+        while not self.closing:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            try:
+                await self._beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not end the heartbeats of every stream
+                log.exception("delivery heartbeat failed")
+
+    async def _read_cursor(self) -> None:
+        try:
+            self._close_cursor = (await self.store.closes_since(None, CLOSE_PAGE)).cursor
+        except errors.Unavailable as exc:  # the next beat tries again (and then re-reads every feed once)
+            log.warning("closes made elsewhere not followed yet: %s", exc.message)
+        except Exception:
+            log.exception("closes made elsewhere not followed yet")
+        finally:
+            self._cursor_known.set()
+
+    async def _beat(self) -> None:
+        """Tell each open subscription to send a heartbeat; end the feeds of agents closed elsewhere (one
+        bounded store read for the whole hub); re-read a slice of the feeds as the safety net."""
+        self.beats += 1
+        for subscription in self._subscriptions:
             subscription.heartbeat_due = True
             subscription.wake.set()
-        self._heartbeat = asyncio.get_running_loop().call_later(self.heartbeat_interval_s, self._beat)
+        self._sweep(SAFETY_SLICE)
+        if self._close_cursor is None:
+            await self._read_cursor()
+            if self._close_cursor is not None:  # closes before it may have been missed: read every feed once
+                self._sweep(len(self._owners))
+            return
+        for _ in range(CLOSE_PAGES):
+            try:
+                found = await self.store.closes_since(self._close_cursor, CLOSE_PAGE)
+            except errors.Unavailable as exc:
+                log.info("closes made elsewhere not read this beat: %s", exc.message)
+                return
+            self._close_cursor = found.cursor
+            for agent_id, reason in found.closed:
+                self._end(agent_id, pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent closed: {reason}")
+            if not found.more:
+                return
 
+    def _sweep(self, count: int) -> None:
+        """Make the next `count` feeds of the round robin read the store."""
+        for agent_id in list(itertools.islice(self._owners, count)):
+            subscription, feed = self._owners[agent_id]
+            self._owners.move_to_end(agent_id)
+            feed.needs_store = True
+            subscription.make_ready(feed)
+
+    # -- subscriptions ------------------------------------------------------------------
     def open(self, agent_ids: list[str], max_in_flight: int, peer: str) -> Subscription:
-        if self._heartbeat is None and not self.closing:
-            self._heartbeat = asyncio.get_running_loop().call_later(self.heartbeat_interval_s, self._beat)
+        self._start_beats()
         max_in_flight = self._capped(max_in_flight)
         subscription = Subscription(self, [Feed(a, max_in_flight) for a in agent_ids], peer)
+        self._subscriptions.add(subscription)
         for agent_id in agent_ids:
             self._take_over(agent_id, subscription, subscription.feeds[agent_id])
-        log.info("subscribed %s from %s", ", ".join(agent_ids), peer)
+        log.info("subscribed %s from %s", shown(agent_ids), peer)
         return subscription
-
-    def _capped(self, max_in_flight: int) -> int:
-        return min(max_in_flight or self.limits.max_in_flight, 10 * self.limits.max_in_flight)
-
-    def _take_over(self, agent_id: str, subscription: Subscription, feed: Feed) -> None:
-        """Make `feed` the agent's one feed, ending the one it had elsewhere."""
-        previous = self._owners.get(agent_id)
-        if previous is not None and previous[1] is not feed:
-            old_subscription, old_feed = previous
-            old_feed.end(pb.SUBSCRIPTION_EVENT_KIND_SUPERSEDED,
-                         f"taken over by a subscription from {subscription.peer}")
-            old_subscription.wake.set()
-            log.info("agent %s: subscription from %s supersedes %r", agent_id, subscription.peer, old_subscription)
-        self._owners[agent_id] = (subscription, feed)
 
     def attach(self, subscription: Subscription, agent_ids: list[str], max_in_flight: int) -> None:
         """Add feeds for these agents to an open subscription, superseding
         their other owners as open() does. Each new feed reads the store
         (redelivering what is unacked) and is announced by an ATTACHED event
         on the subscription's responses before any of its deliveries. An
-        agent the subscription already delivers for keeps its feed."""
+        agent the subscription already delivers for keeps its feed and is
+        announced ATTACHED again."""
         max_in_flight = self._capped(max_in_flight)
         added = []
         for agent_id in agent_ids:
             current = subscription.feeds.get(agent_id)
             if current is not None and current.ended is None:
+                current.announced = False
+                subscription.make_ready(current)
                 continue
+            # (a feed of this agent that ended here is still queued: its event streams before this ATTACHED)
             feed = Feed(agent_id, max_in_flight)
             subscription.feeds[agent_id] = feed
             self._take_over(agent_id, subscription, feed)
-            subscription.attached.append(agent_id)
+            subscription.make_ready(feed)
             added.append(agent_id)
         if added:
-            log.info("attached %s to %r", ", ".join(added), subscription)
-            subscription.wake.set()
+            log.info("attached %s to %r", shown(added), subscription)
 
     def detach(self, subscription: Subscription, agent_ids: list[str]) -> list[str]:
         """Remove these agents' feeds from the subscription; returns those it
@@ -300,23 +433,52 @@ class DeliveryHub:
                 del self._owners[agent_id]
             del subscription.feeds[agent_id]
             if feed.ended is None:
-                feed.end(pb.SUBSCRIPTION_EVENT_KIND_UNSPECIFIED, "detached")
                 detached.append(agent_id)
+            feed.end(_DETACHED, "detached")
+            feed.ended = (_DETACHED, "detached")  # also one that ended here: detach answers for it instead
         if detached:
-            log.info("detached %s from %r", ", ".join(detached), subscription)
+            log.info("detached %s from %r", shown(detached), subscription)
             subscription.wake.set()
         return detached
 
+    def _capped(self, max_in_flight: int) -> int:
+        return min(max_in_flight or self.limits.max_in_flight, 10 * self.limits.max_in_flight)
+
+    def _take_over(self, agent_id: str, subscription: Subscription, feed: Feed) -> None:
+        """Make `feed` the agent's one feed, ending the one it had elsewhere."""
+        previous = self._owners.pop(agent_id, None)
+        if previous is not None and previous[1] is not feed:
+            old_subscription, old_feed = previous
+            old_feed.end(pb.SUBSCRIPTION_EVENT_KIND_SUPERSEDED,
+                         f"taken over by a subscription from {subscription.peer}")
+            old_subscription.make_ready(old_feed)
+            if old_subscription is not subscription:
+                log.info("agent %s: subscription from %s supersedes %r", agent_id, subscription.peer,
+                         old_subscription)
+        self._owners[agent_id] = (subscription, feed)
+
+    def finished(self, subscription: Subscription, feed: Feed) -> None:
+        """The subscription streamed the end of a feed it still owned (its agent closed): the hub lets
+        go of the agent, and release() still counts it as the subscription's."""
+        owner = self._owners.get(feed.agent_id)
+        if owner is not None and owner[1] is feed:
+            del self._owners[feed.agent_id]
+            subscription.finished.add(feed.agent_id)
+
     def release(self, subscription: Subscription) -> list[str]:
-        """Forget a finished subscription; returns the agents it still owned."""
-        released = []
-        for agent_id in list(subscription.feeds) + [a for a, (s, _) in self._owners.items() if s is subscription]:
+        """Forget a finished subscription; returns the agents it still owned (and those it owned until
+        they closed)."""
+        self._subscriptions.discard(subscription)
+        released = [a for a in subscription.finished if a not in subscription.feeds]
+        subscription.finished.clear()
+        for agent_id in subscription.feeds:
             owner = self._owners.get(agent_id)
             if owner is not None and owner[0] is subscription:
                 del self._owners[agent_id]
                 released.append(agent_id)
         return released
 
+    # -- what happened to inboxes ---------------------------------------------------------
     def on_appended(self, envelopes: list[envelope_pb2.Envelope]) -> None:
         if not self.store.fresh_delivery:
             for envelope in envelopes:
@@ -325,7 +487,7 @@ class DeliveryHub:
         for envelope in envelopes:
             owner = self._owners.get(envelope.recipient)
             if owner is not None and owner[1].offer(envelope):
-                owner[0].wake.set()
+                owner[0].make_ready(owner[1])
 
     def wake_agent(self, agent_id: str) -> None:
         """Something was appended to the agent's inbox (maybe by another
@@ -334,7 +496,7 @@ class DeliveryHub:
         if owner is not None:
             owner[1].needs_store = True
             owner[1].woken += 1
-            owner[0].wake.set()
+            owner[0].make_ready(owner[1])
 
     def on_acked(self, agent_id: str, sequences: list[int]) -> None:
         owner = self._owners.get(agent_id)
@@ -344,27 +506,30 @@ class DeliveryHub:
             feed.woken += 1  # a store read under way may have been held back for capacity: it must not settle
             if feed.held_back:
                 feed.needs_store, feed.held_back = True, False
-            owner[0].wake.set()
+            owner[0].make_ready(feed)
 
     def on_closed(self, outcome: CloseOutcome) -> None:
         self.on_appended(outcome.notices)
         for record in outcome.closed:
-            owner = self._owners.get(record.agent_id)
-            if owner is not None:
-                owner[1].end(pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent closed: {record.close_reason}")
-                owner[0].wake.set()
+            self._end(record.agent_id, pb.SUBSCRIPTION_EVENT_KIND_CLOSED, f"agent closed: {record.close_reason}")
+
+    def _end(self, agent_id: str, kind: pb.SubscriptionEventKind, detail: str) -> None:
+        owner = self._owners.get(agent_id)
+        if owner is not None:
+            owner[1].end(kind, detail)
+            owner[0].make_ready(owner[1])
 
     def shutdown(self) -> None:
         self.closing = True
         self.shut.set()
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
-        for subscription, _ in list(self._owners.values()):
+        self._cursor_known.set()
+        if self._beats is not None:
+            self._beats.cancel()
+            self._beats = None
+        for subscription in self._subscriptions:
             subscription.wake.set()
 
     @staticmethod
     def subscription_events(kind: ev.EventKind, agent_ids: list[str], detail: str) -> list[ev.Event]:
         at = now_us()
         return [ev.Event(at_us=at, kind=kind, agent_id=a, detail=detail) for a in agent_ids]
-
