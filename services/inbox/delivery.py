@@ -39,6 +39,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.clock import now_us
 from services.config import InboxLimits
+from services.inbox.feed import DETACHED, Feed
 from services.store.base import CloseOutcome, Store
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,6 @@ CLOSE_PAGES = 8
 """Store calls for closes per heartbeat at most; more closes wait for the next beat."""
 _SHOWN_AGENTS = 8
 """Agent ids a log line or repr lists before it gives only the count."""
-_DETACHED = pb.SUBSCRIPTION_EVENT_KIND_UNSPECIFIED
-"""The end of a feed that streams no event (any more): detached (DeliveryHub.detach), or its end was
-streamed."""
 _sub_ids = itertools.count(1)
 
 
@@ -68,81 +66,6 @@ def shown(agent_ids: list[str]) -> str:
     if len(agent_ids) <= _SHOWN_AGENTS:
         return ", ".join(agent_ids)
     return f"{', '.join(agent_ids[:_SHOWN_AGENTS])}, ... ({len(agent_ids)} agents)"
-
-
-class Feed:
-    """One agent's delivery state on one subscription."""
-
-    __slots__ = ("agent_id", "max_in_flight", "cursor", "in_flight", "fresh", "fresh_limit", "needs_store", "ended",
-                 "woken", "held_back", "queued", "announced")
-
-    def __init__(self, agent_id: str, max_in_flight: int):
-        self.agent_id = agent_id
-        self.max_in_flight = max_in_flight
-        self.cursor = 0
-        self.in_flight: set[int] = set()
-        self.fresh: collections.deque[envelope_pb2.Envelope] = collections.deque()
-        self.fresh_limit = max(64, 2 * max_in_flight)
-        self.needs_store = True
-        self.ended: tuple[pb.SubscriptionEventKind, str] | None = None
-        self.woken = 0
-        """Counts wake-ups for appends the feed must read from the store; a
-        read that raced one does not clear needs_store."""
-        self.held_back = False
-        """The store held messages back for the recipient's capacity: read again after an ack."""
-        self.queued = False
-        """On its subscription's ready queue (a feed is there at most once)."""
-        self.announced = False
-        """Its ATTACHED event was streamed."""
-
-    @property
-    def room(self) -> int:
-        return self.max_in_flight - len(self.in_flight)
-
-    @property
-    def has_work(self) -> bool:
-        """Whether a visit would do something: announce it, stream its end, or deliver (it has room and
-        messages in memory or to read). A full feed has none until an ack."""
-        if self.ended is not None:
-            return self.ended[0] != _DETACHED
-        return not self.announced or (self.room > 0 and (self.needs_store or bool(self.fresh)))
-
-    def offer(self, envelope: envelope_pb2.Envelope) -> bool:
-        """Take a just-appended message; True when the feed has new work."""
-        if envelope.sequence <= self.cursor or self.ended:
-            return False
-        # Buffer even while a store read is pending: the read may have taken
-        # its snapshot before this message committed.
-        if len(self.fresh) >= self.fresh_limit:
-            self.fresh.clear()
-            self.needs_store = True
-            return True
-        self.fresh.append(envelope)
-        return True
-
-    def take_fresh(self, now: int, limit: int) -> list[envelope_pb2.Envelope]:
-        """Up to `limit` (and the room) buffered messages that follow the cursor."""
-        taken: list[envelope_pb2.Envelope] = []
-        room = min(self.room, limit)
-        while self.fresh and len(taken) < room:
-            envelope = self.fresh[0]
-            if envelope.sequence <= self.cursor:
-                self.fresh.popleft()
-                continue
-            if envelope.sequence != self.cursor + 1 or (envelope.expires_at_us and envelope.expires_at_us <= now):
-                self.needs_store = True  # a gap, or expiry for the store to handle
-                break
-            self.fresh.popleft()
-            envelope.delivery_attempt = 1
-            self.cursor = envelope.sequence
-            self.in_flight.add(envelope.sequence)
-            taken.append(envelope)
-        return taken
-
-    def end(self, kind: pb.SubscriptionEventKind, detail: str) -> None:
-        if self.ended is None:
-            self.ended = (kind, detail)
-            self.fresh.clear()
 
 
 def _event(agent_id: str, kind: pb.SubscriptionEventKind, detail: str = "") -> pb.SubscribeResponse:
@@ -203,7 +126,7 @@ class Subscription:
                     yield _event(feed.agent_id, pb.SUBSCRIPTION_EVENT_KIND_ATTACHED)
                 if feed.ended is not None:
                     kind, detail = feed.ended
-                    feed.ended = (_DETACHED, detail)  # streamed: never again
+                    feed.ended = (DETACHED, detail)  # streamed: never again
                     if self.feeds.get(feed.agent_id) is feed:  # not replaced by a newer attach
                         del self.feeds[feed.agent_id]
                         hub.finished(self, feed)
@@ -434,8 +357,8 @@ class DeliveryHub:
             del subscription.feeds[agent_id]
             if feed.ended is None:
                 detached.append(agent_id)
-            feed.end(_DETACHED, "detached")
-            feed.ended = (_DETACHED, "detached")  # also one that ended here: detach answers for it instead
+            feed.end(DETACHED, "detached")
+            feed.ended = (DETACHED, "detached")  # also one that ended here: detach answers for it instead
         if detached:
             log.info("detached %s from %r", shown(detached), subscription)
             subscription.wake.set()
