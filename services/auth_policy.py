@@ -2,7 +2,9 @@
 and the server interceptor that applies it before any handler runs.
 
 A handler never reads credentials: it asks `authenticated()` for what the interceptor proved (the caller,
-the subscribers of a stream, the routing ingress token as sent). A method the server serves that has no
+the subscribers of a stream, the routing ingress token as sent). Credentials a stream carries after its
+first request (a Consume `attach`, a SendRequest's `credentials`) are proven by the same path, through
+`CallAuth.prove`, which the interceptor hands the handler with the rest. A method the server serves that has no
 row in the table is refused for every caller with INTERNAL / `INTERNAL` (a defect of the mesh: it names
 the method and this module) and its handler never runs; tests/test_auth_policy.py fails when an RPC of the
 protos has no row. A new RPC therefore goes here first.
@@ -20,8 +22,8 @@ import contextvars
 import enum
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -130,6 +132,17 @@ class CallAuth:
     """The authenticated callers: one, none for an anonymous call, one per credential for SUBSCRIBERS."""
     token: str | None = None
     """INGRESS_TOKEN: the bearer token as sent (None: none was sent), not yet checked."""
+    prove: Callable[[Sequence[str]], Awaitable[tuple[Caller, ...]]] | None = None
+    """Proves credentials the call carries later (a Consume `attach`, a SendRequest's `credentials`) as the
+    first request's are: the callers, one per credential, or the refusal of the first that proves nobody.
+    Set by the interceptor on every call it authenticated; use `proven`."""
+
+    async def proven(self, credentials: Sequence[str]) -> tuple[Caller, ...]:
+        """The callers these credentials prove (see `prove`)."""
+        if self.prove is None:
+            raise errors.Internal(f"{self.method} asked to prove credentials outside the authentication"
+                                  " interceptor; see services/auth_policy.py")
+        return await self.prove(credentials)
 
     @property
     def caller(self) -> Caller:
@@ -226,11 +239,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         assert caller is not None  # only allow_anonymous answers None
         return caller
 
+    async def _prove(self, credentials: Sequence[str]) -> tuple[Caller, ...]:
+        """CallAuth.prove: each credential as a first request's, by the directory."""
+        return tuple([await self._caller(c) for c in credentials])
+
+    async def _established(self, method: str, rule: Rule, context: grpc.aio.ServicerContext,
+                           credentials: Sequence[str] | None) -> CallAuth:
+        return replace(await self._authenticate(method, rule, context, credentials), prove=self._prove)
+
     # -- wrapping the handler, keeping its kind ------------------------------
     def _unary_request(self, behavior, method: str, rule: Rule):
         async def prove(request, context) -> None:
             credentials = rule.credentials_of(request) if rule.credentials_of is not None else None
-            _CALL.set(await self._authenticate(method, rule, context, credentials))
+            _CALL.set(await self._established(method, rule, context, credentials))
 
         if inspect.isasyncgenfunction(behavior):
             async def authenticated_stream(request, context):
@@ -250,14 +271,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         async def prove(requests: AsyncIterator, context) -> AsyncIterator:
             """Authenticates the call; returns the requests as the handler is to read them."""
             if rule.credentials_of is None:
-                _CALL.set(await self._authenticate(method, rule, context, None))
+                _CALL.set(await self._established(method, rule, context, None))
                 return requests
             try:
                 first = await anext(requests)
             except StopAsyncIteration:  # nothing sent: the handler sees an empty stream
                 _CALL.set(CallAuth(method, rule.policy))
                 return requests
-            _CALL.set(await self._authenticate(method, rule, context, rule.credentials_of(first)))
+            _CALL.set(await self._established(method, rule, context, rule.credentials_of(first)))
             return _prepended(first, requests)
 
         if inspect.isasyncgenfunction(behavior):

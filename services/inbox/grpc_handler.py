@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import functools
 import logging
+from collections.abc import AsyncIterator
 from typing import cast
 
 import grpc
@@ -16,22 +20,23 @@ from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from services.auth_policy import authenticated
 from services.directory import Caller
 from services.grpc_common import streaming, unary
+from services.inbox.consume import REFUSALS, AckAnswer, ConsumeSession
 from services.inbox.delivery import DeliveryHub, Subscription
-from services.inbox.service import InboxService
+from services.inbox.service import InboxService, StreamSenders
 from services.store.base import AckOutcome, MessageRecord, SendOutcome
 
 log = logging.getLogger(__name__)
-_ACKS_IN_FLIGHT = 8
-"""Acks of one Consume stream being processed at once (they group-commit)."""
+ACKS_IN_FLIGHT = 64
+"""Acks (`ack` and `ack_many` requests) of one Consume stream being processed at once (they group-commit).
+With this many unanswered the handler reads no further request of the stream: the client's writes wait on
+the call's flow control; nothing is dropped."""
+SENDS_READ_AHEAD = 64
+"""Requests of one SendStream read ahead and stored together, at most (and at most READ_AHEAD_BYTES of
+them); the handler reads no further while that many wait."""
+READ_AHEAD_BYTES = 8 * 1024 * 1024
 _HALF_CLOSE_WAIT_S = 5.0
 """How long a Consume stream whose agents all left stays open for acks still
 on the wire, waiting for the client to half-close (a host does so at once)."""
-_REFUSALS = (errors.InvalidArgument, errors.PermissionDenied, errors.FailedPrecondition, errors.NotFound,
-             errors.ResourceExhausted, errors.Unauthenticated)
-"""Errors that say an ack on a Consume stream was wrong: answered on the
-stream for that ack alone. Others (the mesh could not process it) end the
-stream, and the host subscribes again."""
-_SHOWN_ID = 64
 
 
 def receipt_pb(outcome: SendOutcome) -> pb.Receipt:
@@ -50,17 +55,24 @@ def ack_result_pb(outcome: AckOutcome) -> pb.AckResult:
                         status=cast(pb.AckStatus, outcome.status))
 
 
-def ack_error_pb(request: pb.AckRequest, agent_id: str, exc: errors.MeshError) -> pb.SubscribeResponse:
-    """The answer to a refused ack on a Consume stream."""
-    return pb.SubscribeResponse(acked=pb.AckResponse(
-        agent_id=agent_id, request_id=request.request_id,
-        error=pb.AckError(code=status_code_of(exc).value[0], reason=exc.reason, message=exc.message,
-                          metadata=exc.metadata)))
+def error_pb(exc: errors.MeshError) -> pb.AckError:
+    """A refusal answered on a Consume stream (an ack's, an attach's, a detach's)."""
+    return pb.AckError(code=status_code_of(exc).value[0], reason=exc.reason, message=exc.message,
+                       metadata=exc.metadata)
 
 
-def _shown(value: str) -> str:
-    """A caller's string as an error may quote it: bounded."""
-    return value if len(value) <= _SHOWN_ID else f"{value[:_SHOWN_ID]}... ({len(value)} characters)"
+def ack_response_pb(answer: AckAnswer, request_id: int) -> pb.AckResponse:
+    if answer.refusal is not None:
+        return pb.AckResponse(agent_id=answer.agent_id, request_id=request_id, error=error_pb(answer.refusal))
+    return pb.AckResponse(results=[ack_result_pb(o) for o in answer.outcomes], agent_id=answer.agent_id,
+                          request_id=request_id)
+
+
+def event_pb(agent_id: str, kind: pb.SubscriptionEventKind, *, detail: str = "", request_id: int = 0,
+             error: errors.MeshError | None = None) -> pb.SubscribeResponse:
+    return pb.SubscribeResponse(subscription=pb.SubscriptionEvent(
+        agent_id=agent_id, kind=kind, detail=detail, request_id=request_id,
+        error=error_pb(error) if error is not None else None))
 
 
 def status_pb(record: MessageRecord) -> pb.MessageStatus:
@@ -96,16 +108,29 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
 
     @unary
     async def Send(self, request: pb.SendRequest, context) -> pb.SendResponse:
-        caller = authenticated().caller
-        outcomes = await self._service.send(caller, list(request.messages))
-        return pb.SendResponse(receipts=[receipt_pb(o) for o in outcomes])
+        call = authenticated()
+        answered, failure = await self._service.send_requests(StreamSenders(call.caller, call.proven), [request])
+        if failure is not None:
+            raise failure
+        return pb.SendResponse(receipts=[receipt_pb(o) for o in answered[0]])
 
     @streaming
     async def SendStream(self, request_iterator, context):
-        caller = authenticated().caller
-        async for request in request_iterator:
-            outcomes = await self._service.send(caller, list(request.messages))
-            yield pb.SendResponse(receipts=[receipt_pb(o) for o in outcomes])
+        call = authenticated()
+        senders = StreamSenders(call.caller, call.proven)  # one for the stream: credentials proven once
+        ahead = _ReadAhead(SENDS_READ_AHEAD, READ_AHEAD_BYTES)
+        reader = asyncio.create_task(ahead.fill(request_iterator))
+        try:
+            while batch := await ahead.take(self._service.max_batch_messages):
+                answered, failure = await self._service.send_requests(senders, batch)
+                for outcomes in answered:
+                    yield pb.SendResponse(receipts=[receipt_pb(o) for o in outcomes])
+                if failure is not None:
+                    raise failure
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
     async def _open(self, request: pb.SubscribeRequest, context) -> tuple[Subscription, dict[str, Caller]]:
         callers = list(authenticated().callers)  # one per credential of the request (services/auth_policy.py)
@@ -151,87 +176,99 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
         except errors.MeshError as exc:
             await context.abort(*to_grpc(exc))
             return
-        writing = asyncio.Lock()  # one write at a time on the stream; acks and deliveries take turns
-        acking = asyncio.Semaphore(_ACKS_IN_FLIGHT)
+        session = ConsumeSession(self._service, subscription, callers, authenticated().proven,
+                                 first.subscribe.max_in_flight)
+        writing = asyncio.Lock()  # one write at a time on the stream; answers and deliveries take turns
+        acking = asyncio.Semaphore(ACKS_IN_FLIGHT)
 
         async def write(response: pb.SubscribeResponse) -> None:
             async with writing:
                 await _write(context, response)
 
-        async def ack_one(request: pb.AckRequest) -> None:
-            agent_id = ""
+        async def answer(acks: pb.AckRequest | pb.AckManyRequest) -> None:
+            """Answer one ack or ack_many request (a task of its own: acks in progress group-commit)."""
             try:
-                try:
-                    agent_id, caller = self._ack_caller(request, callers)
-                    sequences = list(request.sequences)
-                    outcomes = await self._service.ack(caller, agent_id, sequences, request.turn)
-                except _REFUSALS as exc:  # this ack was wrong; the stream and its other agents carry on
-                    log.info("Consume on %r: ack %d refused: %s (%s)", subscription, request.request_id,
-                             exc.reason, exc.message)
-                    await write(ack_error_pb(request, agent_id, exc))
+                if isinstance(acks, pb.AckRequest):
+                    await write(pb.SubscribeResponse(acked=ack_response_pb(await session.ack(acks), acks.request_id)))
                     return
-                await write(pb.SubscribeResponse(acked=pb.AckResponse(
-                    results=[ack_result_pb(o) for o in outcomes], agent_id=agent_id,
-                    request_id=request.request_id)))
+                try:
+                    answers = await session.ack_many(acks)
+                except REFUSALS as exc:
+                    await write(pb.SubscribeResponse(acked_many=pb.AckManyResponse(request_id=acks.request_id,
+                                                                                   error=error_pb(exc))))
+                    return
+                await write(pb.SubscribeResponse(acked_many=pb.AckManyResponse(
+                    request_id=acks.request_id,
+                    acks=[ack_response_pb(a, entry.request_id) for a, entry in zip(answers, acks.acks)])))
             except BaseException:
                 subscription.stop()  # the stream ends with this error
                 raise
             finally:
                 acking.release()
 
-        async def read_acks(group: asyncio.TaskGroup) -> None:
+        async def attach(request: pb.AttachRequest) -> None:
+            try:
+                await session.attach(request)  # answered by the subscription: an ATTACHED per agent
+            except REFUSALS as exc:
+                log.info("Consume on %r: attach %d refused: %s (%s)", subscription, request.request_id, exc.reason,
+                         exc.message)
+                await write(event_pb("", pb.SUBSCRIPTION_EVENT_KIND_REFUSED, request_id=request.request_id,
+                                     error=exc))
+
+        async def detach(request: pb.DetachRequest) -> None:
+            try:
+                named = await session.detach(request)
+            except REFUSALS as exc:
+                await write(event_pb("", pb.SUBSCRIPTION_EVENT_KIND_REFUSED, request_id=request.request_id,
+                                     error=exc))
+                return
+            for agent_id, was_here in named:
+                await write(event_pb(agent_id, pb.SUBSCRIPTION_EVENT_KIND_DETACHED, request_id=request.request_id,
+                                     detail="detached" if was_here else "this stream was not delivering for it"))
+
+        async def read_requests(group: asyncio.TaskGroup) -> None:
             try:
                 async for request in requests:
-                    if request.WhichOneof("request") != "ack":
-                        raise errors.InvalidArgument("only `ack` may follow the first ConsumeRequest",
-                                                     reason=Reason.ACK_EXPECTED)
-                    await acking.acquire()
-                    group.create_task(ack_one(request.ack))
+                    which = request.WhichOneof("request")
+                    if which == "ack" or which == "ack_many":
+                        await acking.acquire()  # full: read nothing more until an ack is answered
+                        group.create_task(answer(request.ack if which == "ack" else request.ack_many))
+                    elif which == "attach":  # in order: an ack after it may name the agents it adds
+                        await attach(request.attach)
+                    elif which == "detach":
+                        await detach(request.detach)
+                    else:
+                        raise errors.InvalidArgument(
+                            "only `ack`, `ack_many`, `attach` or `detach` may follow the first ConsumeRequest",
+                            reason=Reason.ACK_EXPECTED)
             except Exception:
                 subscription.stop()
                 raise
 
         try:
             async with asyncio.TaskGroup() as group:
-                reader = group.create_task(read_acks(group))
+                reader = group.create_task(read_requests(group))
                 async for response in subscription.responses():
+                    session.produced(response)
                     await write(response)
+                session.ending = True  # before anything else runs: no attach to a subscription that ended
                 if not subscription.stopped and not self._service.hub.closing:
                     await self._await_half_close(reader, self._service.hub)
                 reader.cancel()
         except BaseExceptionGroup as failed:  # a task of the stream failed
-            first = failed.exceptions[0]
-            if isinstance(first, _SubscriberGone):
-                await self._service.unsubscribed(subscription, f"subscriber gone (write failed: {first})")
+            first_error = failed.exceptions[0]
+            if isinstance(first_error, _SubscriberGone):
+                await self._service.unsubscribed(subscription, f"subscriber gone (write failed: {first_error})")
                 return
-            await self._service.unsubscribed(subscription, f"stream failed ({type(first).__name__})")
-            if not isinstance(first, errors.MeshError):
-                log.error("Consume stream failed", exc_info=first)
-                first = errors.Internal(f"the stream failed: {type(first).__name__}; see the mesh log")
-            await context.abort(*to_grpc(first))
+            await self._service.unsubscribed(subscription, f"stream failed ({type(first_error).__name__})")
+            if not isinstance(first_error, errors.MeshError):
+                log.error("Consume stream failed", exc_info=first_error)
+                first_error = errors.Internal(f"the stream failed: {type(first_error).__name__}; see the mesh log")
+            await context.abort(*to_grpc(first_error))
         except BaseException as exc:  # cancelled: the subscriber went away
             await self._service.unsubscribed(subscription, f"subscriber gone ({type(exc).__name__})")
             raise
         await self._finish(subscription, context)
-
-    @staticmethod
-    def _ack_caller(request: pb.AckRequest, callers: dict[str, Caller]) -> tuple[str, Caller]:
-        """Which of the stream's agents an ack is for. An empty agent_id
-        means the stream's one agent; on a stream of several it names none."""
-        if not request.agent_id:
-            if len(callers) == 1:
-                return next(iter(callers.items()))
-            raise errors.InvalidArgument(
-                f"the ack names no agent, and this stream delivers for {len(callers)}: set agent_id",
-                reason=Reason.MISSING_FIELD, metadata={"field": "agent_id"})
-        caller = callers.get(request.agent_id)
-        if caller is None:
-            shown = _shown(request.agent_id)
-            raise errors.PermissionDenied(
-                f"ack names agent {shown!r}, which this stream did not subscribe: ack on the stream that"
-                " delivers for it, or with that agent's own credential",
-                reason=Reason.AGENT_MISMATCH, metadata={"agent_id": shown})
-        return request.agent_id, caller
 
     @staticmethod
     async def _await_half_close(reader: asyncio.Task, hub: DeliveryHub) -> None:
@@ -267,3 +304,57 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
             page_token=request.page_token,
         )
         return pb.ListDeadLettersResponse(messages=[status_pb(r) for r in records], next_page_token=token)
+
+
+class _ReadAhead:
+    """Requests of a stream read before their turn: at most `max_items`, and at most `max_bytes` of them
+    (a bigger request is taken alone). `fill` reads while there is room; `take` hands over what waits."""
+
+    def __init__(self, max_items: int, max_bytes: int):
+        self._max_items, self._max_bytes = max_items, max_bytes
+        self._waiting: collections.deque[tuple[pb.SendRequest, int]] = collections.deque()
+        self._bytes = 0
+        self._ended = False
+        self._failure: Exception | None = None
+        self._changed = asyncio.Condition()
+
+    def _has_room(self, size: int) -> bool:
+        return not self._waiting or (len(self._waiting) < self._max_items and self._bytes + size <= self._max_bytes)
+
+    async def fill(self, requests: AsyncIterator[pb.SendRequest]) -> None:
+        try:
+            async for request in requests:
+                size = request.ByteSize()
+                async with self._changed:
+                    await self._changed.wait_for(functools.partial(self._has_room, size))
+                    self._waiting.append((request, size))
+                    self._bytes += size
+                    self._changed.notify_all()
+        except Exception as exc:  # an undecodable request, say: its turn comes after the requests before it
+            self._failure = exc
+        finally:
+            self._ended = True
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def take(self, max_messages: int) -> list[pb.SendRequest]:
+        """The requests waiting, in order: at least one, and no more than max_messages messages unless the
+        first alone holds more. [] once the stream ended and every request was taken; what ended the stream
+        (an undecodable request) is raised in its turn."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: bool(self._waiting) or self._ended)
+        # One turn of the loop for `fill` first: a commit blocks the loop while gRPC goes on receiving, so
+        # after one more requests are usually there to be read, and they are best stored with these.
+        await asyncio.sleep(0)
+        async with self._changed:
+            taken: list[pb.SendRequest] = []
+            messages = 0
+            while self._waiting and (not taken or messages + len(self._waiting[0][0].messages) <= max_messages):
+                request, size = self._waiting.popleft()
+                self._bytes -= size
+                taken.append(request)
+                messages += len(request.messages)
+            self._changed.notify_all()
+        if not taken and self._failure is not None:
+            raise self._failure
+        return taken

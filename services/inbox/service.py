@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
@@ -43,8 +43,55 @@ _LOCAL = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_LOCAL)
 _FRONTIERS_KEPT = 4096
 """Frontiers kept in memory; older ones are read from the store again when their agent sends."""
 
+_STREAM_SENDERS = 100_000
+"""Senders one SendStream may hold proven credentials of (RESOURCE_EXHAUSTED / STREAM_FULL beyond)."""
+
 ForwardToIoa = Callable[[str, list[envelope_pb2.Envelope]], Awaitable[list[SendOutcome]]]
 """(sender agent id, messages to IOA addresses) -> their receipts: the IOA relay's forward."""
+Prove = Callable[[Sequence[str]], Awaitable[tuple[Caller, ...]]]
+"""Credentials a call carries after its metadata or first request -> the callers they prove (or the
+refusal): services.auth_policy's, the same directory path as the first request's."""
+
+
+class StreamSenders:
+    """The agents the requests of one Send call or SendStream may send as: the call's own caller, and every
+    agent whose credential a request of the stream carried (proven once per credential per stream).
+    Bounded: at most _STREAM_SENDERS agents."""
+
+    def __init__(self, caller: Caller, prove: Prove):
+        self._caller = caller
+        self._prove = prove
+        self._by_agent: dict[str, Caller] = {}
+        self._proven: set[str] = set()
+        """Credentials already proven on this stream (not proven again)."""
+
+    async def sender_of(self, request: pb.SendRequest) -> Caller:
+        """The caller a request sends as, after proving the credentials it carries."""
+        fresh = [c for c in dict.fromkeys(request.credentials) if c not in self._proven]
+        if fresh:
+            callers = await self._prove(fresh)
+            for credential, caller in zip(fresh, callers):
+                agent = caller.require_agent("sending")
+                if agent.agent_id not in self._by_agent and len(self._by_agent) >= _STREAM_SENDERS:
+                    raise errors.ResourceExhausted(
+                        f"this stream already holds the credentials of {len(self._by_agent)} senders, the most one"
+                        " stream may; open another SendStream for more", reason=Reason.STREAM_FULL,
+                        metadata={"limit": str(_STREAM_SENDERS)})
+                self._by_agent[agent.agent_id] = caller
+                self._proven.add(credential)
+        if not request.sender:
+            return self._caller
+        own = self._caller.agent
+        if own is not None and own.agent_id == request.sender:
+            return self._caller
+        named = self._by_agent.get(request.sender)
+        if named is None:
+            shown = errors.clip(request.sender)
+            raise errors.PermissionDenied(
+                f"the request names sender {shown!r}, whose credential this stream does not hold: put it in"
+                " `credentials` of this or an earlier request of the stream (or send with that agent's own"
+                " authorization metadata)", reason=Reason.SENDER_NOT_PROVEN, metadata={"sender": shown})
+        return named
 
 
 class InboxService:
@@ -112,11 +159,66 @@ class InboxService:
         """Store the messages in order (IOA recipients through the relay);
         one outcome each. Malformed input fails the whole call before
         anything is stored."""
+        sender = await self._checked(caller, envelopes)
+        if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
+            return await self._send_local(caller, sender, envelopes)
+        return await self._send_via_ioa(caller, sender, envelopes)
+
+    async def send_requests(self, senders: StreamSenders, requests: Sequence[pb.SendRequest]
+                            ) -> tuple[list[list[SendOutcome]], errors.MeshError | None]:
+        """The requests of one Send call, or several of one SendStream read together: each checked in
+        order as `send` checks one, the local ones stored together (InboxWriter.store in order: one commit
+        on SQLite for requests that share no sender and no recipient) and answered in order. Stops at the
+        first request refused: returns the outcomes of the requests before it and its refusal; nothing of
+        it or of later requests is stored. A request that carries credentials and no messages has no
+        outcomes."""
+        answered: list[list[SendOutcome]] = []
+        unstored: list[list[AppendItem]] = []
+        """Items of the requests checked since the last store, one list per request."""
+
+        async def store() -> None:
+            taken = unstored[:]  # taken before the write: what fails is not written again
+            unstored.clear()
+            groups: list[list[AppendItem]] = []
+            for items in taken:  # a sender's consecutive requests are one append
+                if groups and items and groups[-1][0].envelope.sender == items[0].envelope.sender:
+                    groups[-1] = groups[-1] + items
+                elif items:
+                    groups.append(items)
+            outcomes = iter(await self._writer.store(groups, now_us(), in_order=True) if groups else [])
+            answered.extend([next(outcomes) for _ in items] for items in taken)
+
+        failure: errors.MeshError | None = None
+        try:
+            for request in requests:
+                caller = await senders.sender_of(request)
+                envelopes = list(request.messages)
+                if not envelopes and request.credentials:
+                    unstored.append([])
+                    continue
+                sender = await self._checked(caller, envelopes)
+                if any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
+                    await store()  # what came before is stored first: the order holds
+                    answered.append(await self._send_via_ioa(caller, sender, envelopes))
+                else:
+                    unstored.append(await self._local_items(caller, sender, envelopes))
+        except errors.MeshError as exc:
+            failure = exc
+        try:
+            await store()
+        except errors.MeshError as exc:  # those requests are not answered: the stream ends with this
+            failure = exc
+        return answered, failure
+
+    async def _checked(self, caller: Caller, envelopes: list[envelope_pb2.Envelope]) -> AgentRecord:
+        """The sending agent, once the messages are valid and their hop counts and trails are set."""
         sender = caller.require_agent("sending")
         self._validate(sender.agent_id, envelopes)
         await self._continue_chains(sender.agent_id, envelopes)
-        if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
-            return await self._send_local(caller, sender, envelopes)
+        return sender
+
+    async def _send_via_ioa(self, caller: Caller, sender: AgentRecord,
+                            envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
         outcomes: list[SendOutcome] = []
         for via_ioa, group in itertools.groupby(envelopes, key=lambda e: e.recipient.startswith(IOA_PREFIX)):
             run = list(group)
@@ -135,6 +237,10 @@ class InboxService:
 
     async def _send_local(self, caller: Caller, sender: AgentRecord,
                           envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
+        return await self._writer.store([await self._local_items(caller, sender, envelopes)], now_us())
+
+    async def _local_items(self, caller: Caller, sender: AgentRecord,
+                           envelopes: list[envelope_pb2.Envelope]) -> list[AppendItem]:
         now = now_us()
         items = []
         budget = self._limits.conversation_budget
@@ -145,7 +251,7 @@ class InboxService:
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
             rejection = await self._precheck(sender.agent_id, caller, env)
             items.append(AppendItem(env, rejection, conversation_budget=budget))
-        return await self._writer.store([items], now)
+        return items
 
     # -- loop guard -------------------------------------------------------------
     async def _continue_chains(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
@@ -196,22 +302,46 @@ class InboxService:
 
     # -- subscribe / ack ----------------------------------------------------
     async def subscribe(self, callers: list[Caller], max_in_flight: int, peer: str) -> Subscription:
-        agent_ids = []
-        for caller in callers:
-            agent = caller.require_agent("subscribing")
-            fresh = await self._directory.fresh(agent.agent_id)
-            if not fresh.is_open:
-                raise errors.FailedPrecondition(f"agent {agent.agent_id} is closed; its inbox delivers nothing",
-                                                reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent.agent_id})
-            if agent.agent_id not in agent_ids:
-                agent_ids.append(agent.agent_id)
-        if not agent_ids:
-            raise errors.InvalidArgument("subscribe names no agent", reason=Reason.MISSING_FIELD)
+        agent_ids = await self.open_agents(callers, "subscribing")
         subscription = self.hub.open(agent_ids, max_in_flight, peer)
         await self._events.record_events(
             self.hub.subscription_events(ev.EVENT_KIND_SUBSCRIBED, agent_ids, f"from {peer}")
         )
         return subscription
+
+    async def open_agents(self, callers: Sequence[Caller], action: str) -> list[str]:
+        """The agents of these callers, each once, in order; refused when one is the admin token or a
+        closed agent (its inbox delivers nothing), or when there are none."""
+        agent_ids: list[str] = []
+        for caller in callers:
+            agent = caller.require_agent(action)
+            if agent.agent_id in agent_ids:
+                continue
+            fresh = await self._directory.fresh(agent.agent_id)
+            if not fresh.is_open:
+                raise errors.FailedPrecondition(f"agent {agent.agent_id} is closed; its inbox delivers nothing",
+                                                reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent.agent_id})
+            agent_ids.append(agent.agent_id)
+        if not agent_ids:
+            raise errors.InvalidArgument(f"{action} names no agent", reason=Reason.MISSING_FIELD)
+        return agent_ids
+
+    async def attach(self, subscription: Subscription, agent_ids: list[str], max_in_flight: int) -> None:
+        """Add open agents (open_agents) to an open subscription; recorded as SUBSCRIBED. The feeds are
+        added before this coroutine first waits: a caller that checked the subscription is still open
+        just before calling it knows they were added to an open one."""
+        self.hub.attach(subscription, agent_ids, max_in_flight)
+        await self._events.record_events(
+            self.hub.subscription_events(ev.EVENT_KIND_SUBSCRIBED, agent_ids, f"attached from {subscription.peer}"))
+
+    async def detach(self, subscription: Subscription, agent_ids: list[str]) -> list[str]:
+        """Stop delivering for these agents on the subscription; returns those it delivered for (recorded as
+        UNSUBSCRIBED)."""
+        detached = self.hub.detach(subscription, agent_ids)
+        if detached:
+            await self._events.record_events(self.hub.subscription_events(
+                ev.EVENT_KIND_UNSUBSCRIBED, detached, f"detached from {subscription.peer}"))
+        return detached
 
     async def unsubscribed(self, subscription: Subscription, why: str) -> None:
         released = self.hub.release(subscription)
@@ -222,6 +352,20 @@ class InboxService:
                                                                              why))
             except errors.Unavailable as exc:  # the mesh is stopping: the store is already closed
                 log.info("unsubscribed event of %s not recorded: %s", ", ".join(released), exc.message)
+
+    @property
+    def max_ack_sequences(self) -> int:
+        """The most sequences one ack (or one ack of many agents) may name."""
+        return 10 * self._limits.max_batch_messages
+
+    @property
+    def max_id_length(self) -> int:
+        return self._limits.max_id_length
+
+    @property
+    def max_batch_messages(self) -> int:
+        """The most messages one send request may hold."""
+        return self._limits.max_batch_messages
 
     async def ack(self, caller: Caller, agent_id: str, sequences: list[int], turn: int = 0) -> list[AckOutcome]:
         agent = caller.require_agent("acking")
@@ -234,9 +378,9 @@ class InboxService:
         if not sequences:
             raise errors.InvalidArgument("ack names no sequences", reason=Reason.MISSING_FIELD,
                                          metadata={"field": "sequences"})
-        if len(sequences) > 10 * self._limits.max_batch_messages:
+        if len(sequences) > self.max_ack_sequences:
             raise errors.InvalidArgument(f"{len(sequences)} sequences in one ack; at most "
-                                         f"{10 * self._limits.max_batch_messages}", reason=Reason.BATCH_TOO_LARGE)
+                                         f"{self.max_ack_sequences}", reason=Reason.BATCH_TOO_LARGE)
         outcomes = await self._store.ack(agent.agent_id, [stored_int(s) for s in sequences], now_us(),
                                          stored_int(turn))
         crash_point("ack-stored")

@@ -23,6 +23,8 @@ class SubscriptionEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SUBSCRIPTION_EVENT_KIND_ATTACHED: _ClassVar[SubscriptionEventKind]
     SUBSCRIPTION_EVENT_KIND_SUPERSEDED: _ClassVar[SubscriptionEventKind]
     SUBSCRIPTION_EVENT_KIND_CLOSED: _ClassVar[SubscriptionEventKind]
+    SUBSCRIPTION_EVENT_KIND_DETACHED: _ClassVar[SubscriptionEventKind]
+    SUBSCRIPTION_EVENT_KIND_REFUSED: _ClassVar[SubscriptionEventKind]
 
 class AckStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -50,6 +52,8 @@ SUBSCRIPTION_EVENT_KIND_UNSPECIFIED: SubscriptionEventKind
 SUBSCRIPTION_EVENT_KIND_ATTACHED: SubscriptionEventKind
 SUBSCRIPTION_EVENT_KIND_SUPERSEDED: SubscriptionEventKind
 SUBSCRIPTION_EVENT_KIND_CLOSED: SubscriptionEventKind
+SUBSCRIPTION_EVENT_KIND_DETACHED: SubscriptionEventKind
+SUBSCRIPTION_EVENT_KIND_REFUSED: SubscriptionEventKind
 ACK_STATUS_UNSPECIFIED: AckStatus
 ACK_STATUS_CONSUMED: AckStatus
 ACK_STATUS_ALREADY_CONSUMED: AckStatus
@@ -78,10 +82,14 @@ class Receipt(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., recipient: _Optional[str] = ..., status: _Optional[_Union[ReceiptStatus, str]] = ..., sequence: _Optional[int] = ..., stored_at_us: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class SendRequest(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "credentials", "sender")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_envelope_pb2.Envelope]
-    def __init__(self, messages: _Optional[_Iterable[_Union[_envelope_pb2.Envelope, _Mapping]]] = ...) -> None: ...
+    credentials: _containers.RepeatedScalarFieldContainer[str]
+    sender: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[_envelope_pb2.Envelope, _Mapping]]] = ..., credentials: _Optional[_Iterable[str]] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class SendResponse(_message.Message):
     __slots__ = ("receipts",)
@@ -104,14 +112,18 @@ class Deliveries(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_envelope_pb2.Envelope, _Mapping]]] = ...) -> None: ...
 
 class SubscriptionEvent(_message.Message):
-    __slots__ = ("agent_id", "kind", "detail")
+    __slots__ = ("agent_id", "kind", "detail", "request_id", "error")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     kind: SubscriptionEventKind
     detail: str
-    def __init__(self, agent_id: _Optional[str] = ..., kind: _Optional[_Union[SubscriptionEventKind, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    request_id: int
+    error: AckError
+    def __init__(self, agent_id: _Optional[str] = ..., kind: _Optional[_Union[SubscriptionEventKind, str]] = ..., detail: _Optional[str] = ..., request_id: _Optional[int] = ..., error: _Optional[_Union[AckError, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("at_us",)
@@ -120,24 +132,68 @@ class Heartbeat(_message.Message):
     def __init__(self, at_us: _Optional[int] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
-    __slots__ = ("deliveries", "subscription", "heartbeat", "acked")
+    __slots__ = ("deliveries", "subscription", "heartbeat", "acked", "acked_many")
     DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     ACKED_FIELD_NUMBER: _ClassVar[int]
+    ACKED_MANY_FIELD_NUMBER: _ClassVar[int]
     deliveries: Deliveries
     subscription: SubscriptionEvent
     heartbeat: Heartbeat
     acked: AckResponse
-    def __init__(self, deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., subscription: _Optional[_Union[SubscriptionEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., acked: _Optional[_Union[AckResponse, _Mapping]] = ...) -> None: ...
+    acked_many: AckManyResponse
+    def __init__(self, deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., subscription: _Optional[_Union[SubscriptionEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., acked: _Optional[_Union[AckResponse, _Mapping]] = ..., acked_many: _Optional[_Union[AckManyResponse, _Mapping]] = ...) -> None: ...
 
 class ConsumeRequest(_message.Message):
-    __slots__ = ("subscribe", "ack")
+    __slots__ = ("subscribe", "ack", "ack_many", "attach", "detach")
     SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    ACK_MANY_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
     subscribe: SubscribeRequest
     ack: AckRequest
-    def __init__(self, subscribe: _Optional[_Union[SubscribeRequest, _Mapping]] = ..., ack: _Optional[_Union[AckRequest, _Mapping]] = ...) -> None: ...
+    ack_many: AckManyRequest
+    attach: AttachRequest
+    detach: DetachRequest
+    def __init__(self, subscribe: _Optional[_Union[SubscribeRequest, _Mapping]] = ..., ack: _Optional[_Union[AckRequest, _Mapping]] = ..., ack_many: _Optional[_Union[AckManyRequest, _Mapping]] = ..., attach: _Optional[_Union[AttachRequest, _Mapping]] = ..., detach: _Optional[_Union[DetachRequest, _Mapping]] = ...) -> None: ...
+
+class AckManyRequest(_message.Message):
+    __slots__ = ("acks", "request_id")
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[AckRequest]
+    request_id: int
+    def __init__(self, acks: _Optional[_Iterable[_Union[AckRequest, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class AckManyResponse(_message.Message):
+    __slots__ = ("request_id", "acks", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    acks: _containers.RepeatedCompositeFieldContainer[AckResponse]
+    error: AckError
+    def __init__(self, request_id: _Optional[int] = ..., acks: _Optional[_Iterable[_Union[AckResponse, _Mapping]]] = ..., error: _Optional[_Union[AckError, _Mapping]] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("credentials", "max_in_flight", "request_id")
+    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    credentials: _containers.RepeatedScalarFieldContainer[str]
+    max_in_flight: int
+    request_id: int
+    def __init__(self, credentials: _Optional[_Iterable[str]] = ..., max_in_flight: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("agent_ids", "request_id")
+    AGENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_ids: _containers.RepeatedScalarFieldContainer[str]
+    request_id: int
+    def __init__(self, agent_ids: _Optional[_Iterable[str]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("agent_id", "sequences", "request_id", "turn")

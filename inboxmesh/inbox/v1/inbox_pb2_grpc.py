@@ -83,7 +83,13 @@ class InboxServiceServicer(object):
 
     def SendStream(self, request_iterator, context):
         """For high-rate senders: each request on the stream is answered by one
-        response, in order.
+        response, in order. The mesh reads ahead (up to 64 requests or 8 MiB of
+        them) and stores the requests it holds together (one commit on SQLite
+        where they touch different inboxes and senders), in request order. One
+        stream can carry the sends of many agents (SendRequest.credentials and
+        sender). A refused request ends the stream with its status after the
+        responses of the requests before it; nothing of it or of later requests
+        is stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
