@@ -15,6 +15,7 @@ from opentelemetry import trace
 
 from inboxmesh.client import credentials, errors
 from inboxmesh.client.errors import Reason
+from inboxmesh.client.sending import SendStream
 from inboxmesh.client.status import error_info, from_rpc_error
 from inboxmesh.client.tracing import inject, tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
@@ -220,6 +221,13 @@ class MeshClient:
         if isinstance(agent, str):
             agent = reg_pb.Agent(agent_id=agent)
         return AgentHandle(self, agent, credential)
+
+    def send_stream(self, owner: AgentHandle | None = None, *, max_in_flight: int = 256) -> SendStream:
+        """One pipelined SendStream for the sends of many agents of a host: `await stream.send(agent,
+        envelopes)` as any agent (its credential rides with its first send on the stream). The call is
+        authenticated by `owner`'s credential, or by the admin token when there is no owner. See
+        inboxmesh.client.sending."""
+        return SendStream(self, owner=owner, max_in_flight=max_in_flight)
 
     # -- operator calls (admin token) --------------------------------------
     async def admin_events(

@@ -9,9 +9,15 @@ what `consume` returns never takes a message into an agent's context twice.
 An ack the mesh refuses (it named the wrong agent, no or too many sequences)
 fails that `consume` alone with the matching MeshError; the stream goes on.
 
-When the last of its agents is closed or superseded the stream half-closes
-its side, so that no ack of it races the end of the call: the mesh answers
-every ack it was sent and then ends the call cleanly.
+When the last of its agents is closed, superseded or detached the stream
+half-closes its side, so that no ack of it races the end of the call: the
+mesh answers every ack it was sent and then ends the call cleanly.
+
+Many agents on one stream: `attach` and `detach` add and drop agents while
+the stream is open (a reconnect subscribes everything attached), and
+`consume_many` acks the messages of many agents in one request (one commit
+on SQLite), which is what keeps a host of many agents from spending an ack
+round per message.
 
 Bounds: deliveries wait in an in-memory queue until the host takes them;
 the mesh never has more than `max_in_flight` unacked messages out per agent,
@@ -22,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import random
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -49,6 +56,12 @@ class _End:
 
 _ENDED = _End()
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_GONE = (inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED, inbox_pb2.SUBSCRIPTION_EVENT_KIND_SUPERSEDED,
+         inbox_pb2.SUBSCRIPTION_EVENT_KIND_DETACHED)
+"""Events after which the stream delivers nothing more for the agent."""
+MAX_ACK_SEQUENCES = 10_000
+"""The most sequences the mesh takes in one ack or ack_many (docs/delivery-contract.md); consume_many
+splits across requests beyond it."""
 
 
 @dataclass
@@ -60,6 +73,17 @@ class StreamItem:
 
 
 _Item: TypeAlias = StreamItem | grpc.aio.AioRpcError | _End
+
+
+@dataclass
+class ConsumedMany:
+    """What one `consume_many` did, per agent."""
+
+    messages: dict[str, list[envelope_pb2.Envelope]] = field(default_factory=dict)
+    """The messages each agent's ack won (inject exactly these), in order; an agent whose ack was answered
+    is here even when it won nothing."""
+    refused: dict[str, errors.MeshError] = field(default_factory=dict)
+    """Agents whose ack the mesh refused (nothing of it recorded), with the refusal."""
 
 
 class _Items(asyncio.Queue[_Item]):
@@ -103,18 +127,43 @@ class InboxStream:
         self.ack_timeout = ack_timeout
         self.reconnects = 0
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._ready: grpc.aio.StreamStreamCall | None = None
+        """The call once its `subscribe` is written: nothing else is written on a call before that."""
         self._write_lock = asyncio.Lock()
         self._acks: dict[int, asyncio.Future] = {}
         self._ack_ids = itertools.count(1)
         self._stopped = False
         self._half_close: asyncio.Task | None = None
+        self._attaching: dict[str, asyncio.Future[None]] = {}
+        """Agents whose ATTACHED is awaited by attach()."""
+        self._detaching: dict[str, asyncio.Future[None]] = {}
+        """Agents whose DETACHED is awaited by detach()."""
+        self._requests: dict[int, list[str]] = {}
+        """attach/detach requests on the wire, by request_id: the agents they name (for a REFUSED)."""
 
     def stop(self) -> None:
         self._stopped = True
         if self._call is not None:
             self._call.cancel()
+        self._fail_waits(errors.Unavailable("the inbox stream was stopped", reason=Reason.STREAM_LOST))
+
+    def _fail_waits(self, failure: errors.MeshError) -> None:
+        """attach() and detach() calls still waiting: they will not be answered any more."""
+        for waiting in (self._attaching, self._detaching):
+            for future in waiting.values():
+                if not future.done():
+                    future.set_exception(failure)
+            waiting.clear()
+        self._requests.clear()
 
     async def __aiter__(self) -> AsyncGenerator[StreamItem, None]:
+        try:
+            async for item in self._items():
+                yield item
+        finally:
+            self._fail_waits(errors.Unavailable("the inbox stream ended", reason=Reason.STREAM_LOST))
+
+    async def _items(self) -> AsyncGenerator[StreamItem, None]:
         failures = 0
         while self.agents and not self._stopped:
             first = next(iter(self.agents.values()))
@@ -123,8 +172,7 @@ class InboxStream:
             reader = asyncio.create_task(self._read(call, items))
             failure: errors.MeshError | None = None
             try:
-                await self._write(inbox_pb2.ConsumeRequest(subscribe=inbox_pb2.SubscribeRequest(
-                    credentials=[a.credential for a in self.agents.values()], max_in_flight=self.max_in_flight)))
+                await self._subscribe(call)
                 while not isinstance(item := await items.get(), _End):
                     if isinstance(item, StreamItem):
                         if item.messages:
@@ -134,6 +182,9 @@ class InboxStream:
                         continue
                     if self._stopped:  # item is the failed call's AioRpcError
                         return
+                    if (closed := self._closed_meanwhile(item)) is not None:
+                        yield closed
+                        break  # no failure: the others subscribe again without waiting
                     if item.code() not in _RETRYABLE:
                         raise from_rpc_error(item) from None
                     failure = from_rpc_error(item)
@@ -154,6 +205,13 @@ class InboxStream:
                     self._half_close = None
                 self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered",
                                                    reason=Reason.STREAM_LOST))
+                self._ready = None
+                for future in self._detaching.values():  # done: the next subscription leaves them out
+                    if not future.done():
+                        future.set_result(None)
+                self._detaching.clear()
+            if failure is None:
+                continue
             failures += 1
             if self.max_failures is not None and failures > self.max_failures:
                 raise failure
@@ -161,6 +219,36 @@ class InboxStream:
             log.info("inbox stream for %s lost (%s); resubscribing in %.2fs", ", ".join(self.agents), failure, delay)
             self.reconnects += 1
             await asyncio.sleep(delay)
+
+    async def _subscribe(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Write the call's `subscribe` for every agent of the stream; then the attach and detach of agents
+        that came or went while it was written (their own requests may have found the call not ready)."""
+        subscribed = list(self.agents.values())
+        await self._write(inbox_pb2.ConsumeRequest(subscribe=inbox_pb2.SubscribeRequest(
+            credentials=[a.credential for a in subscribed], max_in_flight=self.max_in_flight)), first_on=call)
+        came = [h for h in self.agents.values() if h not in subscribed]
+        went = [h.agent_id for h in subscribed if h.agent_id not in self.agents]
+        if came:
+            await self._write(inbox_pb2.ConsumeRequest(attach=inbox_pb2.AttachRequest(
+                credentials=[h.credential for h in came], max_in_flight=self.max_in_flight)))
+        if went:
+            await self._write(inbox_pb2.ConsumeRequest(detach=inbox_pb2.DetachRequest(agent_ids=went)))
+
+    def _closed_meanwhile(self, failed: grpc.aio.AioRpcError) -> StreamItem | None:
+        """The subscribe named an agent closed while the stream was away (FAILED_PRECONDITION /
+        AGENT_CLOSED): on a stream of several agents that agent alone ends, with a CLOSED event, and the
+        others subscribe again. None for any other failure (and on a stream of one agent: the failure is
+        raised, as it always was)."""
+        error = from_rpc_error(failed)
+        agent_id = error.metadata.get("agent_id", "")
+        if error.reason != Reason.AGENT_CLOSED or agent_id not in self.agents or len(self.agents) < 2:
+            return None
+        del self.agents[agent_id]
+        waiting = self._attaching.pop(agent_id, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_exception(error)
+        return StreamItem(agent_event=inbox_pb2.SubscriptionEvent(
+            agent_id=agent_id, kind=inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED, detail=error.message))
 
     @staticmethod
     def _coalesce(item: StreamItem, items: _Items) -> StreamItem:
@@ -182,14 +270,17 @@ class InboxStream:
                     items.put_nowait(StreamItem(messages=list(response.deliveries.messages)))
                 elif which == "acked":
                     self._answer(response.acked)
+                elif which == "acked_many":
+                    self._answer_many(response.acked_many)
                 elif which == "subscription":
                     event = response.subscription
-                    if event.kind in (inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED,
-                                      inbox_pb2.SUBSCRIPTION_EVENT_KIND_SUPERSEDED):
+                    if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_REFUSED:
+                        self._refused(event)
+                        continue
+                    self._settle(event)
+                    if event.kind in _GONE:
                         self.agents.pop(event.agent_id, None)
-                        if not self.agents and self._half_close is None:
-                            # not awaited here: the reader must go on reading while acks wait to be written
-                            self._half_close = asyncio.create_task(self._done_writing(call))
+                        self._half_close_if_empty(call)
                     items.put_nowait(StreamItem(agent_event=event))
             items.put_nowait(_ENDED)
         except grpc.aio.AioRpcError as exc:
@@ -199,6 +290,16 @@ class InboxStream:
         except Exception as exc:  # the call broke some other way: say so, or the stream would wait forever
             log.warning("inbox stream read failed: %r", exc)
             items.put_nowait(_ENDED)
+        finally:
+            if self._call is call:  # no answer comes any more: the acks waiting fail now, not when the host
+                self._ready = None  # next asks the stream for an item (it may be waiting for one of them)
+                self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered",
+                                                   reason=Reason.STREAM_LOST))
+
+    def _half_close_if_empty(self, call) -> None:
+        if not self.agents and self._half_close is None:
+            # not awaited here: the reader must go on reading while acks wait to be written
+            self._half_close = asyncio.create_task(self._done_writing(call))
 
     def _answer(self, acked: inbox_pb2.AckResponse) -> None:
         """Hand the answer of one ack to the consume() waiting for it."""
@@ -210,12 +311,49 @@ class InboxStream:
         else:
             future.set_result(list(acked.results))
 
-    async def _write(self, request: inbox_pb2.ConsumeRequest) -> None:
-        """Write on the current call (the one open when the write's turn comes)."""
+    def _answer_many(self, acked: inbox_pb2.AckManyResponse) -> None:
+        """Hand the answer of one ack_many to the ack_many() waiting for it: the AckManyResponse, or the
+        refusal of the request as a whole."""
+        future = self._acks.pop(acked.request_id, None)
+        if future is None or future.done():
+            return
+        if acked.HasField("error"):
+            future.set_exception(refusal(acked.error))
+        else:
+            future.set_result(acked)
+
+    def _settle(self, event: inbox_pb2.SubscriptionEvent) -> None:
+        """An event for an agent ends the attach() or detach() waiting for it."""
+        waiting = self._detaching if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_DETACHED else self._attaching
+        future = waiting.pop(event.agent_id, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def _refused(self, event: inbox_pb2.SubscriptionEvent) -> None:
+        """An attach or detach was refused as a whole: its waiters fail with the refusal; the agents an
+        attach named leave the stream again."""
+        failure = refusal(event.error)
+        for agent_id in self._requests.pop(event.request_id, []):
+            for waiting in (self._attaching, self._detaching):
+                future = waiting.pop(agent_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(failure)
+                    if waiting is self._attaching:
+                        self.agents.pop(agent_id, None)
+
+    async def _write(self, request: inbox_pb2.ConsumeRequest, *,
+                     first_on: grpc.aio.StreamStreamCall | None = None) -> None:
+        """Write on the current call (the one open when the write's turn comes), once its `subscribe` is
+        written; `first_on`: this is that `subscribe`, for that call."""
         async with self._write_lock:
-            if self._call is None:  # never connected (ack() refuses before that)
+            if first_on is not None:
+                await first_on.write(request)
+                self._ready = first_on
+                return
+            call = self._call
+            if self._ready is not call or call is None:  # reconnecting, or never connected
                 raise errors.Unavailable("the inbox stream is not connected", reason=Reason.STREAM_LOST)
-            await self._call.write(request)
+            await call.write(request)
 
     async def _done_writing(self, call) -> None:
         """No agent is left on the stream: half-close it after the acks
@@ -238,14 +376,21 @@ class InboxStream:
         (the messages then come again and can be acked again), and the
         MeshError of the refusal when the mesh refused this ack (the stream
         goes on)."""
+        request_id = next(self._ack_ids)
+        return await self._request_answer(request_id, inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest(
+            agent_id=agent_id, sequences=sequences, request_id=request_id, turn=turn)))
+
+    async def _request_answer(self, request_id: int, request: inbox_pb2.ConsumeRequest):
+        """Write an ack or ack_many request and wait for the answer with its request_id."""
         if self._call is None:
             raise errors.Unavailable("the inbox stream is not connected", reason=Reason.STREAM_LOST)
-        request_id = next(self._ack_ids)
         future = asyncio.get_running_loop().create_future()
         self._acks[request_id] = future
         try:
-            await self._write(inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest(
-                agent_id=agent_id, sequences=sequences, request_id=request_id, turn=turn)))
+            await self._write(request)
+        except errors.Unavailable:  # not connected (reconnecting)
+            self._forget(request_id, future)
+            raise
         except grpc.aio.AioRpcError as exc:
             self._forget(request_id, future)
             raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}",
@@ -255,6 +400,39 @@ class InboxStream:
             raise errors.Unavailable(f"could not ack on the inbox stream: {exc}",
                                      reason=Reason.STREAM_LOST) from None
         return await asyncio.wait_for(future, self.ack_timeout)
+
+    async def ack_many(self, acks: Mapping[str, list[int]], turns: Mapping[str, int] | None = None
+                       ) -> dict[str, list[inbox_pb2.AckResult] | errors.MeshError]:
+        """Ack for many of the stream's agents in one request (several when they name more than
+        MAX_ACK_SEQUENCES sequences in all): per agent its results, or the refusal of its ack (the others
+        are recorded all the same). Raises Unavailable as `ack` does."""
+        turns = turns or {}
+        chunks: list[list[str]] = [[]]
+        total = 0
+        for agent_id, sequences in acks.items():
+            if chunks[-1] and total + len(sequences) > MAX_ACK_SEQUENCES:
+                chunks.append([])
+                total = 0
+            chunks[-1].append(agent_id)
+            total += len(sequences)
+
+        async def one(agent_ids: list[str]) -> dict[str, list[inbox_pb2.AckResult] | errors.MeshError]:
+            request_id = next(self._ack_ids)
+            entries = [inbox_pb2.AckRequest(agent_id=a, sequences=acks[a], turn=turns.get(a, 0)) for a in agent_ids]
+            try:
+                answer = await self._request_answer(request_id, inbox_pb2.ConsumeRequest(
+                    ack_many=inbox_pb2.AckManyRequest(acks=entries, request_id=request_id)))
+            except errors.Unavailable:
+                raise
+            except errors.MeshError as exc:  # refused as a whole (too many sequences for one agent)
+                return dict.fromkeys(agent_ids, exc)
+            return {agent_id: ack_error(acked) if acked.HasField("error") else list(acked.results)
+                    for agent_id, acked in zip(agent_ids, answer.acks)}
+
+        found: dict[str, list[inbox_pb2.AckResult] | errors.MeshError] = {}
+        for part in await asyncio.gather(*(one(chunk) for chunk in chunks if chunk)):
+            found.update(part)
+        return found
 
     def _forget(self, request_id: int, future: asyncio.Future) -> None:
         """An ack that was never written: nobody will await its future (the
@@ -285,11 +463,110 @@ class InboxStream:
             return [m for m in mine if m.sequence in won and (m.sender, m.message_id) not in taken]
         return [m for m in mine if m.sequence in won]
 
+    async def consume_many(self, messages: Mapping[str, list[envelope_pb2.Envelope]],
+                           turns: Mapping[str, int] | None = None,
+                           taken: Mapping[str, set[tuple[str, str]]] | None = None) -> ConsumedMany:
+        """`consume` for many agents in one ack request ({agent_id: its messages}, each agent's turn in
+        `turns`, what each already took in in `taken`): per agent the messages its ack won, and the
+        agents whose ack was refused (nothing of those recorded; the others are)."""
+        mine = {agent_id: [m for m in batch if m.recipient == agent_id] for agent_id, batch in messages.items()}
+        mine = {agent_id: batch for agent_id, batch in mine.items() if batch}
+        done = ConsumedMany()
+        if not mine:
+            return done
+        answers = await self.ack_many({a: [m.sequence for m in batch] for a, batch in mine.items()}, turns)
+        for agent_id, batch in mine.items():
+            answer = answers[agent_id]
+            if isinstance(answer, errors.MeshError):
+                done.refused[agent_id] = answer
+                continue
+            won = {r.sequence for r in answer if r.status == inbox_pb2.ACK_STATUS_CONSUMED}
+            agent_taken = taken.get(agent_id) if taken is not None else None
+            if agent_taken is not None:  # as consume(): an earlier ack of the agent's own whose answer was lost
+                won |= {r.sequence for r in answer if r.status == inbox_pb2.ACK_STATUS_ALREADY_CONSUMED}
+                done.messages[agent_id] = [m for m in batch if m.sequence in won
+                                           and (m.sender, m.message_id) not in agent_taken]
+            else:
+                done.messages[agent_id] = [m for m in batch if m.sequence in won]
+        return done
+
+    # -- agents coming and going ----------------------------------------------------
+    async def attach(self, handles: Iterable[AgentHandle]) -> None:
+        """Deliver for these agents on this stream too, from their oldest unconsumed message; returns once
+        the mesh announced each (ATTACHED). They are part of every later resubscription; an attach made
+        while the stream is reconnecting rides on the next subscription. Raises the refusal (a bad
+        credential, a closed agent, the stream full or ending: nothing of the attach was done), or
+        Unavailable when the stream ended before the answer."""
+        new = [h for h in handles if h.agent_id not in self.agents]
+        if not new:
+            return
+        loop = asyncio.get_running_loop()
+        waits = []
+        for handle in new:
+            self.agents[handle.agent_id] = handle
+            waits.append(self._attaching.setdefault(handle.agent_id, loop.create_future()))
+        request_id = next(self._ack_ids)
+        self._requests[request_id] = [h.agent_id for h in new]
+        try:
+            with contextlib.suppress(errors.Unavailable):  # not connected: the next subscription carries them
+                await self._write_stream(inbox_pb2.ConsumeRequest(attach=inbox_pb2.AttachRequest(
+                    credentials=[h.credential for h in new], max_in_flight=self.max_in_flight,
+                    request_id=request_id)))
+            await asyncio.wait_for(asyncio.gather(*waits), self.ack_timeout)
+        finally:
+            self._requests.pop(request_id, None)
+
+    async def detach(self, agent_ids: Iterable[str]) -> None:
+        """Stop delivering for these agents on this stream (their unacked messages go to their next
+        subscriber; acks for them are still answered here); returns once the mesh confirmed it. When no
+        agent is left the stream ends, as when its last agent is closed."""
+        named = [a for a in dict.fromkeys(agent_ids) if a in self.agents]
+        if not named:
+            return
+        for agent_id in named:
+            del self.agents[agent_id]
+        call = self._call
+        loop = asyncio.get_running_loop()
+        waits = [self._detaching.setdefault(a, loop.create_future()) for a in named]
+        request_id = next(self._ack_ids)
+        self._requests[request_id] = named
+        try:
+            try:
+                await self._write_stream(inbox_pb2.ConsumeRequest(detach=inbox_pb2.DetachRequest(
+                    agent_ids=named, request_id=request_id)))
+            except errors.Unavailable:  # not connected: they are not part of the next subscription
+                for agent_id in named:
+                    future = self._detaching.pop(agent_id, None)
+                    if future is not None and not future.done():
+                        future.cancel()
+                return
+            finally:
+                if call is not None:
+                    self._half_close_if_empty(call)
+            await asyncio.wait_for(asyncio.gather(*waits), self.ack_timeout)
+        finally:
+            self._requests.pop(request_id, None)
+
+    async def _write_stream(self, request: inbox_pb2.ConsumeRequest) -> None:
+        """Write a request with no answer of its own to wait for; Unavailable when the stream is lost."""
+        try:
+            await self._write(request)
+        except grpc.aio.AioRpcError as exc:
+            raise errors.Unavailable(f"could not write on the inbox stream: {exc.details()}",
+                                     reason=Reason.STREAM_LOST) from None
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            raise errors.Unavailable(f"could not write on the inbox stream: {exc}",
+                                     reason=Reason.STREAM_LOST) from None
+
 
 def ack_error(acked: inbox_pb2.AckResponse) -> errors.MeshError:
     """The MeshError for an ack the mesh refused on a Consume stream, as the
     unary Ack would have raised it."""
-    error = acked.error
+    return refusal(acked.error)
+
+
+def refusal(error: inbox_pb2.AckError) -> errors.MeshError:
+    """The MeshError for a refusal answered on a Consume stream (an ack's, an attach's, a detach's)."""
     code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
     return ERROR_OF.get(code, errors.MeshError)(error.message or code.name,
                                                 reason=errors.reason_of(error.reason or code.name),
