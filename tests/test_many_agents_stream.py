@@ -258,6 +258,25 @@ async def test_attach_and_detach_on_an_open_stream(client):
             await elsewhere.stop()
 
 
+async def test_detaching_the_last_agent_ends_the_stream_cleanly(client):
+    lead = await client.register("lead")
+    a = await lead.spawn("a")
+    host = Host(InboxStream([a], max_failures=0))
+    await eventually(lambda: host.events_of(a.agent_id) == [pb.SUBSCRIPTION_EVENT_KIND_ATTACHED])
+    await host.stream.detach([a.agent_id])
+    await asyncio.wait_for(host.task, 10)  # the iteration ended: no agent left, no error
+    assert host.events_of(a.agent_id)[-1] == pb.SUBSCRIPTION_EVENT_KIND_DETACHED
+    assert host.stream.reconnects == 0
+    with pytest.raises(errors.Unavailable):
+        await host.stream.attach([a])  # the stream is over
+    await lead.send(a.agent_id, "for the next subscriber", message_id="next")
+    again = Host(InboxStream([a], max_failures=0))
+    try:
+        await eventually(lambda: [m.message_id for m in again.won.get(a.agent_id, [])] == ["next"])
+    finally:
+        await again.stop()
+
+
 async def test_an_attach_proves_its_credentials_and_is_refused_whole(client):
     lead = await client.register("lead")
     a, b, closed = await lead.spawn("a"), await lead.spawn("b"), await lead.spawn("closed")

@@ -133,6 +133,8 @@ class InboxStream:
         self._acks: dict[int, asyncio.Future] = {}
         self._ack_ids = itertools.count(1)
         self._stopped = False
+        self._over = False
+        """The iteration ended (every agent left, a failure, or stop()): nothing more is subscribed."""
         self._half_close: asyncio.Task | None = None
         self._attaching: dict[str, asyncio.Future[None]] = {}
         """Agents whose ATTACHED is awaited by attach()."""
@@ -161,7 +163,13 @@ class InboxStream:
             async for item in self._items():
                 yield item
         finally:
+            self._over = True
             self._fail_waits(errors.Unavailable("the inbox stream ended", reason=Reason.STREAM_LOST))
+
+    def _check_going(self) -> None:
+        if self._stopped or self._over:
+            raise errors.Unavailable("the inbox stream is over (its agents all left, it failed or was stopped):"
+                                     " open a new one", reason=Reason.STREAM_LOST)
 
     async def _items(self) -> AsyncGenerator[StreamItem, None]:
         failures = 0
@@ -497,6 +505,7 @@ class InboxStream:
         while the stream is reconnecting rides on the next subscription. Raises the refusal (a bad
         credential, a closed agent, the stream full or ending: nothing of the attach was done), or
         Unavailable when the stream ended before the answer."""
+        self._check_going()
         new = [h for h in handles if h.agent_id not in self.agents]
         if not new:
             return
@@ -520,6 +529,7 @@ class InboxStream:
         """Stop delivering for these agents on this stream (their unacked messages go to their next
         subscriber; acks for them are still answered here); returns once the mesh confirmed it. When no
         agent is left the stream ends, as when its last agent is closed."""
+        self._check_going()
         named = [a for a in dict.fromkeys(agent_ids) if a in self.agents]
         if not named:
             return
