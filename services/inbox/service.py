@@ -330,9 +330,12 @@ class InboxService:
         """Add open agents (open_agents) to an open subscription; recorded as SUBSCRIBED. The feeds are
         added before this coroutine first waits: a caller that checked the subscription is still open
         just before calling it knows they were added to an open one."""
+        feeds = subscription.feeds
+        new = [a for a in agent_ids if a not in feeds or feeds[a].ended is not None]  # others keep their feeds
         self.hub.attach(subscription, agent_ids, max_in_flight)
-        await self._events.record_events(
-            self.hub.subscription_events(ev.EVENT_KIND_SUBSCRIBED, agent_ids, f"attached from {subscription.peer}"))
+        if new:
+            await self._events.record_events(
+                self.hub.subscription_events(ev.EVENT_KIND_SUBSCRIBED, new, f"attached from {subscription.peer}"))
 
     async def detach(self, subscription: Subscription, agent_ids: list[str]) -> list[str]:
         """Stop delivering for these agents on the subscription; returns those it delivered for (recorded as
