@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emit, python_env  # noqa: E402
-from bench.many_client import STREAM_MODES  # noqa: E402
+from bench.many_client import SEND_MODES, STREAM_MODES  # noqa: E402
 from bench.procs import Child, proc_cpu_seconds  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -53,6 +53,8 @@ class ManyConfig:
     streams: str = "one"
     """one: one InboxStream for all agents; per-agent: one each (what agent_host does today)."""
     store: str = "sqlite"
+    sends: str = "stream"
+    """stream: one SendStream for all senders; unary: the unary Send per message (bench/many_client.py)."""
     uvloop: bool = False
     """The mesh process and the host process on uvloop."""
     host: str = "client"
@@ -72,7 +74,8 @@ class ManyConfig:
     def name(self) -> str:
         host = "agent_host" if self.host == "agent_host" else f"{self.streams} stream" + (
             "s" if self.streams == "per-agent" else "")
-        return f"{self.store} N={self.agents:,} {host}{' uvloop' if self.uvloop else ''}"
+        return (f"{self.store} N={self.agents:,} {host}{' unary sends' if self.sends == 'unary' else ''}"
+                f"{' uvloop' if self.uvloop else ''}")
 
 
 def rss_kb(pid: int) -> int:
@@ -170,7 +173,8 @@ def run(config: ManyConfig, profile: Path | None = None) -> dict[str, Any]:
             children.append(mesh)
             address = mesh.expect("inboxmesh listening on ").split()[0]
             host = Child("host", [sys.executable, str(BENCH / "many_host.py"), "--address", address, "--host",
-                                  config.host, *(["--uvloop"] if config.uvloop else [])], env)
+                                  config.host, "--sends", config.sends, *(["--uvloop"] if config.uvloop else [])],
+                         env)
             children.append(host)
             host.expect("ready", others=children)
             pids = {"mesh": mesh.pid, "host": host.pid}
@@ -236,6 +240,8 @@ def main() -> None:
     parser.add_argument("--streams", choices=STREAM_MODES, default=defaults.streams,
                         help="one InboxStream for all agents, or one per agent (what agent_host does today)")
     parser.add_argument("--store", choices=["sqlite", "jetstream"], default=defaults.store)
+    parser.add_argument("--sends", choices=SEND_MODES, default=defaults.sends,
+                        help="one SendStream for all senders, or the unary Send per message")
     parser.add_argument("--uvloop", action="store_true", help="run the mesh and the host process on uvloop")
     parser.add_argument("--host", choices=["client", "agent_host"], default=defaults.host,
                         help="the client-level host, or a real agent_host.Host with a scripted model")
@@ -248,7 +254,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--profile", type=Path, help="sample the load phases with py-spy into this folder")
     args = parser.parse_args()
-    config = ManyConfig(agents=args.agents, streams=args.streams, store=args.store, uvloop=args.uvloop,
+    config = ManyConfig(agents=args.agents, streams=args.streams, store=args.store, sends=args.sends,
+                        uvloop=args.uvloop,
                         host=args.host, messages=args.messages, messages_1=args.messages_1, wakes=args.wakes,
                         wake_seconds=args.wake_seconds, idle_seconds=args.idle_seconds, window=args.window,
                         warmup=args.warmup)

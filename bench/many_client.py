@@ -1,19 +1,24 @@
 """Every call the many-agent benchmark (bench/many_host.py) makes through
 inboxmesh.client, in one place, so that when the client grows calls for many
-agents (attach on an open stream, an ack of many agents at once, a send
-stream carrying many senders) only this module changes.
+agents only this module changes.
 
-What it uses today:
+What it uses:
 - registration: `AgentHandle.spawn`, one RegisterAgent call per child, up to
   `window` of them at once;
-- attach: one `InboxStream` carrying every agent (`streams="one"`), or one
-  `InboxStream` per agent (`streams="per-agent"`, what agent_host does
-  today), up to `window` subscriptions waiting for their ATTACHED at once;
-- acks: `InboxStream.consume`, one AckRequest per agent per batch (an
-  AckRequest names one agent);
-- sends: the unary `Send`, one message per call, with the sending agent's
-  own credential (a SendStream request names one sender, so a host with
-  many senders would need a stream per agent).
+- attach, `streams="one"`: one `InboxStream` opened with the first agent,
+  the others added on the open stream with `InboxStream.attach`, 1,000 per
+  request; `streams="per-agent"`: one `InboxStream` per agent (what
+  agent_host does today), up to `window` subscriptions waiting for their
+  ATTACHED at once;
+- acks: on one stream `InboxStream.consume_many` (one `ack_many` request for
+  every agent with something pending); on a stream per agent
+  `InboxStream.consume` on each agent's own stream;
+- sends, `sends="stream"`: one pipelined `SendStream` for every sender of
+  the host (`MeshClient.send_stream`, owned by the host's top-level agent,
+  each sender's credential written once), one message per request;
+  `sends="unary"`: the unary `Send` with the sender's own credential, one
+  message per call (the only way for many senders before SendStream took
+  several).
 """
 
 from __future__ import annotations
@@ -23,12 +28,17 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal
 
 from inboxmesh.client.mesh import AgentHandle, MeshClient, envelope
+from inboxmesh.client.sending import SendStream
 from inboxmesh.client.stream import InboxStream, StreamItem
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.inbox.v1 import inbox_pb2
 
 StreamMode = Literal["one", "per-agent"]
 STREAM_MODES: tuple[StreamMode, ...] = ("one", "per-agent")
+SendMode = Literal["stream", "unary"]
+SEND_MODES: tuple[SendMode, ...] = ("stream", "unary")
+ATTACH_CHUNK = 1000
+"""Agents per InboxStream.attach request (the mesh takes at most 10,000 per request)."""
 
 
 def stream_mode(text: str) -> StreamMode:
@@ -37,6 +47,14 @@ def stream_mode(text: str) -> StreamMode:
         if text == mode:
             return mode
     raise ValueError(f"unknown stream mode {text!r} (one of {', '.join(STREAM_MODES)})")
+
+
+def send_mode(text: str) -> SendMode:
+    """The send mode named `text` (ValueError for another)."""
+    for mode in SEND_MODES:
+        if text == mode:
+            return mode
+    raise ValueError(f"unknown send mode {text!r} (one of {', '.join(SEND_MODES)})")
 
 
 OnMessages = Callable[[list[env_pb.Envelope]], None]
@@ -68,10 +86,25 @@ async def register(client: MeshClient, count: int, window: int) -> tuple[AgentHa
     return parent, [c for c in children if c is not None]
 
 
-async def send(sender: AgentHandle, recipient: str, text: str, message_id: str) -> inbox_pb2.Receipt:
-    """One message from `sender`; its receipt."""
-    receipts = await sender.send_batch([envelope(recipient, text, message_id=message_id)])
-    return receipts[0]
+class HostSender:
+    """The sends of all of a host's agents."""
+
+    def __init__(self, client: MeshClient, owner: AgentHandle, mode: SendMode) -> None:
+        self.mode = mode
+        self._stream: SendStream | None = client.send_stream(owner) if mode == "stream" else None
+
+    async def send(self, sender: AgentHandle, recipient: str, text: str, message_id: str) -> inbox_pb2.Receipt:
+        """One message from `sender`; its receipt."""
+        envelopes = [envelope(recipient, text, message_id=message_id)]
+        if self._stream is not None:
+            receipts = await self._stream.send(sender, envelopes)
+        else:
+            receipts = await sender.send_batch(envelopes)
+        return receipts[0]
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
 
 
 class HostInbox:
@@ -90,15 +123,25 @@ class HostInbox:
         self._readers: list[asyncio.Task[None]] = []
         self._unattached = {a.agent_id for a in self.agents}
         self._all_attached = asyncio.Event()
+        self._changed = asyncio.Event()
         self._closing = False
+
+    @property
+    def acks_many(self) -> bool:
+        """Whether one ack request can cover many agents (they share a stream)."""
+        return self.streams == "one"
 
     async def attach(self, window: int) -> None:
         """Subscribe every agent; return once the mesh confirmed each (its
         ATTACHED event). Per agent, at most `window` wait for it at once."""
         if self.streams == "one":
-            stream = InboxStream(self.agents, max_in_flight=self.max_in_flight, max_failures=0)
+            first, rest = self.agents[:1], self.agents[1:]
+            stream = InboxStream(first, max_in_flight=self.max_in_flight, max_failures=0)
             self._stream_of = {a.agent_id: stream for a in self.agents}
             self._readers.append(asyncio.create_task(self._read(stream, None)))
+            await self._until(self._attached(first))
+            for start in range(0, len(rest), ATTACH_CHUNK):
+                await self._until(stream.attach(rest[start:start + ATTACH_CHUNK]))
         else:
             waiting = asyncio.Semaphore(window)
             for agent in self.agents:
@@ -107,10 +150,22 @@ class HostInbox:
                 stream = InboxStream([agent], max_in_flight=self.max_in_flight, max_failures=0)
                 self._stream_of[agent.agent_id] = stream
                 self._readers.append(asyncio.create_task(self._read(stream, waiting)))
-        attached: asyncio.Future[Any] = asyncio.create_task(self._all_attached.wait())
-        await asyncio.wait([attached, self.failed], return_when=asyncio.FIRST_COMPLETED)
-        attached.cancel()
+        await self._until(self._all_attached.wait())
+
+    async def _attached(self, agents: list[AgentHandle]) -> None:
+        while any(a.agent_id in self._unattached for a in agents):
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def _until(self, step: Awaitable[Any]) -> None:
+        """Await `step`, or raise a stream's failure as soon as there is one."""
+        task: asyncio.Future[Any] = asyncio.ensure_future(step)
+        await asyncio.wait([task, self.failed], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         await self._raise_failure()
+        await task
 
     async def _raise_failure(self) -> None:
         if self.failed.done():
@@ -140,6 +195,7 @@ class HostInbox:
         if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_ATTACHED:
             if event.agent_id in self._unattached:
                 self._unattached.discard(event.agent_id)
+                self._changed.set()
                 if waiting is not None:
                     waiting.release()
                 if not self._unattached:
@@ -150,6 +206,15 @@ class HostInbox:
     async def consume(self, agent_id: str, messages: list[env_pb.Envelope]) -> list[env_pb.Envelope]:
         """Ack one agent's messages; those this ack consumed."""
         return await self._stream_of[agent_id].consume(agent_id, messages)
+
+    async def consume_many(self, messages: dict[str, list[env_pb.Envelope]]) -> dict[str, list[env_pb.Envelope]]:
+        """Ack many agents' messages in one request (acks_many only); per agent those its ack consumed.
+        A refused ack raises its refusal."""
+        stream = self._stream_of[next(iter(messages))]
+        done = await stream.consume_many(messages)
+        for refusal in done.refused.values():
+            raise refusal
+        return done.messages
 
     async def close(self) -> None:
         self._closing = True

@@ -25,8 +25,9 @@ Two kinds of host (--host):
 
 Sends are made by the host's agents: for each message a random sender among
 the first half of the N and a random recipient among the second half (a
-fixed seed; why two halves: `pick`), through the unary Send with the
-sender's credential.
+fixed seed; why two halves: `pick`), on one SendStream for all of them
+(--sends stream) or through the unary Send with the sender's credential
+(--sends unary); bench/many_client.py says which calls.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -74,6 +76,10 @@ class Side(Protocol):
         """When the steps before the recipient's last wake happened (now_ns), by name."""
         ...
 
+    async def send(self, sender: AgentHandle, recipient: AgentHandle, message_id: str) -> inbox_pb2.Receipt:
+        """One message of the load from `sender` (an agent of the host) to `recipient`; its receipt."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -97,19 +103,23 @@ class _Expected:
 
 
 class ClientSide(_Expected):
-    """The client-level host: bench/many_client.py's HostInbox and a consumer."""
+    """The client-level host: bench/many_client.py's HostInbox and HostSender, and a consumer."""
 
-    def __init__(self, client: MeshClient) -> None:
+    def __init__(self, client: MeshClient, sends: many_client.SendMode) -> None:
         super().__init__()
         self.client = client
+        self.sends = sends
         self.agents: list[AgentHandle] = []
+        self.sender: many_client.HostSender | None = None
         self.inbox: many_client.HostInbox | None = None
         self._pending: dict[str, list[env_pb.Envelope]] = {}
         self._acking: set[str] = set()
+        self._flush: asyncio.Handle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def register(self, count: int, window: int) -> None:
-        _, self.agents = await many_client.register(self.client, count, window)
+        parent, self.agents = await many_client.register(self.client, count, window)
+        self.sender = many_client.HostSender(self.client, parent, self.sends)
 
     async def attach(self, streams: many_client.StreamMode, window: int) -> None:
         self.inbox = many_client.HostInbox(self.agents, streams, max_in_flight=MAX_IN_FLIGHT,
@@ -125,28 +135,58 @@ class ClientSide(_Expected):
         return {}
 
     def _on_messages(self, messages: list[env_pb.Envelope]) -> None:
+        assert self.inbox is not None, "deliveries come only after attach"
         at = now_ns()
         for message in messages:
             self.mark(self.woken, message.message_id, at)
             self._pending.setdefault(message.recipient, []).append(message)
-            if message.recipient not in self._acking:
-                self._acking.add(message.recipient)
-                task = asyncio.create_task(self._ack(message.recipient))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+        if self.inbox.acks_many:
+            if self._flush is None:  # everything the stream yields before the loop comes round: one ack
+                self._flush = asyncio.get_running_loop().call_soon(self._ack_pending)
+            return
+        for agent_id in {m.recipient for m in messages} - self._acking:
+            self._acking.add(agent_id)
+            self._start(self._ack(agent_id))
+
+    def _start(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _ack_pending(self) -> None:
+        """One ack request for every agent with messages pending and no ack out."""
+        self._flush = None
+        batch = {a: self._pending.pop(a) for a in list(self._pending) if a not in self._acking}
+        if batch:
+            self._acking.update(batch)
+            self._start(self._ack_many(batch))
+
+    async def _ack_many(self, batch: dict[str, list[env_pb.Envelope]]) -> None:
+        assert self.inbox is not None, "deliveries come only after attach"
+        try:
+            try:
+                won = await self.inbox.consume_many(batch)
+            except Exception as exc:
+                self._fail([m for messages in batch.values() for m in messages], exc)
+                raise
+            at = now_ns()
+            for messages in won.values():
+                for message in messages:
+                    self.mark(self.consumed, message.message_id, at)
+        finally:
+            self._acking.difference_update(batch)
+            if self._pending and self._flush is None:
+                self._flush = asyncio.get_running_loop().call_soon(self._ack_pending)
 
     async def _ack(self, agent_id: str) -> None:
-        """One ack at a time for the agent, each taking all that is pending."""
+        """One ack at a time for the agent (on its own stream), each taking all that is pending."""
         assert self.inbox is not None, "deliveries come only after attach"
         try:
             while batch := self._pending.pop(agent_id, None):
                 try:
                     won = await self.inbox.consume(agent_id, batch)
                 except Exception as exc:
-                    for message in batch:
-                        future = self.consumed.pop(message.message_id, None)
-                        if future is not None and not future.done():
-                            future.set_exception(exc)
+                    self._fail(batch, exc)
                     raise
                 at = now_ns()
                 for message in won:
@@ -154,10 +194,24 @@ class ClientSide(_Expected):
         finally:
             self._acking.discard(agent_id)
 
+    def _fail(self, messages: list[env_pb.Envelope], exc: Exception) -> None:
+        for message in messages:
+            future = self.consumed.pop(message.message_id, None)
+            if future is not None and not future.done():
+                future.set_exception(exc)
+
+    async def send(self, sender: AgentHandle, recipient: AgentHandle, message_id: str) -> inbox_pb2.Receipt:
+        assert self.sender is not None, "sends come only after register"
+        return await self.sender.send(sender, recipient.agent_id, payload(0), message_id)
+
     async def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.sender is not None:
+            await self.sender.close()
         if self.inbox is not None:
             await self.inbox.close()
 
@@ -165,7 +219,7 @@ class ClientSide(_Expected):
 class AgentHostSide(_Expected):
     """A real agent_host.Host with a scripted model that idles after every turn."""
 
-    def __init__(self, client: MeshClient, data_dir: Path) -> None:
+    def __init__(self, client: MeshClient, data_dir: Path, sends: many_client.SendMode) -> None:
         from agent_host.config import Budget, HostConfig
         from agent_host.host import AgentProfile, Host, HostEvent
         from agent_host.models.scripted import ScriptedModel, say
@@ -173,6 +227,8 @@ class AgentHostSide(_Expected):
         super().__init__()
         self.client = client
         self.agents: list[AgentHandle] = []
+        self.sends = sends
+        self.sender: many_client.HostSender | None = None
         self._turn_of: dict[str, asyncio.Future[int]] = {}
         self._woken_recorded: dict[str, int] = {}
         unlimited = Budget(max_model_requests=10**9, max_wall_time_s=10.0**7, max_turns_per_agent=10**9)
@@ -197,6 +253,7 @@ class AgentHostSide(_Expected):
     async def register(self, count: int, window: int) -> None:
         await self.host.start()
         parent = await self.host.start_task("many", "stay idle")
+        self.sender = many_client.HostSender(self.client, parent.handle, self.sends)
         children: list[AgentHandle | None] = [None] * count
 
         async def spawn(index: int) -> None:
@@ -222,7 +279,14 @@ class AgentHostSide(_Expected):
         at = self._woken_recorded.get(recipient)
         return {"agent_woken_recorded": at} if at is not None else {}
 
+    async def send(self, sender: AgentHandle, recipient: AgentHandle, message_id: str) -> inbox_pb2.Receipt:
+        """From the agent's handle, beside the host (the runners' own sends are their model's)."""
+        assert self.sender is not None, "sends come only after register"
+        return await self.sender.send(sender, recipient.agent_id, payload(0), message_id)
+
     async def close(self) -> None:
+        if self.sender is not None:
+            await self.sender.close()
         await self.host.stop()
 
 
@@ -237,8 +301,8 @@ def pick(rng: random.Random, agents: list[AgentHandle]) -> tuple[AgentHandle, Ag
     return agents[rng.randrange(half)], agents[half + rng.randrange(len(agents) - half)]
 
 
-async def checked_send(sender: AgentHandle, recipient: AgentHandle, message_id: str) -> None:
-    receipt = await many_client.send(sender, recipient.agent_id, payload(0), message_id)
+async def checked_send(side: Side, sender: AgentHandle, recipient: AgentHandle, message_id: str) -> None:
+    receipt = await side.send(sender, recipient, message_id)
     if receipt.status != inbox_pb2.RECEIPT_STATUS_ACCEPTED:
         raise SystemExit(f"message {message_id} to {recipient.agent_id} not accepted: {receipt}")
 
@@ -255,7 +319,7 @@ async def load(side: Side, rng: random.Random, count: int, in_flight: int, prefi
             message_id = f"{prefix}{index}"
             _, done = side.expect(message_id, recipient.agent_id)
             sent[message_id] = now_ns()
-            await checked_send(sender, recipient, message_id)
+            await checked_send(side, sender, recipient, message_id)
             consumed[message_id] = await asyncio.wait_for(done, WAIT_S)
         finally:
             window.release()
@@ -286,7 +350,7 @@ async def wake(side: Side, rng: random.Random, count: int, seconds: float) -> di
         sender, recipient = pick(rng, side.agents)
         woken, done = side.expect(f"k{index}", recipient.agent_id)
         sent_at = now_ns()
-        await checked_send(sender, recipient, f"k{index}")
+        await checked_send(side, sender, recipient, f"k{index}")
         accepted_at = now_ns()
         woken_at = await asyncio.wait_for(woken, WAIT_S)
         await asyncio.wait_for(done, WAIT_S)  # idle again before the next
@@ -305,11 +369,12 @@ async def wake(side: Side, rng: random.Random, count: int, seconds: float) -> di
                                     for k, v in stages.items()}}
 
 
-async def serve(address: str, kind: str, seed: int) -> None:
+async def serve(address: str, kind: str, sends: many_client.SendMode, seed: int) -> None:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="manyhost") as data:
         async with MeshClient(address, timeout=60.0) as client:
-            side: Side = ClientSide(client) if kind == "client" else AgentHostSide(client, Path(data))
+            side: Side = (ClientSide(client, sends) if kind == "client"
+                          else AgentHostSide(client, Path(data), sends))
             print("ready", flush=True)
             try:
                 while command := await read_command():
@@ -336,6 +401,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", required=True)
     parser.add_argument("--host", choices=["client", "agent_host"], default="client")
+    parser.add_argument("--sends", choices=many_client.SEND_MODES, default="stream",
+                        help="one SendStream for all senders, or the unary Send per message")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
     parser.add_argument("--seed", type=int, default=13)
     args = parser.parse_args()
@@ -343,7 +410,7 @@ def main() -> None:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    asyncio.run(serve(args.address, args.host, args.seed))
+    asyncio.run(serve(args.address, args.host, many_client.send_mode(args.sends), args.seed))
 
 
 if __name__ == "__main__":

@@ -30,12 +30,13 @@ DOC = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- many:start -->", "<!-- many:end -->"
 
 SUITE = [
-    ManyConfig(agents=10, messages=3000, messages_1=300),
-    ManyConfig(agents=1000, messages=3000, messages_1=300),
-    ManyConfig(agents=1000, messages=3000, messages_1=300, uvloop=True),
-    ManyConfig(agents=1000, streams="per-agent", messages=3000, messages_1=300),
-    ManyConfig(agents=10_000, messages=2000, messages_1=200),
-    ManyConfig(agents=10_000, streams="per-agent", messages=2000, messages_1=200),
+    ManyConfig(agents=10, messages=5000, messages_1=300),
+    ManyConfig(agents=1000, messages=5000, messages_1=300),
+    ManyConfig(agents=1000, messages=5000, messages_1=300, uvloop=True),
+    ManyConfig(agents=1000, streams="per-agent", messages=5000, messages_1=300),
+    ManyConfig(agents=1000, sends="unary", messages=2000, messages_1=200),
+    ManyConfig(agents=10_000, messages=3000, messages_1=200),
+    ManyConfig(agents=10_000, streams="per-agent", messages=3000, messages_1=200),
     ManyConfig(agents=1000, store="jetstream", messages=1000, messages_1=150),
     ManyConfig(agents=10, host="agent_host", messages=1000, messages_1=150),
     ManyConfig(agents=1000, host="agent_host", messages=1000, messages_1=150),
@@ -67,20 +68,21 @@ def _setup(r: dict[str, Any]) -> str:
         what = "agent_host.Host (a stream per agent)"
     else:
         what = "one stream" if c["streams"] == "one" else "a stream per agent"
-    return f"{c['store']}, {what}" + (", uvloop" if c["uvloop"] else "")
+    sends = ", unary sends" if c.get("sends") == "unary" else ""
+    return f"{c['store']}, {what}{sends}" + (", uvloop" if c["uvloop"] else "")
 
 
 def _baseline(r: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The same setup at N = 10, else SQLite with one stream at N = 10."""
     def key(x: dict[str, Any]) -> tuple[Any, ...]:
         c = x["config"]
-        return c["store"], c["streams"], c["uvloop"], c["host"]
+        return c["store"], c["streams"], c["uvloop"], c["host"], c.get("sends", "stream")
 
     at_10 = [x for x in results if x["config"]["agents"] == 10]
     same = [x for x in at_10 if key(x) == key(r)]
     if same:
         return same[0]
-    plain = [x for x in at_10 if key(x) == ("sqlite", "one", False, "client")]
+    plain = [x for x in at_10 if key(x) == ("sqlite", "one", False, "client", "stream")]
     return plain[0] if plain else None
 
 
@@ -94,7 +96,7 @@ def _ratio(value: float, base: float | None) -> str:
 
 
 def _find(results: list[dict[str, Any]], agents: int, **config: Any) -> dict[str, Any] | None:
-    plain = {"store": "sqlite", "streams": "one", "uvloop": False, "host": "client", **config}
+    plain = {"store": "sqlite", "streams": "one", "uvloop": False, "host": "client", "sends": "stream", **config}
     for r in results:
         if r["config"]["agents"] == agents and all(r["config"][k] == v for k, v in plain.items()):
             return r
@@ -118,8 +120,8 @@ def targets(results: list[dict[str, Any]]) -> str:
     if at_10k:
         rate = at_10k["load_64"]["msgs_per_s"]
         row("N = 10,000: at least 3,000 msgs/s with 64 in flight", f"{rate:,.0f} msgs/s", rate >= 3000)
-    wakes = [(r["config"]["agents"], r) for r in results if r["config"]["streams"] == "one"
-             and r["config"]["store"] == "sqlite" and not r["config"]["uvloop"] and r["config"]["host"] == "client"]
+    wakes = [(r["config"]["agents"], r) for r in results
+             if _find(results, r["config"]["agents"]) is r]
     wakes += [(r["config"]["agents"], r) for r in results if r["config"]["host"] == "agent_host"]
     if wakes:
         shown = ", ".join(f"N = {n:,}{' (agent_host)' if r['config']['host'] == 'agent_host' else ''}:"
