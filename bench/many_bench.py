@@ -95,7 +95,8 @@ def _python(config: ManyConfig) -> list[str]:
 
 
 class Profiler:
-    """py-spy sampling processes during one phase (collapsed stacks, one file per process)."""
+    """py-spy sampling processes during one phase (collapsed stacks, one file per process), and
+    `perf trace -s` summing up each one's system calls (count and time per call), where perf can."""
 
     def __init__(self, folder: Path | None, pids: dict[str, int], phase: str) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -108,6 +109,10 @@ class Profiler:
                 self.procs.append(subprocess.Popen(
                     [str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "200", "--nonblocking",
                      "--output", str(folder / f"{phase}-{name}.txt")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            if shutil.which("perf") is not None:
+                self.procs.append(subprocess.Popen(
+                    ["perf", "trace", "-s", "-p", str(pid), "-o", str(folder / f"{phase}-{name}-syscalls.txt")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(1.0)  # py-spy attaches
 
