@@ -22,6 +22,9 @@ round per message.
 Bounds: deliveries wait in an in-memory queue until the host takes them;
 the mesh never has more than `max_in_flight` unacked messages out per agent,
 so that queue cannot outgrow agents x max_in_flight.
+
+The answers the stream waits for (acks by request_id) and which messages an
+ack won are kept in inboxmesh.client.acking.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import logging
 import random
 from collections.abc import AsyncGenerator, Iterable, Mapping
@@ -39,12 +41,24 @@ from typing import TypeAlias
 import grpc
 
 from inboxmesh.client import errors
+from inboxmesh.client.acking import (
+    MAX_ACK_SEQUENCES,
+    Answers,
+    ConsumedMany,
+    ack_chunks,
+    ack_error,
+    addressed_to,
+    consume,
+    refusal,
+    won,
+)
 from inboxmesh.client.errors import Reason
 from inboxmesh.client.mesh import AgentHandle
-from inboxmesh.client.status import ERROR_OF, from_rpc_error
+from inboxmesh.client.status import from_rpc_error
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2
 
+__all__ = ["MAX_ACK_SEQUENCES", "ConsumedMany", "InboxStream", "StreamItem", "ack_error", "consume", "refusal"]
 log = logging.getLogger(__name__)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
@@ -55,13 +69,9 @@ class _End:
 
 
 _ENDED = _End()
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _GONE = (inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED, inbox_pb2.SUBSCRIPTION_EVENT_KIND_SUPERSEDED,
          inbox_pb2.SUBSCRIPTION_EVENT_KIND_DETACHED)
 """Events after which the stream delivers nothing more for the agent."""
-MAX_ACK_SEQUENCES = 10_000
-"""The most sequences the mesh takes in one ack or ack_many (docs/delivery-contract.md); consume_many
-splits across requests beyond it."""
 
 
 @dataclass
@@ -73,17 +83,6 @@ class StreamItem:
 
 
 _Item: TypeAlias = StreamItem | grpc.aio.AioRpcError | _End
-
-
-@dataclass
-class ConsumedMany:
-    """What one `consume_many` did, per agent."""
-
-    messages: dict[str, list[envelope_pb2.Envelope]] = field(default_factory=dict)
-    """The messages each agent's ack won (inject exactly these), in order; an agent whose ack was answered
-    is here even when it won nothing."""
-    refused: dict[str, errors.MeshError] = field(default_factory=dict)
-    """Agents whose ack the mesh refused (nothing of it recorded), with the refusal."""
 
 
 class _Items(asyncio.Queue[_Item]):
@@ -130,8 +129,8 @@ class InboxStream:
         self._ready: grpc.aio.StreamStreamCall | None = None
         """The call once its `subscribe` is written: nothing else is written on a call before that."""
         self._write_lock = asyncio.Lock()
-        self._acks: dict[int, asyncio.Future] = {}
-        self._ack_ids = itertools.count(1)
+        self._answers = Answers()
+        """Acks and ack_manys written and not answered yet."""
         self._stopped = False
         self._over = False
         """The iteration ended (every agent left, a failure, or stop()): nothing more is subscribed."""
@@ -211,8 +210,8 @@ class InboxStream:
                 if self._half_close is not None:
                     self._half_close.cancel()
                     self._half_close = None
-                self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered",
-                                                   reason=Reason.STREAM_LOST))
+                self._answers.fail_all(errors.Unavailable("the inbox stream was lost before the ack was"
+                                                          " answered", reason=Reason.STREAM_LOST))
                 self._ready = None
                 for future in self._detaching.values():  # done: the next subscription leaves them out
                     if not future.done():
@@ -277,9 +276,9 @@ class InboxStream:
                 if which == "deliveries":
                     items.put_nowait(StreamItem(messages=list(response.deliveries.messages)))
                 elif which == "acked":
-                    self._answer(response.acked)
+                    self._answers.answer(response.acked)
                 elif which == "acked_many":
-                    self._answer_many(response.acked_many)
+                    self._answers.answer_many(response.acked_many)
                 elif which == "subscription":
                     event = response.subscription
                     if event.kind == inbox_pb2.SUBSCRIPTION_EVENT_KIND_REFUSED:
@@ -301,34 +300,13 @@ class InboxStream:
         finally:
             if self._call is call:  # no answer comes any more: the acks waiting fail now, not when the host
                 self._ready = None  # next asks the stream for an item (it may be waiting for one of them)
-                self._fail_acks(errors.Unavailable("the inbox stream was lost before the ack was answered",
-                                                   reason=Reason.STREAM_LOST))
+                self._answers.fail_all(errors.Unavailable("the inbox stream was lost before the ack was"
+                                                          " answered", reason=Reason.STREAM_LOST))
 
     def _half_close_if_empty(self, call) -> None:
         if not self.agents and self._half_close is None:
             # not awaited here: the reader must go on reading while acks wait to be written
             self._half_close = asyncio.create_task(self._done_writing(call))
-
-    def _answer(self, acked: inbox_pb2.AckResponse) -> None:
-        """Hand the answer of one ack to the consume() waiting for it."""
-        future = self._acks.pop(acked.request_id, None)
-        if future is None or future.done():
-            return
-        if acked.HasField("error"):
-            future.set_exception(ack_error(acked))
-        else:
-            future.set_result(list(acked.results))
-
-    def _answer_many(self, acked: inbox_pb2.AckManyResponse) -> None:
-        """Hand the answer of one ack_many to the ack_many() waiting for it: the AckManyResponse, or the
-        refusal of the request as a whole."""
-        future = self._acks.pop(acked.request_id, None)
-        if future is None or future.done():
-            return
-        if acked.HasField("error"):
-            future.set_exception(refusal(acked.error))
-        else:
-            future.set_result(acked)
 
     def _settle(self, event: inbox_pb2.SubscriptionEvent) -> None:
         """An event for an agent ends the attach() or detach() waiting for it."""
@@ -373,18 +351,12 @@ class InboxStream:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             log.debug("inbox stream for %s: half-close after its last agent left failed: %r", call, exc)
 
-    def _fail_acks(self, failure: errors.MeshError) -> None:
-        for future in self._acks.values():
-            if not future.done():
-                future.set_exception(failure)
-        self._acks.clear()
-
     async def ack(self, agent_id: str, sequences: list[int], turn: int = 0) -> list[inbox_pb2.AckResult]:
         """Ack on the stream; raises Unavailable when the stream is lost first
         (the messages then come again and can be acked again), and the
         MeshError of the refusal when the mesh refused this ack (the stream
         goes on)."""
-        request_id = next(self._ack_ids)
+        request_id = self._answers.next_id()
         return await self._request_answer(request_id, inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest(
             agent_id=agent_id, sequences=sequences, request_id=request_id, turn=turn)))
 
@@ -392,21 +364,12 @@ class InboxStream:
         """Write an ack or ack_many request and wait for the answer with its request_id."""
         if self._call is None:
             raise errors.Unavailable("the inbox stream is not connected", reason=Reason.STREAM_LOST)
-        future = asyncio.get_running_loop().create_future()
-        self._acks[request_id] = future
+        future = self._answers.expect(request_id)
         try:
-            await self._write(request)
-        except errors.Unavailable:  # not connected (reconnecting)
-            self._forget(request_id, future)
+            await self._write_stream(request, "ack")
+        except errors.Unavailable:  # not connected (reconnecting), or the call is lost or over
+            self._answers.forget(request_id, future)
             raise
-        except grpc.aio.AioRpcError as exc:
-            self._forget(request_id, future)
-            raise errors.Unavailable(f"could not ack on the inbox stream: {exc.details()}",
-                                     reason=Reason.STREAM_LOST) from None
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call ended or was half-closed
-            self._forget(request_id, future)
-            raise errors.Unavailable(f"could not ack on the inbox stream: {exc}",
-                                     reason=Reason.STREAM_LOST) from None
         return await asyncio.wait_for(future, self.ack_timeout)
 
     async def ack_many(self, acks: Mapping[str, list[int]], turns: Mapping[str, int] | None = None
@@ -415,17 +378,9 @@ class InboxStream:
         MAX_ACK_SEQUENCES sequences in all): per agent its results, or the refusal of its ack (the others
         are recorded all the same). Raises Unavailable as `ack` does."""
         turns = turns or {}
-        chunks: list[list[str]] = [[]]
-        total = 0
-        for agent_id, sequences in acks.items():
-            if chunks[-1] and total + len(sequences) > MAX_ACK_SEQUENCES:
-                chunks.append([])
-                total = 0
-            chunks[-1].append(agent_id)
-            total += len(sequences)
 
         async def one(agent_ids: list[str]) -> dict[str, list[inbox_pb2.AckResult] | errors.MeshError]:
-            request_id = next(self._ack_ids)
+            request_id = self._answers.next_id()
             entries = [inbox_pb2.AckRequest(agent_id=a, sequences=acks[a], turn=turns.get(a, 0)) for a in agent_ids]
             try:
                 answer = await self._request_answer(request_id, inbox_pb2.ConsumeRequest(
@@ -438,38 +393,20 @@ class InboxStream:
                     for agent_id, acked in zip(agent_ids, answer.acks)}
 
         found: dict[str, list[inbox_pb2.AckResult] | errors.MeshError] = {}
-        for part in await asyncio.gather(*(one(chunk) for chunk in chunks if chunk)):
+        for part in await asyncio.gather(*(one(chunk) for chunk in ack_chunks(acks))):
             found.update(part)
         return found
 
-    def _forget(self, request_id: int, future: asyncio.Future) -> None:
-        """An ack that was never written: nobody will await its future (the
-        stream's end may already have failed it)."""
-        self._acks.pop(request_id, None)
-        if not future.done():
-            future.cancel()
-        elif not future.cancelled():
-            future.exception()  # retrieved: it is reported as the write's failure instead
-
     async def consume(self, agent_id: str, messages: list[envelope_pb2.Envelope], turn: int = 0,
                       taken: set[tuple[str, str]] | None = None) -> list[envelope_pb2.Envelope]:
-        """Ack the agent's messages on the stream (for `turn`, recorded on the
-        consumed events); return those this ack consumed, in order.
-        Dead-lettered ones are left out, and so are already-consumed ones,
-        except when `taken` is given ((sender, message_id) of what the agent
-        already took in): an already-consumed message the agent has not
-        taken in was consumed by an earlier ack of its own whose answer was
-        lost (the stream or the mesh went away after the mesh recorded it;
-        only the agent itself can ack its inbox), so it is the agent's now."""
-        mine = [m for m in messages if m.recipient == agent_id]
+        """Ack the agent's messages on the stream (for `turn`, recorded on the consumed events); return
+        those this ack consumed, in order (inboxmesh.client.acking.won: with `taken`, what the agent already
+        took in, an already-consumed message it has not taken in is its own, from an earlier ack of its own
+        whose answer was lost: the stream or the mesh went away after the mesh recorded it)."""
+        mine = addressed_to(agent_id, messages)
         if not mine:
             return []
-        results = await self.ack(agent_id, [m.sequence for m in mine], turn)
-        won = {r.sequence for r in results if r.status == inbox_pb2.ACK_STATUS_CONSUMED}
-        if taken is not None:
-            won |= {r.sequence for r in results if r.status == inbox_pb2.ACK_STATUS_ALREADY_CONSUMED}
-            return [m for m in mine if m.sequence in won and (m.sender, m.message_id) not in taken]
-        return [m for m in mine if m.sequence in won]
+        return won(mine, await self.ack(agent_id, [m.sequence for m in mine], turn), taken)
 
     async def consume_many(self, messages: Mapping[str, list[envelope_pb2.Envelope]],
                            turns: Mapping[str, int] | None = None,
@@ -477,7 +414,7 @@ class InboxStream:
         """`consume` for many agents in one ack request ({agent_id: its messages}, each agent's turn in
         `turns`, what each already took in in `taken`): per agent the messages its ack won, and the
         agents whose ack was refused (nothing of those recorded; the others are)."""
-        mine = {agent_id: [m for m in batch if m.recipient == agent_id] for agent_id, batch in messages.items()}
+        mine = {agent_id: addressed_to(agent_id, batch) for agent_id, batch in messages.items()}
         mine = {agent_id: batch for agent_id, batch in mine.items() if batch}
         done = ConsumedMany()
         if not mine:
@@ -488,14 +425,7 @@ class InboxStream:
             if isinstance(answer, errors.MeshError):
                 done.refused[agent_id] = answer
                 continue
-            won = {r.sequence for r in answer if r.status == inbox_pb2.ACK_STATUS_CONSUMED}
-            agent_taken = taken.get(agent_id) if taken is not None else None
-            if agent_taken is not None:  # as consume(): an earlier ack of the agent's own whose answer was lost
-                won |= {r.sequence for r in answer if r.status == inbox_pb2.ACK_STATUS_ALREADY_CONSUMED}
-                done.messages[agent_id] = [m for m in batch if m.sequence in won
-                                           and (m.sender, m.message_id) not in agent_taken]
-            else:
-                done.messages[agent_id] = [m for m in batch if m.sequence in won]
+            done.messages[agent_id] = won(batch, answer, taken.get(agent_id) if taken is not None else None)
         return done
 
     # -- agents coming and going ----------------------------------------------------
@@ -514,7 +444,7 @@ class InboxStream:
         for handle in new:
             self.agents[handle.agent_id] = handle
             waits.append(self._attaching.setdefault(handle.agent_id, loop.create_future()))
-        request_id = next(self._ack_ids)
+        request_id = self._answers.next_id()
         self._requests[request_id] = [h.agent_id for h in new]
         try:
             with contextlib.suppress(errors.Unavailable):  # not connected: the next subscription carries them
@@ -538,7 +468,7 @@ class InboxStream:
         call = self._call
         loop = asyncio.get_running_loop()
         waits = [self._detaching.setdefault(a, loop.create_future()) for a in named]
-        request_id = next(self._ack_ids)
+        request_id = self._answers.next_id()
         self._requests[request_id] = named
         try:
             try:
@@ -557,37 +487,14 @@ class InboxStream:
         finally:
             self._requests.pop(request_id, None)
 
-    async def _write_stream(self, request: inbox_pb2.ConsumeRequest) -> None:
-        """Write a request with no answer of its own to wait for; Unavailable when the stream is lost."""
+    async def _write_stream(self, request: inbox_pb2.ConsumeRequest, what: str = "write") -> None:
+        """Write a request on the stream; Unavailable when it is not connected, or the call is lost or over
+        (ended, half-closed)."""
         try:
             await self._write(request)
         except grpc.aio.AioRpcError as exc:
-            raise errors.Unavailable(f"could not write on the inbox stream: {exc.details()}",
+            raise errors.Unavailable(f"could not {what} on the inbox stream: {exc.details()}",
                                      reason=Reason.STREAM_LOST) from None
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            raise errors.Unavailable(f"could not write on the inbox stream: {exc}",
+            raise errors.Unavailable(f"could not {what} on the inbox stream: {exc}",
                                      reason=Reason.STREAM_LOST) from None
-
-
-def ack_error(acked: inbox_pb2.AckResponse) -> errors.MeshError:
-    """The MeshError for an ack the mesh refused on a Consume stream, as the
-    unary Ack would have raised it."""
-    return refusal(acked.error)
-
-
-def refusal(error: inbox_pb2.AckError) -> errors.MeshError:
-    """The MeshError for a refusal answered on a Consume stream (an ack's, an attach's, a detach's)."""
-    code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-    return ERROR_OF.get(code, errors.MeshError)(error.message or code.name,
-                                                reason=errors.reason_of(error.reason or code.name),
-                                                metadata=dict(error.metadata))
-
-
-async def consume(agent: AgentHandle, messages: list[envelope_pb2.Envelope]) -> list[envelope_pb2.Envelope]:
-    """Like InboxStream.consume, with the unary Ack call (no stream needed)."""
-    mine = [m for m in messages if m.recipient == agent.agent_id]
-    if not mine:
-        return []
-    results = await agent.ack(m.sequence for m in mine)
-    won = {r.sequence for r in results if r.status == inbox_pb2.ACK_STATUS_CONSUMED}
-    return [m for m in mine if m.sequence in won]
