@@ -40,7 +40,11 @@ class HostConfig:
     idle_timeout (closes after `idle_timeout_s` without messages)."""
     idle_timeout_s: float = 60.0
     max_in_flight: int = 64
-    """Delivered-but-unconsumed messages per agent (the pending bound)."""
+    """Delivered-but-unconsumed messages per agent (the pending bound; 0 = the mesh's default, 256)."""
+    agents_per_inbox_stream: int = 10_000
+    """Agents one inbox stream carries; the host opens another past it (agent_host/inbox_hub.py). A
+    reconnect writes one subscribe with every credential of the stream: 10,000 are about 1 MB, well
+    within the mesh's request limit."""
     child_inbox_capacity: int = 0
     """Inbox capacity of spawned agents (0 = the mesh default)."""
     budget: Budget = field(default_factory=Budget)

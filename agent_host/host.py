@@ -1,10 +1,11 @@
-"""An agent host: many agents in one process, each with its own inbox stream
-and scheduler (agent_host.runner), against a mesh over gRPC.
+"""An agent host: many agents in one process, each with its own scheduler
+(agent_host.runner), against a mesh over gRPC, all following their inboxes on
+one inbox stream of the host (agent_host.inbox_hub).
 
 Every agent the host creates, top-level or spawned by another agent's tool
-call, is registered in the mesh and has its inbox subscribed before its
-first turn. The host remembers its agents (host.db) and a restarted host
-resumes them.
+call, is registered in the mesh and attached to the host's inbox stream
+before its first turn. The host remembers its agents (host.db) and a
+restarted host resumes them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from agent_host.budget import TaskBudget
 from agent_host.config import Budget, HostConfig
 from agent_host.conversation import Conversation, key_of, system_prompt
 from agent_host.hoststore import HostedAgent, HostStore
+from agent_host.inbox_hub import InboxHub
 from agent_host.models.base import Model
 from agent_host.ports import AgentCalls, Team
 from agent_host.runner import AgentRunner
@@ -28,7 +30,6 @@ from agent_host.tools import ALL_TOOLS, relay_call
 from inboxmesh.client import errors
 from inboxmesh.client.addressing import IOA_PREFIX
 from inboxmesh.client.mesh import AgentHandle, MeshClient
-from inboxmesh.client.stream import InboxStream
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.registry.v1 import registry_pb2 as reg
@@ -82,6 +83,8 @@ class Host:
         self.client = client or MeshClient(config.mesh_address, timeout=config.call_timeout_s)
         self._own_client = client is None
         self.store = HostStore(config.data_dir / "host.db")
+        self.inbox = InboxHub(max_in_flight=config.max_in_flight, agents_per_stream=config.agents_per_inbox_stream)
+        """The host's inbox stream, shared by all its agents (each runner reads its own AgentInbox)."""
         self.runners: dict[str, AgentRunner[AgentHandle]] = {}
         self.observers: list[Callable[[HostEvent], None]] = []
         self._names: dict[str, str] = {}
@@ -110,8 +113,18 @@ class Host:
             runner = self._runner(record, handle, conversation, budget)
             recovered = await self._recover_consumed(runner, handle)
             resumed.append((runner, record.running or recovered > 0))
-        for runner, run in resumed:
-            await runner.start(run=run)
+        # started together: their attaches go to the mesh together (agent_host.inbox_hub)
+        started = await asyncio.gather(*(runner.start(run=run) for runner, run in resumed), return_exceptions=True)
+        for (runner, run), failure in zip(resumed, started):
+            if isinstance(failure, BaseException):
+                log.warning("not resuming %s (%s): %s", runner.record.name, runner.agent_id, failure)
+                self.observe(runner.record, "not-resumed", str(failure))
+                self.runners.pop(runner.agent_id, None)
+                await runner.stop()
+                if isinstance(failure, errors.FailedPrecondition) and failure.reason == errors.Reason.AGENT_CLOSED:
+                    runner.record.closed = True
+                    self.save(runner.record, runner.conversation)
+                continue
             self.observe(runner.record, "resumed", f"turn {runner.record.turn}" + (", resuming its run"
                                                                                  if run else ""))
 
@@ -119,9 +132,11 @@ class Host:
         if self._stopped:
             return
         self._stopped = True
+        self.inbox.closing()  # the stream's end lets go of every agent at once; none is detached alone
         for runner in list(self.runners.values()):
             await runner.stop()
             self.save(runner.record, runner.conversation)
+        await self.inbox.close()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -148,7 +163,7 @@ class Host:
             conversation.messages.append({"role": "system", "content": system_prompt(
                 record.name, record.agent_id, profile.role, self.config.show_ids)})
         conversation.messages += history or []
-        inbox = InboxStream([handle], max_in_flight=self.config.max_in_flight)
+        inbox = self.inbox.inbox_of(handle)
         runner = AgentRunner(self, record, handle, inbox, profile.model, conversation, budget, self.config,
                              max_spawns=profile.max_spawns)
         self.runners[record.agent_id] = runner
@@ -243,7 +258,7 @@ class Host:
                              run_id=child.run_id)
         runner = self._runner(record, child, Conversation(), budget, history)
         self.save(record, runner.conversation)
-        await runner.start()  # subscribed before its first turn
+        await runner.start()  # attached to the host's inbox stream before its first turn
         return record
 
     async def close(self, agent_id: str, *, reason: str, by: AgentRunner[Any] | None = None) -> list[str]:

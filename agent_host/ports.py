@@ -3,7 +3,8 @@ need from the world around them, stated once:
 
 - `AgentHost`: the host the runner runs in (`agent_host.host.Host` implements it);
 - `AgentCalls`: the mesh calls made as the agent (`inboxmesh.client.AgentHandle` implements it);
-- `Inbox`: the agent's inbox stream (`inboxmesh.client.InboxStream` implements it).
+- `Inbox`: the agent's inbox: its part of the host's inbox stream (`agent_host.inbox_hub.AgentInbox`
+  implements it; so does an `inboxmesh.client.InboxStream` of the agent alone).
 
 They are typing.Protocols: the real classes fit them by their shape, and tests/test_runner.py runs a
 runner on small in-memory ones, without a mesh or a host. A tool gets a ToolContext
@@ -145,7 +146,7 @@ class AgentCalls(Protocol):
 
 
 class Inbox(Protocol):
-    """The agent's inbox stream."""
+    """The agent's inbox: its deliveries and subscription events, and its acks."""
 
     def __aiter__(self) -> AsyncGenerator[StreamItem, None]:
         """Deliveries and subscription events (ATTACHED first, again after each reconnect; CLOSED or
@@ -159,5 +160,6 @@ class Inbox(Protocol):
         ...
 
     def stop(self) -> None:
-        """End the stream (the agent stays subscribed in the mesh's eyes until the call ends)."""
+        """End the inbox here: the iteration ends and the agent is detached from the stream (what was
+        delivered and not acked goes to its next subscriber)."""
         ...

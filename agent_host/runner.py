@@ -1,11 +1,11 @@
-"""One agent's scheduler: its inbox stream, its pending messages and its one
-model loop.
+"""One agent's scheduler: its inbox (its part of the host's inbox stream,
+agent_host.inbox_hub), its pending messages and its one model loop.
 
 Rules (docs/lifecycle.md):
 - A single task (`_loop`) starts every run, one after the other, so an
   agent never has two model loops at once.
 - A run is a sequence of turns. A turn starts by consuming everything
-  pending (acked on the stream with the turn number, then written into the
+  pending (acked on the stream with the agent's turn number, then written into the
   conversation as the newest user turn), then makes one model call and
   carries out its tool calls. The run ends when the model answers without
   tool calls or calls finish; if messages are pending then, another run
@@ -49,7 +49,7 @@ HandleT = TypeVar("HandleT", bound=AgentCalls)
 
 
 class AgentRunner(Generic[HandleT]):
-    """One hosted agent: its inbox stream, its pending messages, its one loop. The host builds it
+    """One hosted agent: its inbox, its pending messages, its one loop. The host builds it
     (Host._runner) and reads it through its public names only: record, conversation, budget, state,
     pending, received, stream, the run counters, start/stop/cancel_run/child_gone/is_own_task/
     take_recovered."""
@@ -101,9 +101,9 @@ class AgentRunner(Generic[HandleT]):
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self, *, run: bool = False) -> None:
-        """Subscribe the inbox (and wait until the mesh confirmed it), then
-        start reading and scheduling: before the agent's first turn. With
-        `run` the agent takes a turn at once (a new task, a resumed run)."""
+        """Attach the inbox (and wait until the mesh confirmed it: ATTACHED),
+        then start reading and scheduling: before the agent's first turn.
+        With `run` the agent takes a turn at once (a new task, a resumed run)."""
         if run:
             self.start_requested = True
         items = self._items = self.stream.__aiter__()

@@ -76,5 +76,5 @@ async def scripted_host(address: str, data_dir: Path, policies: Mapping[str, Pol
         await host.stop()
 
 
-def by_name(host: Host, name: str):  # -> AgentRunner[AgentHandle]; untyped: scenarios read its InboxStream
+def by_name(host: Host, name: str):  # -> AgentRunner[AgentHandle]; untyped: scenarios read its AgentInbox
     return next(r for r in host.runners.values() if r.record.name == name)
