@@ -21,7 +21,8 @@ Bounds: an agent's items wait in its AgentInbox until its runner takes them (its
 moving them to the runner's pending). The mesh never has more than `max_in_flight` of an agent's
 messages delivered and unacked, and a delivery repeated after a reconnect is one of those (kept once:
 a message whose sequence is already waiting is not queued again), so an AgentInbox holds at most
-`max_in_flight` messages, plus at most one ATTACHED (a newer one replaces it) and the last event.
+`max_in_flight` messages, plus at most one ATTACHED (a later one while it waits adds nothing) and the
+last event.
 Overflow: beyond that bound the mesh broke its own; the excess is dropped and logged (it is unacked,
 so it is not lost: the mesh delivers it again on the agent's next subscription), never queued.
 """
@@ -135,11 +136,11 @@ class AgentInbox:
     # -- what the hub hands over -------------------------------------------------------------
     def _put(self, item: StreamItem) -> None:
         if item.agent_event is not None:
-            if item.agent_event.kind == _ATTACHED:
-                for queued in self._items:  # one ATTACHED says all a later one would: keep the newest
-                    if queued.agent_event is not None and queued.agent_event.kind == _ATTACHED:
-                        self._items.remove(queued)
-                        break
+            if item.agent_event.kind == _ATTACHED and any(
+                    q.agent_event is not None and q.agent_event.kind == _ATTACHED for q in self._items):
+                # the runner reads all that waits in one go, so the ATTACHED waiting reaches it after this
+                # reconnect too and tells it the same (and a first ATTACHED stays first)
+                return
             self._items.append(item)
             self._changed.set()
             return
@@ -280,6 +281,8 @@ class InboxHub:
     async def _consume(self, inbox: AgentInbox, agent_id: str, messages: list[env_pb.Envelope], turn: int,
                        taken: set[tuple[str, str]] | None) -> list[env_pb.Envelope]:
         stream = inbox.stream
+        if inbox.ended:  # closed or superseded here: its messages are not this host's to take any more
+            raise errors.Unavailable(f"the inbox of {inbox.agent_id} on this host has ended", reason=Reason.STREAM_LOST)
         if stream is None or stream not in self._pumps:
             raise errors.Unavailable(f"the inbox stream of {inbox.agent_id} is not connected",
                                      reason=Reason.STREAM_LOST)

@@ -10,7 +10,9 @@ mesh, and keeps the runtime's rules for each of them:
   the same moment);
 - an agent whose model holds its turn does not hold up the others' deliveries, and what waits for it is
   bounded by max_in_flight;
-- after the mesh restarts, the one stream resubscribes everything attached and the runners carry on.
+- after the mesh restarts, the one stream resubscribes everything attached and the runners carry on;
+- an agent's inbox on the host keeps each delivered message once and at most max_in_flight of them, and
+  its first ATTACHED first (in memory: what the mesh would have to get wrong for it to matter).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from dataclasses import replace
 import pytest
 
 from agent_host.config import Budget
-from agent_host.inbox_hub import AgentInbox
+from agent_host.inbox_hub import AgentInbox, InboxHub
 from agent_host.models.scripted import say
 from harness.evidence import K, Record
 from harness.hosts import GatedModel, ScriptedHost, scripted_host
 from inboxmesh.client.mesh import AgentHandle, MeshClient, envelope
+from inboxmesh.client.stream import StreamItem
+from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.config import MeshConfig, RunsConfig
 from services.server import Mesh
@@ -196,3 +200,28 @@ async def test_the_one_stream_resubscribes_every_agent_after_a_mesh_restart(tmp_
             assert record.turns_alternate(agent_id)
     finally:
         await mesh.stop()
+
+
+async def test_an_agents_inbox_holds_each_message_once_and_at_most_max_in_flight(client):
+    hub = InboxHub(max_in_flight=4)
+    inbox = hub.inbox_of(client.agent("agt_a", "agt_a.secret"))
+    attached = StreamItem(agent_event=pb.SubscriptionEvent(agent_id="agt_a", kind=pb.SUBSCRIPTION_EVENT_KIND_ATTACHED))
+
+    def delivery(*sequences: int) -> StreamItem:
+        return StreamItem(messages=[env_pb.Envelope(recipient="agt_a", sequence=s, message_id=f"m{s}")
+                                    for s in sequences])
+
+    inbox._put(attached)
+    inbox._put(delivery(1, 2))
+    inbox._put(attached)  # a reconnect before the runner read anything: the mesh delivers 1 and 2 again
+    inbox._put(delivery(1, 2, 3))
+    assert inbox.held == 3 and inbox.dropped == 0
+    inbox._put(delivery(4, 5, 6))  # more than max_in_flight delivered and unacked: the mesh broke its bound
+    assert inbox.held == 4 and inbox.dropped == 2
+    inbox._end()
+    items = [item async for item in inbox]
+    assert items[0].agent_event is not None and items[0].agent_event.kind == pb.SUBSCRIPTION_EVENT_KIND_ATTACHED
+    assert [m.sequence for item in items[1:] for m in item.messages] == [1, 2, 3, 4]
+    assert all(item.agent_event is None for item in items[1:]), "one ATTACHED while one waits"
+    assert inbox.held == 0
+    await hub.close()
