@@ -364,12 +364,18 @@ class InboxHub:
                 if self._current is stream:
                     self._current = None
                 self._again(waiting)  # nothing of it was done here: on another stream
-            elif len(waiting) > 1:  # all or nothing: the one refused for itself fails alone
-                for inbox in waiting:
-                    self._spawn(self._attach(stream, [inbox]))
-            else:
+                return
+            # all or nothing: the one refused for itself fails alone, the others attach again
+            named = [i for i in waiting if i.agent_id == exc.metadata.get("agent_id")]
+            if len(waiting) < 2:
                 for inbox in waiting:
                     self._refused(inbox, exc)
+            elif named:
+                self._refused(named[0], exc)
+                self._spawn(self._attach(stream, [i for i in waiting if i is not named[0]]))
+            else:  # the refusal does not say whose: each on its own
+                for inbox in waiting:
+                    self._spawn(self._attach(stream, [inbox]))
 
     def _again(self, inboxes: list[AgentInbox]) -> None:
         for inbox in inboxes:
@@ -456,6 +462,15 @@ class InboxHub:
         self._pumps.pop(stream, None)
         if self._current is stream:
             self._current = None
+        if failure is not None and failure.reason == Reason.AGENT_CLOSED:
+            # the stream's one agent was closed while it was away (InboxStream raises that on a stream of one
+            # agent): for that agent it is the end of its delivery, as on a stream of several
+            closed = self._inboxes.get(failure.metadata.get("agent_id", ""))
+            if closed is not None and closed.stream is stream and closed.attached:
+                closed._put(StreamItem(agent_event=inbox_pb2.SubscriptionEvent(
+                    agent_id=closed.agent_id, kind=inbox_pb2.SUBSCRIPTION_EVENT_KIND_CLOSED, detail=failure.message)))
+                del self._inboxes[closed.agent_id]
+                closed._end()
         on_it = [i for i in self._inboxes.values() if i.stream is stream]
         if failure is None and not self._closed:
             self._again([i for i in on_it if not i.attached])

@@ -11,6 +11,8 @@ mesh, and keeps the runtime's rules for each of them:
 - an agent whose model holds its turn does not hold up the others' deliveries, and what waits for it is
   bounded by max_in_flight;
 - after the mesh restarts, the one stream resubscribes everything attached and the runners carry on;
+- agents closed before they attach (named in a new stream's subscribe, or in an attach with others)
+  fail alone, with AGENT_CLOSED, and the others are attached;
 - an agent's inbox on the host keeps each delivered message once and at most max_in_flight of them, and
   its first ATTACHED first (in memory: what the mesh would have to get wrong for it to matter).
 """
@@ -27,6 +29,7 @@ from agent_host.inbox_hub import AgentInbox, InboxHub
 from agent_host.models.scripted import say
 from harness.evidence import K, Record
 from harness.hosts import GatedModel, ScriptedHost, scripted_host
+from inboxmesh.client import errors
 from inboxmesh.client.mesh import AgentHandle, MeshClient, envelope
 from inboxmesh.client.stream import StreamItem
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
@@ -225,3 +228,31 @@ async def test_an_agents_inbox_holds_each_message_once_and_at_most_max_in_flight
     assert all(item.agent_event is None for item in items[1:]), "one ATTACHED while one waits"
     assert inbox.held == 0
     await hub.close()
+
+
+async def _first(inbox: AgentInbox) -> StreamItem:
+    return await anext(inbox.__aiter__())
+
+
+async def test_an_agent_closed_before_it_attaches_fails_alone(client, mesh):
+    lead = await client.register("lead")
+    agents = [await lead.spawn(f"a{i}") for i in range(6)]
+    await lead.close(agents[1].agent_id, reason="closed before it subscribes")
+    await lead.close(agents[4].agent_id, reason="closed before it attaches")
+    hub = InboxHub(max_in_flight=8)
+    try:
+        inboxes = [hub.inbox_of(a) for a in agents]
+        # a new stream's subscribe names 0, 1 and 2; then 3, 4 and 5 in one attach on the open stream
+        for group in (inboxes[:3], inboxes[3:]):
+            firsts = await asyncio.gather(*(_first(i) for i in group), return_exceptions=True)
+            for inbox, first in zip(group, firsts):
+                if inbox.agent_id in (agents[1].agent_id, agents[4].agent_id):
+                    assert isinstance(first, errors.FailedPrecondition) and first.reason == errors.Reason.AGENT_CLOSED
+                else:
+                    assert isinstance(first, StreamItem) and first.agent_event is not None
+                    assert first.agent_event.kind == pb.SUBSCRIPTION_EVENT_KIND_ATTACHED, inbox
+        assert hub.streams_opened == 1
+        open_ones = [a for i, a in enumerate(agents) if i not in (1, 4)]
+        assert sorted(hub.streams[0].agents) == sorted(a.agent_id for a in open_ones)
+    finally:
+        await hub.close()
