@@ -256,3 +256,25 @@ async def test_an_agent_closed_before_it_attaches_fails_alone(client, mesh):
         assert sorted(hub.streams[0].agents) == sorted(a.agent_id for a in open_ones)
     finally:
         await hub.close()
+
+
+async def test_a_restarted_host_resumes_its_agents_together_on_one_stream(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path / "host", {}, budget=ROOMY) as host:
+        lead = await host.start_task("lead", "Answer whoever writes.")
+        hosted = [lead.agent_id, *await _start_children(host, lead, 29)]
+        poker = await lead.handle.spawn("poker")
+        sent = {r.message_id for r in await _send_to_all(poker, hosted, 1, "before")}
+        await eventually(lambda: sent <= _consumed_here(host), timeout=60)
+    poker = client.agent(poker.agent_id, poker.credential)  # the host's client is closed with it
+    await client.agent(lead.agent_id, lead.record.credential).close(hosted[5], reason="closed while its host"
+                                                                                      " was away")
+    async with scripted_host(mesh.address, tmp_path / "host", {}, budget=ROOMY) as host:
+        assert sorted(host.runners) == sorted(a for a in hosted if a != hosted[5])
+        assert host.inbox.streams_opened == 1
+        sent = {r.message_id for r in await _send_to_all(poker, list(host.runners), 1, "after")}
+        await eventually(lambda: sent <= _consumed_here(host), timeout=60, message="the resumed agents receive")
+    record = await Record.read(client)
+    subscribes = [e for e in record.of(K.EVENT_KIND_SUBSCRIBED) if e.agent_id in hosted]
+    resumed = [e for e in subscribes if e.event_id > subscribes[len(hosted) - 1].event_id]
+    assert len(resumed) == len(hosted) - 1 and all(e.detail.startswith("from ") for e in resumed)
+    assert len({e.at_us for e in resumed}) == 1, "the resumed host's agents in one subscribe (recorded at once)"
