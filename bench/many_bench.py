@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -197,10 +198,14 @@ def run(config: ManyConfig, profile: Path | None = None) -> dict[str, Any]:
                 result: dict[str, Any] = json.loads(host.expect(answer + " ", timeout=timeout, others=children))
                 return result
 
-            result: dict[str, Any] = {"config": asdict(config), "name": config.name}
+            result: dict[str, Any] = {"config": asdict(config), "name": config.name,
+                                      "load_average_before": os.getloadavg()[0]}
             rss_before_register = rss()
+            fsyncs = FsyncCounter(mesh.pid, data)
             result["registration"] = ask(f"register {n} {config.window}", "registered", 120 + n / 20)
+            synced = fsyncs.stop()
             result["registration"]["agents_per_s"] = round(n / result["registration"]["seconds"], 1)
+            result["registration"]["mesh_fsyncs_per_agent"] = round(synced / n, 3) if synced is not None else None
             rss_before = rss() if config.host == "client" else rss_before_register
             result["attach"] = ask(f"attach {config.streams} {config.window}", "attached", 120 + n / 20)
             rss_after = rss()
@@ -230,6 +235,7 @@ def run(config: ManyConfig, profile: Path | None = None) -> dict[str, Any]:
                 phase["cpu_us_per_msg"] = {k: round((after[k] - before[k]) / count * 1e6, 1) for k in before}
                 result[f"load_{in_flight}"] = phase
             result["on_uvloop"] = {k: on_uvloop(pids[k]) for k in ("mesh", "host")}
+            result["load_average_after"] = os.getloadavg()[0]
             return result
         finally:
             for child in reversed(children):

@@ -3,9 +3,10 @@ written into docs/benchmarks.md between the many-agent markers. bench/run.py
 runs it after the two-agent comparison (so the ratios against the pair come
 from the same run); alone:
 
-    .venv/bin/python bench/many_run.py                 # the whole suite (about 13 minutes)
+    .venv/bin/python bench/many_run.py                 # the whole suite (about 10 minutes here)
     .venv/bin/python bench/many_run.py --quick --no-doc  # N = 10 and 100, few messages (a smoke run)
     .venv/bin/python bench/many_run.py --only "sqlite N=1,000"   # setups whose name contains this
+    .venv/bin/python bench/many_run.py --compare uvloop --rounds 3  # uvloop off and on alternately, N = 1,000
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ SUITE = [
     ManyConfig(agents=10, host="agent_host", messages=1000, messages_1=150),
     ManyConfig(agents=1000, host="agent_host", messages=1000, messages_1=150),
 ]
-"""Each setup once; message counts sized so that the suite takes about 13 minutes here."""
+"""Each setup once; message counts sized so that the suite takes about 10 minutes here (569 s on 2026-12-01)."""
 QUICK = [replace(c, agents=min(c.agents, 100), messages=200, messages_1=30, wakes=20, wake_seconds=2.0,
                  idle_seconds=3.0, warmup=20) for c in SUITE if c.agents <= 1000]
 """A smoke run: the same setups at N = 10 and 100, few messages."""
@@ -175,8 +176,11 @@ def tables(results: list[dict[str, Any]], pair: dict[int, float]) -> str:
         attach = "(in registration)" if c["host"] == "agent_host" else f"{r['attach']['seconds']:.2f}"
         idle_text = f"{idle['mesh']:.1f} / {idle['host']:.1f}" + (f" (NATS {idle['nats']:.1f})" if "nats" in idle
                                                                    else "")
+        per_registration = r["registration"].get("mesh_fsyncs_per_agent")
+        registration = f"{r['registration']['agents_per_s']:,.0f}" + (
+            f" ({per_registration:.2f} fsyncs each)" if per_registration is not None else "")
         agents.append(
-            f"| {_setup(r)} | {n:,} | {r['registration']['agents_per_s']:,.0f} | {attach} |"
+            f"| {_setup(r)} | {n:,} | {registration} | {attach} |"
             f" {wake['from_receipt_p50_ms']:.2f} / {wake['from_receipt_p99_ms']:.2f} |"
             f" {wake['from_send_p50_ms']:.2f} / {wake['from_send_p99_ms']:.2f} | {kb_text} | {idle_text} |")
     return "\n".join(throughput) + "\n\n" + "\n".join(agents)
@@ -189,9 +193,9 @@ def counts(results: list[dict[str, Any]]) -> str:
         c = r["config"]
         groups.setdefault((c["messages"], c["messages_1"]), []).append(f"{_setup(r)} at N = {c['agents']:,}")
     c = results[0]["config"]
-    parts = [f"{m64:,} messages at 64 in flight and {m1:,} at 1 for {', '.join(names)}"
+    parts = [f"{m64:,} messages at 64 in flight and {m1:,} at 1 ({'; '.join(names)})"
              for (m64, m1), names in groups.items()]
-    return (f"{'; '.join(parts)}; in each, {c['warmup']} warm-up messages, a {c['idle_seconds']:.0f} s quiet window"
+    return (f"{', '.join(parts)}; in each, {c['warmup']} warm-up messages, a {c['idle_seconds']:.0f} s quiet window"
             f" and {c['wakes']} wakes spread over {c['wake_seconds']:.0f} s")
 
 
@@ -204,9 +208,35 @@ def write_doc(text: str) -> None:
     DOC.write_text(f"{head}{START}\n{text}\n{END}{tail}")
 
 
+def commit() -> str:
+    """The commit measured (short hash, '+' when the work tree differs from it), or '' outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=ROOT, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+" if dirty else "")
+
+
+def report(run: dict[str, Any]) -> str:
+    """The text between the markers, from a run as saved in bench/results/many-*.json."""
+    results = run["results"]
+    loads = [r[k] for r in results for k in ("load_average_before", "load_average_after") if k in r]
+    busy = (f" The machine's 1-minute load average (this benchmark's processes included) went from"
+            f" {min(loads):.1f} to {max(loads):.1f} during the run (2 cores, shared with other work)." if loads else "")
+    at = f" at commit {run['commit']}" if run.get("commit") else ""
+    return (f"Measured {run['stamp']}{at} by `{run['command']}` (each setup once, {run['elapsed_s']:.0f} s in all;"
+            f" {counts(results)}).{busy}\n\n"
+            + tables(results, {int(k): v for k, v in run["pair_msgs_per_s"].items()})
+            + "\n\nAgainst the targets of issue 13:\n\n" + targets(results))
+
+
 def run_suite(configs: list[ManyConfig], pair: dict[int, float], command: str, write: bool) -> list[dict[str, Any]]:
     """Run every setup, print its line, write the tables (unless not `write`); the results."""
     started = time.monotonic()
+    measured = commit()
     results = []
     for config in configs:
         result = run_one(config)
@@ -215,20 +245,51 @@ def run_suite(configs: list[ManyConfig], pair: dict[int, float], command: str, w
         print(f"many {config.name:<40} {l64['msgs_per_s']:>7,.0f} msgs/s p99 {l64['p99_ms']:,.0f} ms, wake p99"
               f" {wake['from_receipt_p99_ms']:.1f} ms, registration {result['registration']['agents_per_s']:,.0f}"
               f" agents/s", flush=True)
-    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = (f"Measured {stamp} by `{command}` (each setup once, {time.monotonic() - started:.0f} s in all; "
-            f"{counts(results)}).\n\n" + tables(results, pair) + "\n\nAgainst the targets of issue 13:\n\n"
-            + targets(results))
+    run = {"stamp": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": measured, "command": command,
+           "elapsed_s": round(time.monotonic() - started), "pair_msgs_per_s": pair, "results": results,
+           "configs": [asdict(c) for c in configs]}
+    text = report(run)
     print("\n" + text)
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
-    (out / f"many-{datetime.now(UTC):%Y%m%dT%H%M%S}.json").write_text(json.dumps(
-        {"pair_msgs_per_s": pair, "results": results, "configs": [asdict(c) for c in configs]}, indent=2))
+    (out / f"many-{datetime.now(UTC):%Y%m%dT%H%M%S}.json").write_text(json.dumps(run, indent=2))
     if write:
         write_doc(text)
         print(f"\nwritten to {DOC.relative_to(ROOT)}")
     return results
 
+
+def compare(field: str, rounds: int, agents: int) -> None:
+    """A/B of uvloop (the one setting `field` names so far) at N = `agents`: off and on alternately, `rounds`
+    times, shorter phases (no quiet window to speak of); medians printed, nothing written."""
+    import statistics
+
+    base = ManyConfig(agents=agents, messages=3000, messages_1=200, wakes=50, wake_seconds=3.0, idle_seconds=2.0)
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for round_no in range(1, rounds + 1):
+        for value in (False, True):
+            result = run_one(replace(base, uvloop=value))  # the one setting --compare offers
+            runs[value].append(result)
+            print(f"round {round_no} {field}={value!s:<5} {result['load_64']['msgs_per_s']:>7,.0f} msgs/s at 64,"
+                  f" {result['load_1']['msgs_per_s']:>5,.0f} at 1, mesh"
+                  f" {result['load_64']['cpu_us_per_msg']['mesh']:,.0f} us/msg", flush=True)
+    for value, results in runs.items():
+        def median(path: tuple[str, ...], rs: list[dict[str, Any]] = results) -> float:
+            values = []
+            for r in rs:
+                item: Any = r
+                for key in path:
+                    item = item[key]
+                values.append(item)
+            return statistics.median(values)
+
+        print(f"{field}={value}: median of {len(results)}: {median(('load_64', 'msgs_per_s')):,.0f} msgs/s at 64"
+              f" (p99 {median(('load_64', 'p99_ms')):,.0f} ms, CPU us/msg mesh"
+              f" {median(('load_64', 'cpu_us_per_msg', 'mesh')):,.0f} host"
+              f" {median(('load_64', 'cpu_us_per_msg', 'host')):,.0f}), {median(('load_1', 'msgs_per_s')):,.0f}"
+              f" msgs/s at 1 (p50 {median(('load_1', 'p50_ms')):.2f} ms), wake p99"
+              f" {median(('wake', 'from_receipt_p99_ms')):.2f} ms, registration"
+              f" {median(('registration', 'agents_per_s')):,.0f} agents/s")
 
 
 def main() -> None:
@@ -238,7 +299,20 @@ def main() -> None:
     parser.add_argument("--pair-64", type=float, default=0.0, help="the two-agent pair's msgs/s at 64 in flight")
     parser.add_argument("--pair-1", type=float, default=0.0, help="the two-agent pair's msgs/s at 1 in flight")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument("--compare", choices=["uvloop"], help="instead: an A/B of this setting, printed only")
+    parser.add_argument("--from-json", type=Path, help="instead: write the text of a saved run (bench/results/)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --compare")
+    parser.add_argument("--agents", type=int, default=1000, help="N of --compare")
     args = parser.parse_args()
+    if args.compare:
+        compare(args.compare, args.rounds, args.agents)
+        return
+    if args.from_json:
+        text = report(json.loads(args.from_json.read_text()))
+        print(text)
+        if not args.no_doc:
+            write_doc(text)
+        return
     configs = [c for c in (QUICK if args.quick else SUITE) if args.only in c.name]
     pair = {k: v for k, v in ((64, args.pair_64), (1, args.pair_1)) if v}
     run_suite(configs, pair, "python bench/many_run.py" + (" --quick" if args.quick else ""), not args.no_doc)

@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every message count")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     parser.add_argument("--many", choices=["full", "quick", "none"], default="full",
-                        help="the many-agent suite afterwards: all of it (about 13 minutes), a smoke run, or none")
+                        help="the many-agent suite afterwards: all of it (about 10 minutes), a smoke run, or none")
     args = parser.parse_args()
     if not AUTOGEN_PYTHON.exists():
         raise SystemExit("no .venv-autogen: run `bash scripts/bench.sh`, which creates it")
