@@ -52,7 +52,7 @@ BENCH = Path(__file__).resolve().parent
 class ManyConfig:
     agents: int
     streams: str = "one"
-    """one: one InboxStream for all agents; per-agent: one each (what agent_host does today)."""
+    """one: one InboxStream for all agents; per-agent: one each (what agent_host did until it shared one stream)."""
     store: str = "sqlite"
     sends: str = "stream"
     """stream: one SendStream for all senders; unary: the unary Send per message (bench/many_client.py)."""
@@ -249,7 +249,7 @@ def main() -> None:
     defaults = ManyConfig(agents=0)
     parser.add_argument("--agents", type=int, default=1000)
     parser.add_argument("--streams", choices=STREAM_MODES, default=defaults.streams,
-                        help="one InboxStream for all agents, or one per agent (what agent_host does today)")
+                        help="one InboxStream for all agents, or one per agent (agent_host before it shared one)")
     parser.add_argument("--store", choices=["sqlite", "jetstream"], default=defaults.store)
     parser.add_argument("--sends", choices=SEND_MODES, default=defaults.sends,
                         help="one SendStream for all senders, or the unary Send per message")

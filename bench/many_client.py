@@ -8,7 +8,7 @@ What it uses:
 - attach, `streams="one"`: one `InboxStream` opened with the first agent,
   the others added on the open stream with `InboxStream.attach`, 1,000 per
   request; `streams="per-agent"`: one `InboxStream` per agent (what
-  agent_host does today), up to `window` subscriptions waiting for their
+  agent_host did until it shared one), up to `window` subscriptions waiting for their
   ATTACHED at once;
 - acks: on one stream `InboxStream.consume_many` (one `ack_many` request for
   every agent with something pending); on a stream per agent

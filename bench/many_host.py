@@ -265,7 +265,7 @@ class AgentHostSide(_Expected):
         self.agents = [c for c in children if c is not None]
 
     async def attach(self, streams: many_client.StreamMode, window: int) -> None:
-        return None  # Host.start_child subscribed each agent (one stream per agent)
+        return None  # Host.start_child subscribed each agent (on the host's own inbox stream or streams)
 
     def expect(self, message_id: str, recipient: str) -> tuple[asyncio.Future[int], asyncio.Future[int]]:
         _, consumed = self._futures(message_id)

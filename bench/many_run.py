@@ -66,7 +66,7 @@ def run_one(config: ManyConfig) -> dict[str, Any]:
 def _setup(r: dict[str, Any]) -> str:
     c = r["config"]
     if c["host"] == "agent_host":
-        what = "agent_host.Host (a stream per agent)"
+        what = "agent_host.Host"
     else:
         what = "one stream" if c["streams"] == "one" else "a stream per agent"
     sends = ", unary sends" if c.get("sends") == "unary" else ""
