@@ -1,6 +1,6 @@
 """Group commit for SQLite, on the event loop.
 
-Write operations are queued; a flush scheduled with `call_soon` runs every
+Write operations are queued; a flush scheduled on the loop runs every
 operation queued by then in one transaction, each inside its own SAVEPOINT
 (so one failing operation is rolled back alone), and resolves their futures
 only after COMMIT returned, i.e. after the data is on disk.
@@ -11,6 +11,17 @@ itself (0.2-0.35 ms), and measured slower at every concurrency
 (docs/benchmarks.md). The loop is blocked for the duration of a commit;
 gRPC's core keeps receiving meanwhile, and everything that arrived is
 committed together in the next flush, so batching grows with load.
+
+While the loop is busy, the flush waits for company (`_linger`): gRPC hands
+the loop one new call per turn or so, so a flush on the very next turn
+would commit concurrent calls (64 registrations at once, acks of many Ack
+calls) one by one, each paying a whole commit. The flush is put off turn by
+turn while turns keep taking time (other work runs, and more operations are
+likely to come with it), for at most LINGER_FACTOR times what the last
+commit took (so a busy loop spends at most about 1/(1 + LINGER_FACTOR) of
+its time committing) and never beyond LINGER_MAX_S; a turn with nothing else
+to do (an idle mesh), a full batch, or callers waiting for room flush at
+once, so a lone write waits no more than one idle turn.
 
 Lazy operations (bookkeeping whose loss on a crash is harmless, such as
 "this message was streamed") never start a commit of their own: they ride
@@ -24,6 +35,7 @@ import asyncio
 import collections
 import logging
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +50,14 @@ Op = Callable[[sqlite3.Connection, list[EventRow]], Any]
 """A write operation: runs inside the transaction, may append event rows to
 the list it is given; they are inserted only if the operation succeeds."""
 _Queued = tuple[Op, "asyncio.Future[Any]"]
+LINGER_FACTOR = 4.0
+"""A busy loop's flush waits at most this many times what the last commit took."""
+LINGER_MAX_S = 0.005
+"""... and never longer than this (a slow disk does not make writes wait for long)."""
+IDLE_TURN_S = 50e-6
+"""A turn of the loop this short did nothing but run the flush's own callback: nothing else is coming
+soon, flush now. (An idle turn of asyncio's loop takes about 5-15 us here; a turn that serves gRPC calls,
+100 us and more.)"""
 
 
 class EventIds(list[int]):
@@ -79,6 +99,8 @@ class Writer:
         self._closed = False
         self.after_commit: CommitListener | None = None
         """Called after each commit with (first event id, event rows)."""
+        self._last_commit_s = 0.0
+        """How long the last commit took (the linger's measure)."""
         self.commits = 0
         self.ops = 0
 
@@ -104,7 +126,20 @@ class Writer:
 
     def _schedule_flush(self) -> None:
         if self._flush_handle is None and self._loop is not None:
-            self._flush_handle = self._loop.call_soon(self._flush)
+            now = time.perf_counter()
+            self._flush_handle = self._loop.call_soon(self._linger, now, now)
+
+    def _linger(self, first: float, turn: float) -> None:
+        """Flush, or wait one more turn of the loop (see the module's doc): `first` is when the flush was
+        scheduled, `turn` when the previous turn ran this."""
+        assert self._loop is not None and self._room is not None  # started: nothing is queued before
+        now = time.perf_counter()
+        busy = now - turn > IDLE_TURN_S
+        budget = min(LINGER_MAX_S, LINGER_FACTOR * self._last_commit_s)
+        if busy and now - first < budget and len(self._pending) < self._max_ops and not self._room.locked():
+            self._flush_handle = self._loop.call_soon(self._linger, first, now)
+            return
+        self._flush()
 
     async def run(self, op: Op) -> Any:
         return await (await self.enqueue(op))
@@ -133,6 +168,7 @@ class Writer:
         conn = self._conn
         results: list[tuple[bool, Any]] = []
         events: list[EventRow] = []
+        started = time.perf_counter()
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -175,6 +211,7 @@ class Writer:
             failure = errors.Unavailable(f"store commit failed: {exc}; nothing was written",
                                          reason=Reason.STORE_UNAVAILABLE)
             return [(False, failure)] * len(ops), 0, []
+        self._last_commit_s = time.perf_counter() - started
         self.commits += 1
         self.ops += len(ops)
         for ok, value in results:
