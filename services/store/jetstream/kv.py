@@ -7,13 +7,15 @@ of the request (NATS down, a timeout, an error answer) is raised, never taken fo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import enum
 import hashlib
 import json
 import re
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -108,19 +110,101 @@ async def create(kv: Any, key: str, value: T, codec: Codec[T]) -> int:
         return 0
 
 
+@dataclass(eq=False)
+class _Change:
+    """One caller's change in a round of merged changes of a key, and what came of it."""
+
+    change: Callable[[Any], Any]
+    done: bool = False
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Key:
+    """The changes of one key this process is making: one round at a time; what comes meanwhile waits
+    for the next."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting: list[_Change] = field(default_factory=list)
+    running: asyncio.Task[None] | None = None
+    """The round in progress (it goes on when the caller that started it is cancelled)."""
+    users: int = 0
+
+
+_KEYS: weakref.WeakKeyDictionary[Any, dict[str, _Key]] = weakref.WeakKeyDictionary()
+"""Per bucket, the keys with changes in progress in this process (dropped when the last one ends)."""
+
+
 async def cas(kv: Any, key: str, change: Callable[[T | None], T | None], codec: Codec[T]) -> T | None:
     """Read, change, write back only if nobody wrote in between; retried.
     `change` gets the current value (None when absent) and returns the new
     one, or None to leave the entry alone. Returns what was written (or
-    None)."""
-    for _ in range(MAX_CAS_TRIES):
-        found = await get(kv, key, codec)
-        new = change(found.value if found else None)
-        if new is None:
-            return None
-        if await write(kv, key, codec.encode(new), found.revision if found else 0) is CasResult.WON:
-            return new
-    raise errors.Unavailable(f"too much contention on {key}; nothing changed", reason=Reason.CONTENTION)
+    None).
+
+    Changes of one key made at the same time in this process are merged (the key-value store's group
+    commit): while one read-and-write of the key is in flight, the changes that come wait, and the next
+    round applies all of them in turn, each to what the one before left, in one write. So the hot keys
+    of many concurrent registrations (a parent's running children, its index entries) take a few writes
+    instead of one each plus a lost race for nearly every one of them."""
+    keys = _KEYS.setdefault(kv, {})
+    state = keys.get(key)
+    if state is None:
+        state = keys[key] = _Key()
+    state.users += 1
+    mine = _Change(change)
+    state.waiting.append(mine)
+    try:
+        async with state.lock:
+            if state.running is not None:  # started by a caller cancelled meanwhile: it may hold mine
+                await asyncio.shield(state.running)
+                state.running = None
+            if not mine.done:
+                batch, state.waiting = state.waiting, []
+                state.running = asyncio.ensure_future(_round(kv, key, codec, batch))
+                await asyncio.shield(state.running)
+                state.running = None
+    except asyncio.CancelledError:
+        if mine in state.waiting:  # not taken into a round: it is not made
+            state.waiting.remove(mine)
+        raise
+    finally:
+        state.users -= 1
+        if not state.users and keys.get(key) is state:
+            del keys[key]
+    if mine.error is not None:
+        raise mine.error
+    return mine.value
+
+
+async def _round(kv: Any, key: str, codec: Codec[Any], batch: list[_Change]) -> None:
+    """Apply the changes of a round in one compare-and-set write (retried when lost); each change
+    learns what it wrote (None: it left the entry alone) or what failed."""
+    try:
+        for _ in range(MAX_CAS_TRIES):
+            found = await get(kv, key, codec)
+            value = found.value if found else None
+            changed = False
+            for entry in batch:
+                try:
+                    entry.value, entry.error = entry.change(value), None
+                except Exception as exc:  # that caller's own failure: its change is left out
+                    entry.value, entry.error = None, exc
+                if entry.value is not None:
+                    value, changed = entry.value, True
+            if not changed or await write(kv, key, codec.encode(value),
+                                          found.revision if found else 0) is CasResult.WON:
+                break
+        else:
+            raise errors.Unavailable(f"too much contention on {key}; nothing changed", reason=Reason.CONTENTION)
+    except BaseException as exc:  # the read or write failed: every change of the round failed with it
+        for entry in batch:
+            entry.value, entry.error = None, exc
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+    finally:
+        for entry in batch:
+            entry.done = True
 
 
 # -- agent records ------------------------------------------------------------------
