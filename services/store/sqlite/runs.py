@@ -62,9 +62,9 @@ def _save(conn: sqlite3.Connection, run: RunRecord) -> None:
 
 
 def active_children(conn: sqlite3.Connection, requester_id: str) -> int:
-    """Runs of one requester that have not ended."""
-    return int(conn.execute("SELECT count(*) FROM runs WHERE requester_id = ? AND active = 1",
-                            (requester_id,)).fetchone()[0])
+    """Runs of one requester that have not ended (kept by the schema's triggers on runs.active)."""
+    row = conn.execute("SELECT n FROM active_children WHERE requester_id = ?", (requester_id,)).fetchone()
+    return int(row[0]) if row else 0
 
 
 def insert(conn: sqlite3.Connection, events: list[EventRow], run: RunRecord) -> None:

@@ -12,9 +12,10 @@ from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.store.base import EVENT_ROW_FIELDS, AgentRecord, MessageRecord
 
-SCHEMA_VERSION = 5
-UPGRADABLE = {2, 3, 4}
-"""Versions that SCHEMA upgrades in place (it only adds tables and indexes)."""
+SCHEMA_VERSION = 6
+UPGRADABLE = {2, 3, 4, 5}
+"""Versions that SCHEMA upgrades in place (it only adds tables, indexes and triggers; UPGRADE fills
+what they derive from rows written before)."""
 CLOSED_KIND = ev.EVENT_KIND_AGENT_CLOSED
 
 SCHEMA = """
@@ -111,6 +112,26 @@ CREATE INDEX IF NOT EXISTS runs_by_requester ON runs(requester_id, row);
 CREATE INDEX IF NOT EXISTS runs_active ON runs(requester_id) WHERE active = 1;
 CREATE INDEX IF NOT EXISTS runs_unfinished ON runs(row) WHERE archived = 0;
 
+-- Running children per requester, kept by the triggers below: a spawn checks its parent's limit with
+-- one row read instead of counting every running child (at 10,000 children that count took 1 ms, more
+-- than the spawn's commit).
+CREATE TABLE IF NOT EXISTS active_children (
+    requester_id TEXT PRIMARY KEY,
+    n INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS runs_active_added AFTER INSERT ON runs WHEN NEW.active = 1 BEGIN
+    INSERT INTO active_children (requester_id, n) VALUES (NEW.requester_id, 1)
+        ON CONFLICT(requester_id) DO UPDATE SET n = n + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS runs_active_changed AFTER UPDATE OF active ON runs
+        WHEN OLD.active != NEW.active BEGIN
+    INSERT INTO active_children (requester_id, n) VALUES (NEW.requester_id, NEW.active)
+        ON CONFLICT(requester_id) DO UPDATE SET n = n + CASE NEW.active WHEN 1 THEN 1 ELSE -1 END;
+END;
+CREATE TRIGGER IF NOT EXISTS runs_active_removed AFTER DELETE ON runs WHEN OLD.active = 1 BEGIN
+    UPDATE active_children SET n = n - 1 WHERE requester_id = OLD.requester_id;
+END;
+
 -- Routing sessions: one agent per session key.
 CREATE TABLE IF NOT EXISTS sessions (
     session_key TEXT PRIMARY KEY,
@@ -134,6 +155,14 @@ CREATE TABLE IF NOT EXISTS conversations (
 -- Closes in commit order (delivery streams follow closes made by other processes: agents.closes_since).
 CREATE INDEX IF NOT EXISTS events_closes ON events(event_id) WHERE kind = {CLOSED_KIND};
 """
+
+UPGRADE = """
+DELETE FROM active_children;
+INSERT INTO active_children (requester_id, n) SELECT requester_id, count(*) FROM runs WHERE active = 1
+    GROUP BY requester_id;
+"""
+"""Run once when a file of an UPGRADABLE version is opened (after SCHEMA): fills what the new tables
+derive from the rows written before them."""
 
 AGENT_COLUMNS = (
     "agent_id, name, mode, parent_id, scope_id, depth, state, metadata, inbox_capacity,"

@@ -44,7 +44,7 @@ from services.store.base import (
 )
 from services.store.sqlite import agents, inbox, runs, sessions
 from services.store.sqlite import events as event_table
-from services.store.sqlite.schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE
+from services.store.sqlite.schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE, UPGRADE
 from services.store.sqlite.writer import EventIds, Writer, connect
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class SqliteStore(base.Store):
             if row is None:
                 conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif int(row[0]) in UPGRADABLE:
-                conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                conn.executescript(f"BEGIN IMMEDIATE; {UPGRADE}"
+                                   f" UPDATE meta SET value = '{SCHEMA_VERSION}' WHERE key = 'schema_version'; COMMIT;")
                 log.info("upgraded %s from schema version %s to %d", self.path, row[0], SCHEMA_VERSION)
             elif int(row[0]) != SCHEMA_VERSION:
                 raise errors.FailedPrecondition(
