@@ -4,7 +4,6 @@ the stream, asks this class, and writes what it answers."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 from dataclasses import dataclass, field
@@ -98,8 +97,9 @@ class ConsumeSession:
         return AckAnswer(agent_id, outcomes)
 
     async def ack_many(self, request: pb.AckManyRequest) -> list[AckAnswer]:
-        """Every entry acked at once, so the store writes them together (on SQLite their writes are queued
-        before the writer flushes: one commit). Raises a refusal of the request as a whole."""
+        """Every entry checked as `ack` checks one (a refused entry is answered alone, nothing of it
+        recorded), and the others acked in one store write (InboxStore.ack_many: one commit on SQLite,
+        on JetStream the requests of all entries together). Raises a refusal of the request as a whole."""
         if not request.acks:
             raise errors.InvalidArgument("the ack_many holds no acks", reason=Reason.MISSING_FIELD,
                                          metadata={"field": "acks"})
@@ -107,7 +107,24 @@ class ConsumeSession:
         if total > self._service.max_ack_sequences:
             raise errors.InvalidArgument(f"{total} sequences in one ack_many; at most"
                                          f" {self._service.max_ack_sequences}", reason=Reason.BATCH_TOO_LARGE)
-        return list(await asyncio.gather(*(self.ack(entry) for entry in request.acks)))
+        answers: list[AckAnswer] = []
+        checked: list[tuple[AckAnswer, tuple[str, list[int], int]]] = []
+        for entry in request.acks:
+            answer = AckAnswer("")
+            try:
+                answer.agent_id, caller = self.ack_caller(entry)
+                sequences = list(entry.sequences)
+                checked.append((answer, (self._service.checked_ack(caller, answer.agent_id, sequences), sequences,
+                                         entry.turn)))
+            except REFUSALS as exc:  # this entry was wrong; the others are acked
+                log.info("Consume on %r: ack %d refused: %s (%s)", self._subscription, entry.request_id, exc.reason,
+                         exc.message)
+                answer.refusal = exc
+            answers.append(answer)
+        if checked:
+            for (answer, _), outcomes in zip(checked, await self._service.ack_checked([c for _, c in checked])):
+                answer.outcomes = outcomes
+        return answers
 
     # -- attach and detach ---------------------------------------------------------
     async def attach(self, request: pb.AttachRequest) -> None:

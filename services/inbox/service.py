@@ -370,7 +370,8 @@ class InboxService:
         """The most messages one send request may hold."""
         return self._limits.max_batch_messages
 
-    async def ack(self, caller: Caller, agent_id: str, sequences: list[int], turn: int = 0) -> list[AckOutcome]:
+    def checked_ack(self, caller: Caller, agent_id: str, sequences: list[int]) -> str:
+        """The agent whose inbox an ack consumes from, once the ack is valid; raises its refusal."""
         agent = caller.require_agent("acking")
         if agent_id and agent_id != agent.agent_id:
             raise errors.PermissionDenied(
@@ -384,24 +385,43 @@ class InboxService:
         if len(sequences) > self.max_ack_sequences:
             raise errors.InvalidArgument(f"{len(sequences)} sequences in one ack; at most "
                                          f"{self.max_ack_sequences}", reason=Reason.BATCH_TOO_LARGE)
-        outcomes = await self._store.ack(agent.agent_id, [stored_int(s) for s in sequences], now_us(),
-                                         stored_int(turn))
+        return agent.agent_id
+
+    async def ack(self, caller: Caller, agent_id: str, sequences: list[int], turn: int = 0) -> list[AckOutcome]:
+        recipient = self.checked_ack(caller, agent_id, sequences)
+        return (await self.ack_checked([(recipient, sequences, turn)]))[0]
+
+    async def ack_checked(self, acks: Sequence[tuple[str, list[int], int]]) -> list[list[AckOutcome]]:
+        """Acks that checked_ack passed, (agent id it returned, sequences, turn) each, in one store write
+        (InboxStore.ack_many: one commit on SQLite, however many agents); each ack's outcomes in turn,
+        traced, logged and told to the delivery hub."""
+        stored = [(recipient, [stored_int(s) for s in sequences], stored_int(turn))
+                  for recipient, sequences, turn in acks]
+        if len(stored) == 1:
+            (one, one_sequences, one_turn), = stored
+            results = [await self._store.ack(one, one_sequences, now_us(), one_turn)]
+        else:
+            results = await self._store.ack_many(stored, now_us())
         crash_point("ack-stored")
+        for (recipient, sequences, _), outcomes in zip(acks, results):
+            self._acked(recipient, sequences, outcomes)
+        return results
+
+    def _acked(self, recipient: str, sequences: list[int], outcomes: list[AckOutcome]) -> None:
         frontier = Frontier.of(o.envelope for o in outcomes if o.envelope is not None)
         if frontier is not None:
-            self._remember_frontier(agent.agent_id, frontier)
+            self._remember_frontier(recipient, frontier)
         for outcome in outcomes:
             if outcome.status == pb.ACK_STATUS_CONSUMED:
                 if outcome.traceparent:
                     carrier_ctx = context_of(envelope_pb2.Envelope(trace={"traceparent": outcome.traceparent}))
                     tracer.start_span("ack", context=carrier_ctx, attributes={
-                        "messaging.message.id": outcome.message_id, "inboxmesh.recipient": agent.agent_id,
+                        "messaging.message.id": outcome.message_id, "inboxmesh.recipient": recipient,
                         "inboxmesh.sequence": outcome.sequence}).end()
             elif log.isEnabledFor(logging.INFO):
-                log.info("ack of seq %d in %s's inbox: %s", outcome.sequence, agent.agent_id,
+                log.info("ack of seq %d in %s's inbox: %s", outcome.sequence, recipient,
                          pb.AckStatus.Name(outcome.status))
-        self.hub.on_acked(agent.agent_id, sequences)
-        return outcomes
+        self.hub.on_acked(recipient, sequences)
 
     # -- queries ------------------------------------------------------------
     async def status(self, caller: Caller, key: pb.MessageKey) -> MessageRecord:

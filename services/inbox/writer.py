@@ -94,9 +94,8 @@ class InboxWriter:
         order; trace, log and wake subscribers.
 
         in_order: the groups are sends that must be accepted in the order given (the requests of one
-        SendStream). A store that does not group-commit (JetStream) runs concurrent appends in any order,
-        so a group that shares its sender or a recipient with an earlier group is appended only once that
-        group's append returned; groups that share neither are appended together (on SQLite: one commit)."""
+        SendStream): the store appends them as one after the other (InboxStore.append_groups: on SQLite
+        one write, on JetStream each group after the earlier ones sharing its sender or a recipient)."""
         spans = []
         for group in groups:
             for item in group:
@@ -109,7 +108,7 @@ class InboxWriter:
             if len(groups) == 1:  # the usual case: no task to schedule, straight to the writer
                 results = [await self._store.append(groups[0][0].envelope.sender, groups[0], now)]
             elif in_order:
-                results = await self._append_in_order(groups, now)
+                results = await self._store.append_groups([(g[0].envelope.sender, g) for g in groups], now)
             else:  # every group's append is queued before the writer flushes: one commit, in order
                 results = await asyncio.gather(*(self._store.append(g[0].envelope.sender, g, now) for g in groups))
         except BaseException as exc:
@@ -135,35 +134,3 @@ class InboxWriter:
                               env.recipient, env.sequence)
             self._hub.on_appended(accepted)
         return outcomes
-
-    async def _append_in_order(self, groups: list[list[AppendItem]], now: int) -> list[list[SendOutcome]]:
-        """Each group's append, started once every earlier group sharing its sender or a recipient has
-        returned (see store). A group whose predecessor failed fails too, so nothing is stored ahead of
-        what it had to follow; the first failure is raised once every append has finished."""
-        last: dict[tuple[str, str], asyncio.Task[list[SendOutcome]]] = {}
-        tasks: list[asyncio.Task[list[SendOutcome]]] = []
-        for group in groups:
-            sender = group[0].envelope.sender
-            keys = {("sender", sender), *(("inbox", item.envelope.recipient) for item in group)}
-            after = {last[key] for key in keys if key in last}
-            task = asyncio.ensure_future(self._append_after(after, sender, group, now))
-            for key in keys:
-                last[key] = task
-            tasks.append(task)
-        try:
-            await asyncio.wait(tasks)
-        except BaseException:  # cancelled: nobody would await the appends left, so they end with the caller
-            for task in tasks:
-                task.cancel()
-            raise
-        failures = [task.exception() for task in tasks]  # every one retrieved, the first raised
-        first = next((failure for failure in failures if failure is not None), None)
-        if first is not None:
-            raise first
-        return [task.result() for task in tasks]
-
-    async def _append_after(self, after: set[asyncio.Task[list[SendOutcome]]], sender: str,
-                            group: list[AppendItem], now: int) -> list[SendOutcome]:
-        for earlier in after:
-            await earlier  # raises what it raised: this group must not overtake it
-        return await self._store.append(sender, group, now)

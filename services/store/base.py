@@ -347,6 +347,16 @@ class InboxStore(abc.ABC):
         closed, sender closed and inbox full are decided here atomically."""
 
     @abc.abstractmethod
+    async def append_groups(self, groups: list[tuple[str, list[AppendItem]]],
+                            at_us: int) -> list[list[SendOutcome]]:
+        """Several appends (sender id, its messages), each as `append` would store it, the outcomes of
+        each group in turn, accepted as if appended one after the other in the order given: per sender
+        and per inbox, sequences follow that order (the requests of one SendStream). As few writes as
+        the store allows: on SQLite one (one commit); on JetStream a group starts once the earlier ones
+        sharing its sender or a recipient have returned (services.store.ordering). A failure stores
+        nothing that had to follow what failed, and is raised."""
+
+    @abc.abstractmethod
     async def next_deliveries(
         self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int, in_flight: int = 0
     ) -> DeliveryBatch:
@@ -378,6 +388,13 @@ class InboxStore(abc.ABC):
     async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int = 0) -> list[AckOutcome]:
         """Consume; in the same write, the recipient's Frontier becomes that of the messages this ack
         consumed (if it consumed any)."""
+
+    @abc.abstractmethod
+    async def ack_many(self, entries: list[tuple[str, list[int], int]], at_us: int) -> list[list[AckOutcome]]:
+        """Several acks (recipient, sequences, turn), each as `ack` would do it, in as few writes as the
+        store allows (the acks of many agents in one request): on SQLite one commit; on JetStream the
+        state changes of all entries at once, then their deletes, events and frontiers together. The
+        outcomes of each entry in turn."""
 
     @abc.abstractmethod
     async def get_frontier(self, agent_id: str) -> Frontier | None:

@@ -95,6 +95,21 @@ def _dead(cur: MessageState | None, env: envelope_pb2.Envelope, at_us: int, reas
     return (cur or MessageState.first(env, QUEUED)).dead(at_us, reason)
 
 
+def _answers(sequences: list[int], by_seq: dict[int, tuple[AckOutcome, envelope_pb2.Envelope | None]]
+             ) -> list[AckOutcome]:
+    """One outcome per sequence as named: a repeat of a sequence consumed by its first mention is
+    ALREADY_CONSUMED; any other repeat gets its first mention's outcome."""
+    answered: set[int] = set()
+    outcomes = []
+    for seq in sequences:
+        outcome, env = by_seq[seq]
+        if seq in answered and env is not None:
+            outcome = AckOutcome(seq, outcome.message_id, inbox_pb2.ACK_STATUS_ALREADY_CONSUMED)
+        outcomes.append(outcome)
+        answered.add(seq)
+    return outcomes
+
+
 class InboxLog:
     def __init__(self, conn: JetStreamConnection, events: EventLog):
         self.conn = conn
@@ -278,33 +293,60 @@ class InboxLog:
                              held_back=held_back and len(envelopes) + len(dead) >= limit)
 
     # -- acks -----------------------------------------------------------------------
-    async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int) -> list[AckOutcome]:
-        outcomes = []
-        rows = []
-        consumed = []
-        for seq in sequences:
-            outcome, env = await self._ack_one(recipient, seq, at_us, turn)
-            if env is not None:
-                consumed.append(env)
-                rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, at_us, recipient, env, seq=seq, turn=turn))
-            outcomes.append(outcome)
+    async def ack_many(self, entries: list[tuple[str, list[int], int]], at_us: int) -> list[list[AckOutcome]]:
+        """Every entry's acks in two rounds of requests, whatever the number of entries: first the state
+        changes (compare-and-set) of every distinct sequence of every entry at once; then, together, the
+        deletes of what they consumed, all their CONSUMED events (one pipelined publish) and each
+        recipient's new frontier. A sequence an entry names twice is answered for its first mention
+        and ALREADY_CONSUMED (or the same refusal) after, as one ack after the other would."""
+        distinct = [list(dict.fromkeys(sequences)) for _, sequences, _ in entries]
+        taken = await asyncio.gather(*(self._consume(recipient, seq, at_us, turn)
+                                       for (recipient, _, turn), seqs in zip(entries, distinct) for seq in seqs),
+                                     return_exceptions=True)
+        failure = next((t for t in taken if isinstance(t, BaseException)), None)
+        results = iter(taken)
+        answers: list[list[AckOutcome]] = []
+        rows: list[EventRow] = []
+        deletes: list[int] = []
+        frontiers: dict[str, Frontier] = {}
+        for (recipient, sequences, turn), seqs in zip(entries, distinct):
+            by_seq: dict[int, tuple[AckOutcome, envelope_pb2.Envelope | None]] = {}
+            consumed = []
+            for seq in seqs:
+                result = next(results)
+                if isinstance(result, BaseException):
+                    continue
+                by_seq[seq] = result
+                if (env := result[1]) is not None:
+                    consumed.append(env)
+                    deletes.append(seq)
+                    rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, at_us, recipient, env, seq=seq,
+                                              turn=turn))
+            if failure is None:
+                answers.append(_answers(sequences, by_seq))
+            frontier = Frontier.of(consumed)
+            if frontier is not None:
+                frontiers[recipient] = frontier  # a recipient named again: its later entry's, as in turn
         if rows:
-            crash_point("consumed-unrecorded")  # the consumption is stored, its event not yet
-        frontier = Frontier.of(consumed)
-        if frontier is None:
-            await self.events.emit(rows)
-        else:  # written beside the events (one round trip): it only guards the agent's next sends
-            value = json.dumps([frontier.hop_count, frontier.trail]).encode()
-            await asyncio.gather(self.conn.msgs.put(frontier_key(recipient), value), self.events.emit(rows))
-        return outcomes
+            crash_point("consumed-unrecorded")  # the consumptions are stored, their events not yet
+        # The frontiers only guard the agents' next sends, and a final message left on the stream (a
+        # crash before its delete) is deleted by the next read of its inbox: all of them go together.
+        await asyncio.gather(self.events.emit(rows), *(self.messages.delete(seq) for seq in deletes),
+                             *(self.conn.msgs.put(frontier_key(recipient),
+                                                  json.dumps([f.hop_count, f.trail]).encode())
+                               for recipient, f in frontiers.items()))
+        if failure is not None:  # what the others consumed is recorded; this one is retried by the client
+            raise failure
+        return answers
 
     async def frontier(self, agent_id: str) -> Frontier | None:
         found = await kv.get(self.conn.msgs, frontier_key(agent_id), kv.JSON)
         return None if found is None else Frontier(found.value[0], tuple(found.value[1]))
 
-    async def _ack_one(self, recipient: str, seq: int, at_us: int,
+    async def _consume(self, recipient: str, seq: int, at_us: int,
                        turn: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None]:
-        """The outcome, and the envelope when this ack consumed it."""
+        """The outcome of acking one message (its state entry set to consumed by compare-and-set), and
+        the envelope when this ack consumed it; ack_many deletes it from the stream."""
         msgs = self.conn.msgs
         key = kv.state_key(recipient, seq)
         remembered = self._delivered.pop((recipient, seq), None)
@@ -330,7 +372,6 @@ class InboxLog:
                 if not await kv.create(msgs, key, MessageState.first(env, QUEUED).consumed(at_us, turn),
                                        kv.MESSAGE_STATE):
                     continue
-            await self.messages.delete(seq)
             return AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env
         raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason=Reason.CONTENTION)
 

@@ -59,7 +59,11 @@ class Runs:
         self.events = events
         self.inbox = inbox
         self._settled_starts: set[str] = set()
-        """Agents whose run has started, or that have none: acks need no run lookup."""
+        """Agents whose run has started, or that have none (or one without a task message): acks need no
+        run lookup."""
+        self._tasks: dict[str, tuple[str, str]] = {}
+        """Child -> (run id, task message id) of runs not known to have started: an ack that does not
+        consume the task needs no run lookup either (a run's task message id never changes)."""
 
     async def _change(self, run_id: str, change: RunChange) -> RunRecord:
         """Apply `change` by compare-and-set; emit the events of the change that won."""
@@ -102,6 +106,7 @@ class Runs:
     async def create(self, run: RunRecord) -> None:
         """Store the run of a child that is stored; can be repeated."""
         created = await kv.create(self.conn.runs, _run_key(run.run_id), run, RUN)
+        self._note_run(run)
         await self._index(run)
         if created:
             rows: list[EventRow] = []
@@ -213,13 +218,19 @@ class Runs:
         """The child consumed its task: the run has started."""
         if recipient in self._settled_starts:
             return
-        run = await self.get(child_id=recipient)
-        if run is None or run.started_at_us:  # runs are created with their child: no run now is no run ever
-            self._remember_start(recipient)
+        task = self._tasks.get(recipient)
+        if task is None:
+            run = await self.get(child_id=recipient)  # runs are created with their child: no run now is no run ever
+            if run is None:
+                self._remember(recipient, None)
+                return
+            task = self._note_run(run)
+            if task is None:
+                return
+        run_id, task_message_id = task
+        if task_message_id not in message_ids:
             return
-        if run.task_message_id not in message_ids:
-            return
-        self._remember_start(recipient)
+        self._remember(recipient, None)
 
         def change(run: RunRecord, rows: list[EventRow]) -> bool:
             if run.started_at_us:
@@ -228,12 +239,24 @@ class Runs:
             run_event(rows, run, ev.EVENT_KIND_RUN_STARTED, at_us)
             return True
 
-        await self._change(run.run_id, change)
+        await self._change(run_id, change)
 
-    def _remember_start(self, agent_id: str) -> None:
-        if len(self._settled_starts) > _REMEMBERED_STARTS:
+    def _note_run(self, run: RunRecord) -> tuple[str, str] | None:
+        """Remember what acks of the run's child need to know of it: (run id, task message id) while its
+        task may still be consumed, else None (settled)."""
+        task = None if run.started_at_us or not run.task_message_id else (run.run_id, run.task_message_id)
+        self._remember(run.child_id, task)
+        return task
+
+    def _remember(self, agent_id: str, task: tuple[str, str] | None) -> None:
+        if len(self._settled_starts) + len(self._tasks) > _REMEMBERED_STARTS:
             self._settled_starts.clear()
-        self._settled_starts.add(agent_id)
+            self._tasks.clear()
+        if task is None:
+            self._tasks.pop(agent_id, None)
+            self._settled_starts.add(agent_id)
+        else:
+            self._tasks[agent_id] = task
 
     async def announce(self, run_id: str, at_us: int) -> AnnounceOutcome:
         run = await self.get(run_id=run_id)

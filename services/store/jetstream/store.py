@@ -55,6 +55,7 @@ from services.store.jetstream.inbox import InboxLog
 from services.store.jetstream.keeper import EventKeeper
 from services.store.jetstream.runs import Runs
 from services.store.jetstream.sessions import Sessions
+from services.store.ordering import append_in_order
 
 
 class JetStreamStore(base.Store):
@@ -176,6 +177,11 @@ class JetStreamStore(base.Store):
         self.conn.require_open()
         return await self.inbox.append(sender_id, items, at_us)
 
+    async def append_groups(self, groups: list[tuple[str, list[AppendItem]]],
+                            at_us: int) -> list[list[SendOutcome]]:
+        # concurrent appends finish in any order: each group waits for the ones it must follow
+        return await append_in_order(self.append, groups, at_us)
+
     @nats_call
     async def next_deliveries(self, recipient: str, after_sequence: int, limit: int, max_attempts: int,
                               now_us: int, in_flight: int = 0) -> DeliveryBatch:
@@ -191,14 +197,20 @@ class JetStreamStore(base.Store):
                              at_us: int) -> asyncio.Future[Any]:
         raise errors.Internal("the jetstream store delivers from the stream only (no in-memory fast path)")
 
-    @nats_call
     async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int = 0) -> list[AckOutcome]:
+        return (await self.ack_many([(recipient, sequences, turn)], at_us))[0]
+
+    @nats_call
+    async def ack_many(self, entries: list[tuple[str, list[int], int]], at_us: int) -> list[list[AckOutcome]]:
         self.conn.require_open()
-        outcomes = await self.inbox.ack(recipient, sequences, at_us, turn)
-        consumed = [o.message_id for o in outcomes if o.status == inbox_pb2.ACK_STATUS_CONSUMED]
-        if consumed:
-            await self.runs.mark_started(recipient, consumed, at_us)
-        return outcomes
+        answers = await self.inbox.ack_many(entries, at_us)
+        consumed: dict[str, list[str]] = {}
+        for (recipient, _, _), outcomes in zip(entries, answers):
+            ids = [o.message_id for o in outcomes if o.status == inbox_pb2.ACK_STATUS_CONSUMED]
+            if ids:
+                consumed.setdefault(recipient, []).extend(ids)
+        await asyncio.gather(*(self.runs.mark_started(recipient, ids, at_us) for recipient, ids in consumed.items()))
+        return answers
 
     @nats_call
     async def get_frontier(self, agent_id: str) -> Frontier | None:

@@ -51,6 +51,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _ack(conn: sqlite3.Connection, rows: list[EventRow], recipient: str, sequences: list[int], at_us: int,
+         turn: int) -> list[AckOutcome]:
+    """One ack inside the writer's transaction: the consumption, and the start of the run whose task it
+    consumed."""
+    outcomes = inbox.ack(conn, rows, recipient, sequences, at_us, turn)
+    consumed = [o.message_id for o in outcomes if o.status == inbox_pb2.ACK_STATUS_CONSUMED]
+    if consumed:
+        runs.mark_started(conn, rows, recipient, consumed, at_us)
+    return outcomes
+
+
 class SqliteStore(base.Store):
     """Every concern's interface over one connection: writes queued to the writer, reads between
     commits. The SQL of each concern is in its module (agents, inbox, runs, events)."""
@@ -182,6 +193,13 @@ class SqliteStore(base.Store):
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
         return await self.writer.run(lambda conn, rows: inbox.append(conn, rows, sender_id, items, at_us))
 
+    async def append_groups(self, groups: list[tuple[str, list[AppendItem]]],
+                            at_us: int) -> list[list[SendOutcome]]:
+        # one operation: the groups are appended in order inside one transaction, all or (when one
+        # raises) none
+        return await self.writer.run(lambda conn, rows: [inbox.append(conn, rows, sender_id, items, at_us)
+                                                         for sender_id, items in groups])
+
     async def next_deliveries(
         self, recipient: str, after_sequence: int, limit: int, max_attempts: int, now_us: int, in_flight: int = 0
     ) -> DeliveryBatch:
@@ -200,14 +218,12 @@ class SqliteStore(base.Store):
             lambda conn, rows: inbox.mark_delivered(conn, rows, recipient, delivered, at_us), lazy=True)
 
     async def ack(self, recipient: str, sequences: list[int], at_us: int, turn: int = 0) -> list[AckOutcome]:
-        def op(conn: sqlite3.Connection, rows: list[EventRow]) -> list[AckOutcome]:
-            outcomes = inbox.ack(conn, rows, recipient, sequences, at_us, turn)
-            consumed = [o.message_id for o in outcomes if o.status == inbox_pb2.ACK_STATUS_CONSUMED]
-            if consumed:
-                runs.mark_started(conn, rows, recipient, consumed, at_us)
-            return outcomes
+        return await self.writer.run(lambda conn, rows: _ack(conn, rows, recipient, sequences, at_us, turn))
 
-        return await self.writer.run(op)
+    async def ack_many(self, entries: list[tuple[str, list[int], int]], at_us: int) -> list[list[AckOutcome]]:
+        # one operation: every entry in order inside one transaction
+        return await self.writer.run(lambda conn, rows: [_ack(conn, rows, recipient, sequences, at_us, turn)
+                                                         for recipient, sequences, turn in entries])
 
     async def get_frontier(self, agent_id: str) -> Frontier | None:
         return await self._read(lambda conn: inbox.get_frontier(conn, agent_id))
