@@ -278,6 +278,7 @@ class Host:
 
     async def release(self, agent_ids: list[str], reason: str) -> None:
         caller = asyncio.current_task()  # gather runs each in a task of its own
+        self.inbox.closed_in_mesh(agent_ids)  # their delivery ends with the mesh's CLOSED, not a detach
         await asyncio.gather(*(self._closed_here(agent_id, reason, caller) for agent_id in agent_ids))
 
     async def _closed_here(self, agent_id: str, reason: str, caller: asyncio.Task[Any] | None) -> None:

@@ -69,6 +69,8 @@ class AgentInbox:
         self.attached = False
         """ATTACHED came on `stream`: the agent is delivered for there."""
         self.ended = False
+        self.closed_in_mesh = False
+        """The agent was closed: the mesh ends its delivery itself (CLOSED), so a stop detaches nothing."""
         self.dropped = 0
         """Messages dropped because the bound was exceeded (the mesh broke max_in_flight)."""
         self._items: collections.deque[StreamItem] = collections.deque()
@@ -227,6 +229,14 @@ class InboxHub:
             raise ValueError(f"agent {handle.agent_id} already has an inbox on this host")
         return AgentInbox(self, handle, self.max_in_flight)
 
+    def closed_in_mesh(self, agent_ids: Iterable[str]) -> None:
+        """These agents were closed in the mesh: the mesh ends their delivery on the stream (CLOSED) by
+        itself, so their inboxes stopping detaches nothing (a detach racing that end would take its place)."""
+        for agent_id in agent_ids:
+            inbox = self._inboxes.get(agent_id)
+            if inbox is not None:
+                inbox.closed_in_mesh = True
+
     def closing(self) -> None:
         """The host is stopping: its inboxes stop next, then close() ends the streams; no agent is detached
         on its own meanwhile."""
@@ -273,7 +283,8 @@ class InboxHub:
             del self._inboxes[inbox.agent_id]
             if inbox in self._to_attach:
                 self._to_attach.remove(inbox)
-            elif inbox.stream is not None and inbox.stream in self._pumps and not inbox.ended and not self._closing:
+            elif (inbox.stream is not None and inbox.stream in self._pumps and not inbox.ended
+                  and not inbox.closed_in_mesh and not self._closing):
                 self._to_detach.setdefault(inbox.stream, []).append(inbox.agent_id)
                 self._flush_soon()
         inbox._end(drop=True)

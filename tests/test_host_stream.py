@@ -13,6 +13,7 @@ mesh, and keeps the runtime's rules for each of them:
 - after the mesh restarts, the one stream resubscribes everything attached and the runners carry on;
 - agents closed before they attach (named in a new stream's subscribe, or in an attach with others)
   fail alone, with AGENT_CLOSED, and the others are attached;
+- stopping the inbox of an agent that stays open detaches it alone;
 - an agent's inbox on the host keeps each delivered message once and at most max_in_flight of them, and
   its first ATTACHED first (in memory: what the mesh would have to get wrong for it to matter).
 """
@@ -278,3 +279,30 @@ async def test_a_restarted_host_resumes_its_agents_together_on_one_stream(mesh, 
     resumed = [e for e in subscribes if e.event_id > subscribes[len(hosted) - 1].event_id]
     assert len(resumed) == len(hosted) - 1 and all(e.detail.startswith("from ") for e in resumed)
     assert len({e.at_us for e in resumed}) == 1, "the resumed host's agents in one subscribe (recorded at once)"
+
+
+async def test_stopping_an_open_agents_inbox_detaches_it_and_leaves_the_others(client, mesh):
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    hub = InboxHub(max_in_flight=8)
+    try:
+        inbox_a, inbox_b = hub.inbox_of(a), hub.inbox_of(b)
+        items_a = inbox_a.__aiter__()
+        await asyncio.gather(anext(items_a), _first(inbox_b))
+        inbox_b.stop()
+
+        async def detached() -> Record | None:
+            record = await Record.read(client)
+            return record if record.of(K.EVENT_KIND_UNSUBSCRIBED, agent_id=b.agent_id) else None
+
+        record = await eventually(detached, message="b detached")
+        assert record.one(K.EVENT_KIND_UNSUBSCRIBED, agent_id=b.agent_id).detail.startswith("detached from ")
+        to_b = await lead.send(b.agent_id, "nobody follows b here now")
+        to_a = await lead.send(a.agent_id, "a still follows")
+        item = await asyncio.wait_for(anext(items_a), 10)
+        assert [m.message_id for m in item.messages] == [to_a.message_id]
+        assert [m.message_id for m in await inbox_a.consume(a.agent_id, item.messages, turn=1)] == [to_a.message_id]
+        assert (await lead.status(to_b.message_id)).state == pb.MESSAGE_STATE_QUEUED, "not delivered to the hub"
+        assert hub.streams_opened == 1 and sorted(hub.streams[0].agents) == [a.agent_id]
+    finally:
+        await hub.close()
