@@ -11,7 +11,9 @@ last. `consume` acks the agent's own messages with its own turn; `stop` detaches
 Work the agents ask for within one pass of the event loop goes to the mesh together: the attaches of
 agents created or resumed together in one `attach` request (or in the subscribe of a new stream), the
 acks of runners at their turn boundaries in one `consume_many` (each runner still gets its own
-answer: its won messages, or its own refusal), the detaches of a closed tree in one `detach`.
+answer: its won messages, or its own refusal), the detaches of inboxes stopped together in one
+`detach`. An agent the host knows was closed is not detached: the mesh ends its delivery itself
+(CLOSED), and the stream ends once none is left.
 
 When its last agent leaves, the mesh ends a stream; the next agent opens a new one. An agent whose
 attach was overtaken by the end of its stream (or refused because the stream was ending or full)
