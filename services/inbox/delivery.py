@@ -349,16 +349,16 @@ class DeliveryHub:
         detached = []
         for agent_id in agent_ids:
             feed = subscription.feeds.get(agent_id)
-            if feed is None:
+            if feed is None or feed.ended is not None:
+                # one that ended here (closed, superseded) keeps that end: its event still goes out and
+                # finished() records it (a detach racing a close must not swallow the CLOSED)
                 continue
             owner = self._owners.get(agent_id)
             if owner is not None and owner[0] is subscription:
                 del self._owners[agent_id]
             del subscription.feeds[agent_id]
-            if feed.ended is None:
-                detached.append(agent_id)
+            detached.append(agent_id)
             feed.end(DETACHED, "detached")
-            feed.ended = (DETACHED, "detached")  # also one that ended here: detach answers for it instead
         if detached:
             log.info("detached %s from %r", shown(detached), subscription)
             subscription.wake.set()
