@@ -20,6 +20,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 PAYLOAD_BYTES = 200
 
@@ -88,3 +89,16 @@ def python_env() -> dict[str, str]:
 
 if __name__ == "__main__":
     sys.exit("bench/common.py is a library; run bench/run.py")
+
+
+def write_section(doc: Path, markers: tuple[str, str], text: str, heading: str = "") -> None:
+    """Put text between the two markers of doc (docs/benchmarks.md), keeping everything around them; when
+    the markers are not there yet, they are added at the end (under heading, when given)."""
+    start, end = markers
+    content = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if start not in content or end not in content:
+        content += (f"\n{heading}\n" if heading else "") + f"\n{start}\n{end}\n"
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+

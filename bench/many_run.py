@@ -24,7 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import python_env, read_result  # noqa: E402
+from bench.common import python_env, read_result, write_section  # noqa: E402
 from bench.many_bench import ManyConfig  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -200,12 +200,7 @@ def counts(results: list[dict[str, Any]]) -> str:
 
 
 def write_doc(text: str) -> None:
-    doc = DOC.read_text()
-    if START not in doc or END not in doc:
-        doc += f"\n## Many agents on one host\n\n{START}\n{END}\n"
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    write_section(DOC, (START, END), text, heading="## Many agents on one host")
 
 
 def commit() -> str:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import many_run  # noqa: E402
-from bench.common import python_env, read_result  # noqa: E402
+from bench.common import python_env, read_result, write_section  # noqa: E402
 
 AUTOGEN_PYTHON = ROOT / ".venv-autogen" / "bin" / "python"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -78,12 +78,7 @@ def table(summary: dict) -> str:
 
 
 def write_doc(text: str) -> None:
-    doc = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
-    if START not in doc or END not in doc:
-        doc += f"\n{START}\n{END}\n"
-    head, rest = doc.split(START, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    write_section(DOC, (START, END), text)
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import write_section  # noqa: E402
 from bench.run import DOC, METRICS, ROOT, run_one  # noqa: E402
 
 START, END = "<!-- stores:start -->", "<!-- stores:end -->"
@@ -57,12 +58,7 @@ def main() -> None:
             + "\n".join(lines))
     print("\n" + text)
     if not args.no_doc:
-        doc = DOC.read_text()
-        if START not in doc:
-            doc += f"\n## Stores: SQLite and JetStream\n\n{START}\n{END}\n"
-        head, rest = doc.split(START, 1)
-        _, tail = rest.split(END, 1)
-        DOC.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+        write_section(DOC, (START, END), text, heading="## Stores: SQLite and JetStream")
         print(f"written to {DOC.relative_to(ROOT)}")
 
 
