@@ -270,7 +270,8 @@ async def test_an_upgraded_file_counts_the_running_children_it_had(tmp_path):
     """A file of schema version 5 (no count of running children) upgraded in place: the children that
     were running count against their parent's limit."""
     if STORE != "sqlite":
-        pytest.skip("the SQLite schema")
+        pytest.skip("SQLite only: it upgrades a schema-5 SQLite file in place (the SQLite pass runs it;"
+                    " JetStream has no schema)")
     config = _config(tmp_path, children=3)
     async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
         lead = await client.register("lead")
@@ -299,7 +300,8 @@ async def test_concurrent_changes_of_one_key_are_merged_into_few_writes(tmp_path
     each caller gets its own count). A change that raises fails alone; one cancelled while it waited is
     not made."""
     if STORE != "jetstream":
-        pytest.skip("the JetStream store's key-value writes")
+        pytest.skip("JetStream only: it counts writes to a NATS key-value bucket, which SQLite does not have"
+                    " (the JetStream pass runs it)")
     async with Mesh(_config(tmp_path)) as mesh:
         assert isinstance(mesh.store, JetStreamStore)
         bucket = mesh.store.conn.misc
