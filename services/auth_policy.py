@@ -194,12 +194,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         """rules: METHOD_POLICIES (read when the server is built) unless given."""
         self._directory = directory
         self._rules = METHOD_POLICIES if rules is None else rules
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+        """method -> (the served handler, its authenticating wrapper): wrapped once, not on every call."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:  # not served here: gRPC answers UNIMPLEMENTED itself
             return handler
         method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler, method: str):
         rule = self._rules.get(method)
         if rule is None:
             return _refusing(handler, method)
