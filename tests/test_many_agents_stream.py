@@ -439,6 +439,72 @@ async def test_the_client_send_stream_proves_each_sender_once_and_keeps_the_sing
     old.cancel()
 
 
+async def test_one_request_carries_the_messages_of_many_senders(client):
+    """A message's `sender` may name any agent whose credential the call holds: one request carries the sends
+    of many agents, each stored as its own sender, answered in message order. Naming an agent the call holds
+    no credential of refuses the whole request (SENDER_MISMATCH) and stores nothing of it."""
+    lead = await client.register("lead")
+    senders = await spawn_many(lead, 6, "s")
+    target = await lead.spawn("target")
+    stranger = await lead.spawn("stranger")
+    call = client.inbox.SendStream(metadata=[("authorization", f"Bearer {lead.credential}")])
+    plan = [lead, senders[0], senders[0], senders[3], lead, senders[5], senders[1], senders[0]]
+    messages = [envelope(target.agent_id, f"m{i}", message_id=f"mix{i}") for i in range(len(plan))]
+    for message, sender in zip(messages, plan):
+        if sender is not lead:  # the lead's messages leave it empty: the request's sender
+            message.sender = sender.agent_id
+    await call.write(pb.SendRequest(messages=messages, credentials=[s.credential for s in senders]))
+    answer = await call.read()
+    assert [(r.message_id, r.status) for r in answer.receipts] == [(m.message_id, ACCEPTED) for m in messages]
+    assert [r.sequence for r in answer.receipts] == list(range(1, len(plan) + 1))
+    for receipt, sender in zip(answer.receipts, plan):
+        stored = await lead.inbox_status(receipt.sequence, recipient=target.agent_id)
+        assert stored.envelope.sender == sender.agent_id
+    spoof = [envelope(target.agent_id, "fine", message_id="fine"), envelope(target.agent_id, "x", message_id="spoof")]
+    spoof[0].sender = senders[2].agent_id
+    spoof[1].sender = stranger.agent_id
+    await call.write(pb.SendRequest(messages=spoof))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call.read()
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    info = error_info(caught.value)
+    assert info is not None and info.reason == "SENDER_MISMATCH" and info.metadata["index"] == "1"
+    for sender, message_id in ((senders[2], "fine"), (stranger, "spoof")):
+        with pytest.raises(errors.NotFound):  # nothing of the refused request was stored
+            await lead.status(message_id, sender=sender.agent_id)
+
+
+async def test_the_client_send_stream_coalesces_concurrent_sends_into_few_requests(client):
+    """Sends of many agents made at once go out in few requests (each message naming its sender), and every
+    send still gets its own receipts, each message stored as its sender's, per-inbox order kept."""
+    lead = await client.register("lead")
+    senders = await spawn_many(lead, 40, "s")
+    targets = await spawn_many(lead, 4, "t")
+    rng = random.Random(3)
+    plan = [(rng.choice(senders), [envelope(rng.choice(targets).agent_id, f"{i}.{k}", message_id=f"c{i}.{k}")
+                                   for k in range(rng.randint(1, 3))]) for i in range(200)]
+    async with client.send_stream(owner=lead) as stream:
+        written = []
+        original = stream._request
+
+        def counting(batch):
+            written.append(len(batch))
+            return original(batch)
+
+        stream._request = counting
+        answers = await asyncio.gather(*(stream.send(sender, messages) for sender, messages in plan))
+    assert sum(written) == len(plan) and len(written) < len(plan) / 4, written
+    per_target: dict[str, list[int]] = {}
+    for (_sender, messages), receipts in zip(plan, answers):
+        assert [(r.message_id, r.status) for r in receipts] == [(m.message_id, ACCEPTED) for m in messages]
+        for receipt in receipts:
+            per_target.setdefault(receipt.recipient, []).append(receipt.sequence)
+    for sender, messages in plan[::17]:
+        for message in messages:
+            assert (await lead.status(message.message_id, sender=sender.agent_id)).envelope.sender == sender.agent_id
+    assert all(seqs == sorted(seqs) for seqs in per_target.values())  # send order is inbox order
+
+
 async def test_send_requests_read_together_are_one_commit(tmp_path):
     """The service the SendStream handler hands its read-ahead to stores requests that share no sender and
     no recipient in one commit (SQLite), answering in order."""

@@ -222,12 +222,14 @@ class MeshClient:
             agent = reg_pb.Agent(agent_id=agent)
         return AgentHandle(self, agent, credential)
 
-    def send_stream(self, owner: AgentHandle | None = None, *, max_in_flight: int = 256) -> SendStream:
+    def send_stream(self, owner: AgentHandle | None = None, *, max_in_flight: int = 256,
+                    max_batch: int = 256) -> SendStream:
         """One pipelined SendStream for the sends of many agents of a host: `await stream.send(agent,
-        envelopes)` as any agent (its credential rides with its first send on the stream). The call is
-        authenticated by `owner`'s credential, or by the admin token when there is no owner. See
+        envelopes)` as any agent (its credential rides with its first send on the stream); sends made while
+        a request is being written are coalesced into the next one (at most max_batch messages). The call
+        is authenticated by `owner`'s credential, or by the admin token when there is no owner. See
         inboxmesh.client.sending."""
-        return SendStream(self, owner=owner, max_in_flight=max_in_flight)
+        return SendStream(self, owner=owner, max_in_flight=max_in_flight, max_batch=max_batch)
 
     # -- operator calls (admin token) --------------------------------------
     async def admin_events(

@@ -65,6 +65,14 @@ class StreamSenders:
         self._proven: set[str] = set()
         """Credentials already proven on this stream (not proven again)."""
 
+    def held(self, agent_id: str) -> Caller | None:
+        """The caller of an agent this stream may send as (the call's own, or one whose credential a request
+        carried), or None."""
+        own = self._caller.agent
+        if own is not None and own.agent_id == agent_id:
+            return self._caller
+        return self._by_agent.get(agent_id)
+
     async def sender_of(self, request: pb.SendRequest) -> Caller:
         """The caller a request sends as, after proving the credentials it carries."""
         fresh = [c for c in dict.fromkeys(request.credentials) if c not in self._proven]
@@ -110,16 +118,19 @@ class InboxService:
         """Recently used agents' Frontiers (loop guard), most recent last; bounded by _FRONTIERS_KEPT."""
 
     # -- send ---------------------------------------------------------------
-    def _validate(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
-        limits = self._limits
+    def _check_count(self, envelopes: list[envelope_pb2.Envelope]) -> None:
         if not envelopes:
             raise errors.InvalidArgument("the request holds no messages", reason=Reason.EMPTY_REQUEST)
-        if len(envelopes) > limits.max_batch_messages:
+        if len(envelopes) > self._limits.max_batch_messages:
             raise errors.InvalidArgument(
-                f"{len(envelopes)} messages in one request; at most {limits.max_batch_messages}",
+                f"{len(envelopes)} messages in one request; at most {self._limits.max_batch_messages}",
                 reason=Reason.BATCH_TOO_LARGE,
             )
-        for index, env in enumerate(envelopes):
+
+    def _validate(self, sender_id: str, envelopes: list[envelope_pb2.Envelope], first_index: int = 0) -> None:
+        limits = self._limits
+        self._check_count(envelopes)
+        for index, env in enumerate(envelopes, start=first_index):
             where = f"message {index} ({errors.clip(env.message_id) or 'no id'})"
             for field, value in (("message_id", env.message_id), ("recipient", env.recipient)):
                 if not value:
@@ -173,20 +184,22 @@ class InboxService:
         it or of later requests is stored. A request that carries credentials and no messages has no
         outcomes."""
         answered: list[list[SendOutcome]] = []
-        unstored: list[list[AppendItem]] = []
-        """Items of the requests checked since the last store, one list per request."""
+        unstored: list[list[list[AppendItem]]] = []
+        """Items of the requests checked since the last store: per request, one list per sender's run of
+        its messages."""
 
         async def store() -> None:
             taken = unstored[:]  # taken before the write: what fails is not written again
             unstored.clear()
             groups: list[list[AppendItem]] = []
-            for items in taken:  # a sender's consecutive requests are one append
-                if groups and items and groups[-1][0].envelope.sender == items[0].envelope.sender:
-                    groups[-1] = groups[-1] + items
-                elif items:
-                    groups.append(items)
+            for parts in taken:
+                for items in parts:  # a sender's consecutive runs (across requests too) are one append
+                    if groups and items and groups[-1][0].envelope.sender == items[0].envelope.sender:
+                        groups[-1] = groups[-1] + items
+                    elif items:
+                        groups.append(items)
             outcomes = iter(await self._writer.store(groups, now_us(), in_order=True) if groups else [])
-            answered.extend([next(outcomes) for _ in items] for items in taken)
+            answered.extend([next(outcomes) for items in parts for _ in items] for parts in taken)
 
         failure: errors.MeshError | None = None
         try:
@@ -196,12 +209,17 @@ class InboxService:
                 if not envelopes and request.credentials:
                     unstored.append([])
                     continue
-                sender = await self._checked(caller, envelopes)
+                parts = [(part_caller, await self._checked(part_caller, run, first_index), run)
+                         for part_caller, first_index, run in self._by_sender(senders, caller, envelopes)]
                 if any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
                     await store()  # what came before is stored first: the order holds
-                    answered.append(await self._send_via_ioa(caller, sender, envelopes))
+                    outcomes: list[SendOutcome] = []
+                    for part_caller, sender, run in parts:
+                        outcomes += await self._send_via_ioa(part_caller, sender, run)
+                    answered.append(outcomes)
                 else:
-                    unstored.append(await self._local_items(caller, sender, envelopes))
+                    unstored.append([await self._local_items(part_caller, sender, run)
+                                     for part_caller, sender, run in parts])
         except errors.MeshError as exc:
             failure = exc
         try:
@@ -210,10 +228,36 @@ class InboxService:
             failure = exc
         return answered, failure
 
-    async def _checked(self, caller: Caller, envelopes: list[envelope_pb2.Envelope]) -> AgentRecord:
-        """The sending agent, once the messages are valid and their hop counts and trails are set."""
+    def _by_sender(self, senders: StreamSenders, caller: Caller, envelopes: list[envelope_pb2.Envelope]
+                   ) -> list[tuple[Caller, int, list[envelope_pb2.Envelope]]]:
+        """A request's messages as runs of one sender each: (its caller, the index of the run's first message,
+        the run). A message's `sender` may name any agent the stream holds the credential of; empty is the
+        request's sender. Naming another is SENDER_MISMATCH, and nothing of the request is stored."""
+        own = caller.require_agent("sending").agent_id
+        self._check_count(envelopes)
+        runs: list[tuple[Caller, int, list[envelope_pb2.Envelope]]] = []
+        for index, env in enumerate(envelopes):
+            named = env.sender or own
+            if runs and (runs[-1][2][0].sender or own) == named:
+                runs[-1][2].append(env)
+                continue
+            part_caller = caller if named == own else senders.held(named)
+            if part_caller is None:
+                where = f"message {index} ({errors.clip(env.message_id) or 'no id'})"
+                raise errors.PermissionDenied(
+                    f"{where} names sender {errors.clip(named)} but the credential is {own}'s, and this stream"
+                    " holds no credential of that agent: an agent can only send as itself",
+                    reason=Reason.SENDER_MISMATCH,
+                    metadata={"index": str(index), "claimed_sender": errors.clip(named), "sender": own})
+            runs.append((part_caller, index, [env]))
+        return runs
+
+    async def _checked(self, caller: Caller, envelopes: list[envelope_pb2.Envelope],
+                       first_index: int = 0) -> AgentRecord:
+        """The sending agent, once the messages are valid and their hop counts and trails are set.
+        first_index: where these messages start in their request (the index errors name)."""
         sender = caller.require_agent("sending")
-        self._validate(sender.agent_id, envelopes)
+        self._validate(sender.agent_id, envelopes, first_index)
         await self._continue_chains(sender.agent_id, envelopes)
         return sender
 

@@ -60,6 +60,12 @@ soon, flush now. (An idle turn of asyncio's loop takes about 5-15 us here; a tur
 100 us and more.)"""
 
 
+CACHE_KIB = 65_536
+"""SQLite's page cache of the connection, in KiB (its default is 2,000): with thousands of agents the
+inserts into the messages and events indexes land on random pages, and a cache smaller than those indexes
+reads most of them back from the file on every commit. Filled only as pages are used."""
+
+
 class EventIds(list[int]):
     """Return an instance from an operation to get back, once committed, the
     ids of the events that operation recorded."""
@@ -70,6 +76,7 @@ def connect(path: Path, *, synchronous: str, busy_timeout_ms: int) -> sqlite3.Co
     conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
     return conn
 
 
