@@ -84,6 +84,9 @@ class AgentRunner(Generic[HandleT]):
         self._tasks: list[asyncio.Task[None]] = []
         self._idle_timer: asyncio.TimerHandle | None = None
         self._recording: set[asyncio.Future[None]] = set()
+        self._held: list[tuple[ev.EventKind, dict[str, Any]]] = []
+        """Runtime events to record with the next one (hold_event): an AGENT_WOKEN goes with its turn's
+        TURN_STARTED, one mesh call (one commit) between the message and the turn instead of two."""
         self._stream_down = False
         """An ack failed because the inbox stream was lost; cleared when it attaches again."""
 
@@ -128,6 +131,9 @@ class AgentRunner(Generic[HandleT]):
                 await task
             except (asyncio.CancelledError, Exception):  # already reported by the task itself
                 pass
+        if self._held:  # a wake whose turn never started: recorded all the same
+            kind, fields = self._held.pop()
+            await self.event(kind, **fields)
         if self._recording:  # runtime events already on their way (a stop right after a finish)
             await asyncio.wait(self._recording, timeout=self.config.call_timeout_s)
         self.actions.abandon()
@@ -290,8 +296,8 @@ class AgentRunner(Generic[HandleT]):
                 with tracer.start_as_current_span("wake", links=[trace.Link(c.get_span_context())
                                                                 for m in self.pending
                                                                 if (c := _span_of(m)) is not None]):
-                    await self.event(ev.EVENT_KIND_AGENT_WOKEN,
-                                     detail=f"{len(self.pending)} message(s) from {', '.join(senders)}")
+                    self.hold_event(ev.EVENT_KIND_AGENT_WOKEN,
+                                    detail=f"{len(self.pending)} message(s) from {', '.join(senders)}")
             self.start_requested = False
             self.run_task = asyncio.create_task(self._run(), name=f"run-{self.record.name}")
             try:
@@ -397,9 +403,16 @@ class AgentRunner(Generic[HandleT]):
             self.host.close_soon(self.agent_id, "task completed (close_on_complete)")
 
     # -- evidence -------------------------------------------------------------
+    def hold_event(self, kind: ev.EventKind, **fields: Any) -> None:
+        """Record this runtime event with the next `event` (in the same call, before it)."""
+        self._held.append((kind, fields))
+
     async def event(self, kind: ev.EventKind, **fields: Any) -> None:
-        """Record a runtime event about this agent in the mesh's event record."""
-        call = asyncio.ensure_future(self.handle.record_events([ev.Event(kind=kind, **fields)],
+        """Record a runtime event about this agent in the mesh's event record (after any held ones, in
+        one call)."""
+        recorded = [*self._held, (kind, fields)]
+        self._held.clear()
+        call = asyncio.ensure_future(self.handle.record_events([ev.Event(kind=k, **f) for k, f in recorded],
                                                                timeout=self.config.call_timeout_s))
         self._recording.add(call)  # a stop waits for it: the record keeps the last turn's end
         call.add_done_callback(self._recording.discard)
@@ -408,9 +421,10 @@ class AgentRunner(Generic[HandleT]):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # evidence must not take the agent down; say so loudly
-            log.error("%s: could not record %s: %s", self, ev.EventKind.Name(kind), exc)
-        self.host.observe(self.record, ev.EventKind.Name(kind).removeprefix("EVENT_KIND_").lower(),
-                          fields.get("detail", "") or (f"turn {fields['turn']}" if fields.get("turn") else ""))
+            log.error("%s: could not record %s: %s", self, ", ".join(ev.EventKind.Name(k) for k, _ in recorded), exc)
+        for k, f in recorded:
+            self.host.observe(self.record, ev.EventKind.Name(k).removeprefix("EVENT_KIND_").lower(),
+                              f.get("detail", "") or (f"turn {f['turn']}" if f.get("turn") else ""))
 
     # -- keep-alive -----------------------------------------------------------
     def _arm_idle_timer(self) -> None:
