@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Set everything up, check lint (ruff) and types (mypy), then run the whole
-# test suite: once on the embedded SQLite store (with the real-model
-# scenario), then once more on the JetStream store (a nats-server the tests
-# start; INBOXMESH_TEST_STORE).
+# test suite: on the embedded SQLite store (with the real-model scenario),
+# and on the JetStream store (a nats-server the tests start;
+# INBOXMESH_TEST_STORE).
 # Set-up comes first, outside every test: .venv (scripts/_venv.sh), then
 # llama-server and the scenario's model weights (harness.prepare; the first
-# run builds and downloads, later runs find them in the cache). Both passes
-# run even when the first fails (and when lint or types fail); the exit
-# status is the first failure's.
+# run builds and downloads, later runs find them in the cache).
+# The suite runs as three pytest processes at once (lanes), each in its own
+# temporary folder: the real-model scenario (its model server computes on
+# both cores while the other lanes mostly wait on sockets and disks), the
+# rest of the SQLite pass, and the JetStream pass. Each lane's output is
+# printed when it ends, in that order. Every lane runs even when another (or
+# lint, or types) fails; the exit status is the first failure's.
 # Extra arguments go to pytest, and then only that one run is made (after
 # the same set-up).
 set -euo pipefail
@@ -50,8 +54,39 @@ if [ $# -gt 0 ]; then
 fi
 phase "lint (ruff)" .venv/bin/ruff check .
 phase "types (mypy)" .venv/bin/mypy
-phase "SQLite pass" .venv/bin/python -m pytest
-phase "JetStream pass" env INBOXMESH_TEST_STORE=jetstream .venv/bin/python -m pytest -q \
+
+lanes=$(mktemp -d "${TMPDIR:-/tmp}/inboxmesh-lanes.XXXXXX")
+lane_names=() lane_pids=()
+stop_lanes() {
+  for pid in "${lane_pids[@]}"; do pkill -TERM -P "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done
+  rm -rf "$lanes"
+}
+trap 'stop_lanes; exit 130' INT
+trap 'stop_lanes; exit 143' TERM
+# lane NAME COMMAND...: start COMMAND in the background, its output and exit code in $lanes/<number>.*
+lane() {
+  local name=$1 at="$lanes/${#lane_names[@]}"  # files by number: a path with a space breaks commands
+  shift
+  echo "== $name: started =="
+  ( from=$EPOCHREALTIME code=0
+    "$@" --basetemp="$at.tmp" >"$at.log" 2>&1 || code=$?
+    echo "$code $(seconds_since "$from")" >"$at.rc" ) &
+  lane_names+=("$name") lane_pids+=("$!")
+}
+lane "real-model scenario (SQLite)" .venv/bin/python -m pytest harness/test_real_llm.py
+lane "SQLite pass" .venv/bin/python -m pytest --ignore=harness/test_real_llm.py
+lane "JetStream pass" env INBOXMESH_TEST_STORE=jetstream .venv/bin/python -m pytest -q \
   --ignore=harness/test_real_llm.py --ignore=tests/test_generated_code.py
+for i in "${!lane_names[@]}"; do
+  name=${lane_names[$i]}
+  wait "${lane_pids[$i]}" || true
+  read -r code took <"$lanes/$i.rc" || { code=1 took=?; }
+  echo "== $name =="
+  cat "$lanes/$i.log"
+  echo "== $name: $took s, exit $code =="
+  timings+=("$name $took s (exit $code)")
+  if [ "$status" -eq 0 ]; then status=$code; fi
+done
+rm -rf "$lanes"
 summary
 exit "$status"

@@ -172,6 +172,12 @@ class Stream:
             await self.task
 
 
+def hub_beats(crowd: Crowd) -> int:
+    """Heartbeats the mesh's delivery hub has made: the measure of the per-beat bounds. (The stream's count
+    lags behind it on a busy machine: a heartbeat still on its way was already paid for.)"""
+    return crowd.mesh.services.inbox.hub.beats
+
+
 async def _settled(crowd: Crowd, stream: Stream, reads: CountedReads, agents: list[AgentHandle]) -> None:
     """Wait until the stream announced every agent and its feeds made their first store reads, then for
     a probe message sent after them (so the round that read them is over)."""
@@ -190,17 +196,19 @@ async def test_a_heartbeat_and_a_delivery_cost_bounded_work_with_1000_agents_on_
     try:
         await _settled(crowd, stream, reads, agents)
         reads.reset()
+        start = hub_beats(crowd)
         await stream.beats(4)
-        assert reads.total <= 5 * PER_BEAT, f"{reads.total} store reads in 4 heartbeats, {len(agents)} agents"
+        beats = hub_beats(crowd) - start + 1  # and the one that may have been under way at the reset
+        assert reads.total <= beats * PER_BEAT, f"{reads.total} store reads in {beats} heartbeats, {len(agents)} agents"
 
         reads.reset()
         touches.clear()
-        before = stream.heartbeats
+        before = hub_beats(crowd)
         targets = [agents[(i * 37) % BIG] for i in range(20)]
         for i, target in enumerate(targets):
             await crowd.lead.send(target.agent_id, f"one {i}")
             await eventually(lambda t=target, i=i: f"one {i}" in stream.texts[t.agent_id], message=f"delivery {i}")
-        beats = stream.heartbeats - before + 1  # and the one whose slice may be read after `before`
+        beats = hub_beats(crowd) - before + 1  # and the one whose slice may be read after `before`
         assert reads.total <= 3 * len(targets) + beats * PER_BEAT, f"{reads.total} reads for 20 deliveries"
         touched = sum(touches.values())
         assert touched <= 20 * len(targets) + beats * TOUCHES_PER_BEAT, (
@@ -218,11 +226,11 @@ async def test_closing_one_agent_of_a_shared_stream_leaves_the_others_attached(c
     try:
         await _settled(crowd, stream, reads, agents)
         touches.clear()
-        before = stream.heartbeats
+        before = hub_beats(crowd)
         async with MeshClient(crowd.mesh.address, timeout=30.0, admin_token=ADMIN_TOKEN) as other:
             await other.agent(crowd.lead.info, crowd.lead.credential).close(closed.agent_id, reason="done")
         await eventually(lambda: stream.ends() != [], message="the close on the stream")
-        beats = stream.heartbeats - before + 1
+        beats = hub_beats(crowd) - before + 1
         assert stream.ends() == [(closed.agent_id, pb.SUBSCRIPTION_EVENT_KIND_CLOSED)]
         touched = sum(touches.values())
         assert touched <= 20 + beats * TOUCHES_PER_BEAT, f"{touched} feed touches for one close, {beats} beats"
@@ -247,13 +255,13 @@ async def test_a_slow_agent_stops_at_max_in_flight_and_costs_nothing_while_the_o
     try:
         await eventually(lambda: len(stream.texts[slow.agent_id]) == 4, message="the slow agent's first 4")
         touches.clear()
-        before = stream.heartbeats
+        before = hub_beats(crowd)
         rounds = [f"m{i}" for i in range(10)]
         for n, text in enumerate(rounds):  # a round at a time: each wakes the stream anew
             await crowd.lead.send_batch([envelope(a.agent_id, text) for a in others])
             await eventually(lambda n=n: all(stream.texts[a.agent_id] == rounds[:n + 1] for a in others),
                              message=f"every other agent's messages up to {text}, in order")
-        beats = stream.heartbeats - before + 1
+        beats = hub_beats(crowd) - before + 1
         assert stream.texts[slow.agent_id] == backlog[:4], "no more than max_in_flight unacked"
         # a beat's safety slice may touch it once, and so may the wake of each append to it (JetStream
         # tells of its backlog's appends asynchronously, maybe after the stream opened)
@@ -303,11 +311,11 @@ async def test_a_close_made_by_another_mesh_process_is_noticed_within_a_few_beat
         with _other_process(crowd) as process:
             async with MeshClient(process.address, timeout=30.0, admin_token=ADMIN_TOKEN) as elsewhere:
                 reads.reset()
-                before = stream.heartbeats
+                before = hub_beats(crowd)
                 await elsewhere.agent(crowd.lead.info, crowd.lead.credential).close(closed.agent_id,
                                                                                     reason="closed elsewhere")
                 await eventually(lambda: stream.ends() != [], timeout=30, message="the close on the stream")
-        beats = stream.heartbeats - before
+        beats = hub_beats(crowd) - before
         assert stream.ends() == [(closed.agent_id, pb.SUBSCRIPTION_EVENT_KIND_CLOSED)]
         assert beats <= 4, f"noticed after {beats} heartbeats"
         assert reads.total <= (beats + 2) * PER_BEAT, f"{reads.total} store reads in {beats} heartbeats"
