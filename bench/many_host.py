@@ -311,16 +311,20 @@ async def load(side: Side, rng: random.Random, count: int, in_flight: int, prefi
     """`count` messages between random pairs, at most `in_flight` sent and not yet consumed."""
     window = asyncio.Semaphore(in_flight)
     sent: dict[str, int] = {}
+    received: dict[str, int] = {}
+    woken: dict[str, int] = {}
     consumed: dict[str, int] = {}
 
     async def one(index: int) -> None:
         try:
             sender, recipient = pick(rng, side.agents)
             message_id = f"{prefix}{index}"
-            _, done = side.expect(message_id, recipient.agent_id)
+            wake, done = side.expect(message_id, recipient.agent_id)
             sent[message_id] = now_ns()
             await checked_send(side, sender, recipient, message_id)
+            received[message_id] = now_ns()
             consumed[message_id] = await asyncio.wait_for(done, WAIT_S)
+            woken[message_id] = wake.result() if wake.done() else consumed[message_id]
         finally:
             window.release()
 
@@ -332,7 +336,11 @@ async def load(side: Side, rng: random.Random, count: int, in_flight: int, prefi
     elapsed = (max(consumed.values()) - min(sent.values())) / 1e9
     return {"messages": count, "in_flight": in_flight, "elapsed_s": round(elapsed, 3),
             "msgs_per_s": round(count / elapsed, 1), "p50_ms": round(percentile(latencies, 50), 2),
-            "p99_ms": round(percentile(latencies, 99), 2)}
+            "p99_ms": round(percentile(latencies, 99), 2),
+            "stages_p50_ms": {  # where the time of a message goes (each stage's median on its own)
+                "send_to_receipt": round(percentile([(received[k] - sent[k]) / 1e6 for k in sent], 50), 2),
+                "send_to_woken": round(percentile([(woken[k] - sent[k]) / 1e6 for k in sent], 50), 2),
+                "woken_to_consumed": round(percentile([(consumed[k] - woken[k]) / 1e6 for k in sent], 50), 2)}}
 
 
 async def wake(side: Side, rng: random.Random, count: int, seconds: float) -> dict[str, Any]:
