@@ -3,8 +3,8 @@ inboxmesh.client, in one place, so that when the client grows calls for many
 agents only this module changes.
 
 What it uses:
-- registration: `AgentHandle.spawn`, one RegisterAgent call per child, up to
-  `window` of them at once;
+- registration: `AgentHandle.spawn_many`, one RegisterChildren call per
+  1,000 children, two calls at once;
 - attach, `streams="one"`: one `InboxStream` opened with the first agent,
   the others added on the open stream with `InboxStream.attach`, 1,000 per
   request; `streams="per-agent"`: one `InboxStream` per agent (what
@@ -15,7 +15,9 @@ What it uses:
   `InboxStream.consume` on each agent's own stream;
 - sends, `sends="stream"`: one pipelined `SendStream` for every sender of
   the host (`MeshClient.send_stream`, owned by the host's top-level agent,
-  each sender's credential written once), one message per request;
+  each sender's credential written once; the sends queued while a request
+  is being written go out together in the next, each message naming its
+  sender);
   `sends="unary"`: the unary `Send` with the sender's own credential, one
   message per call (the only way for many senders before SendStream took
   several).
@@ -32,6 +34,7 @@ from inboxmesh.client.sending import SendStream
 from inboxmesh.client.stream import InboxStream, StreamItem
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.inbox.v1 import inbox_pb2
+from inboxmesh.registry.v1 import registry_pb2 as reg_pb
 
 StreamMode = Literal["one", "per-agent"]
 STREAM_MODES: tuple[StreamMode, ...] = ("one", "per-agent")
@@ -74,16 +77,29 @@ async def windowed(count: int, window: int, one: Callable[[int], Awaitable[None]
             group.create_task(worker())
 
 
-async def register(client: MeshClient, count: int, window: int) -> tuple[AgentHandle, list[AgentHandle]]:
-    """One top-level agent and `count` children of it."""
+CHILDREN_PER_CALL = 1_000
+"""Children per RegisterChildren call (its most)."""
+CALLS_AT_ONCE = 2
+"""RegisterChildren calls in flight at once."""
+
+
+async def register(client: MeshClient, count: int) -> tuple[AgentHandle, list[AgentHandle]]:
+    """One top-level agent and `count` children of it, CHILDREN_PER_CALL per RegisterChildren call,
+    CALLS_AT_ONCE calls at a time."""
     parent = await client.register("many")
-    children: list[AgentHandle | None] = [None] * count
+    chunks: list[list[AgentHandle]] = [[] for _ in range(0, count, CHILDREN_PER_CALL)]
 
-    async def spawn(index: int) -> None:
-        children[index] = await parent.spawn(f"a{index}")
+    async def spawn(chunk: int) -> None:
+        start = chunk * CHILDREN_PER_CALL
+        names = [f"a{i}" for i in range(start, min(count, start + CHILDREN_PER_CALL))]
+        results = await parent.spawn_many([reg_pb.RegisterAgentRequest(name=name) for name in names])
+        refused = [r for r in results if not isinstance(r, AgentHandle)]
+        if refused:
+            raise SystemExit(f"{len(refused)} of {len(names)} children refused, the first: {refused[0]}")
+        chunks[chunk] = [r for r in results if isinstance(r, AgentHandle)]
 
-    await windowed(count, window, spawn)
-    return parent, [c for c in children if c is not None]
+    await windowed(len(chunks), CALLS_AT_ONCE, spawn)
+    return parent, [child for chunk in chunks for child in chunk]
 
 
 class HostSender:

@@ -118,7 +118,7 @@ class ClientSide(_Expected):
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def register(self, count: int, window: int) -> None:
-        parent, self.agents = await many_client.register(self.client, count, window)
+        parent, self.agents = await many_client.register(self.client, count)
         self.sender = many_client.HostSender(self.client, parent, self.sends)
 
     async def attach(self, streams: many_client.StreamMode, window: int) -> None:

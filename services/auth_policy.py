@@ -101,6 +101,7 @@ def _service(module: ModuleType, service: str, rules: Mapping[str, Rule]) -> dic
 METHOD_POLICIES: Mapping[str, Rule] = {
     **_service(registry_pb2, "RegistryService", {
         "RegisterAgent": CALLER_OR_ANONYMOUS,  # a child with its parent's credential; a top-level agent with none
+        "RegisterChildren": Rule(Policy.AGENT, action="registering children"),  # the parent's own credential
         "GetAgent": CALLER, "ResolveAgent": CALLER, "ListAgents": CALLER, "CloseAgent": CALLER}),
     **_service(runs_pb2, "SubagentRunService", {
         "EndRun": CALLER, "GetRun": CALLER, "ListRuns": CALLER,

@@ -254,7 +254,8 @@ async def test_every_policy_refuses_a_missing_or_bad_credential_as_before(channe
 
 async def test_the_admin_token_cannot_act_as_an_agent_and_an_agent_cannot_sweep(channel, lead):
     agent_only = {m: rule for m, rule in METHOD_POLICIES.items() if rule.policy is Policy.AGENT}
-    assert set(agent_only) == {"/inboxmesh.inbox.v1.InboxService/Ack", "/inboxmesh.ioa.v1.IoaRelayService/SpaceSend"}
+    assert set(agent_only) == {"/inboxmesh.inbox.v1.InboxService/Ack", "/inboxmesh.ioa.v1.IoaRelayService/SpaceSend",
+                               "/inboxmesh.registry.v1.RegistryService/RegisterChildren"}
     for method, rule in agent_only.items():
         refused(await outcome(channel, method, least_requests(method), bearer(ADMIN_TOKEN)),
                 grpc.StatusCode.PERMISSION_DENIED, "AGENT_CREDENTIAL_REQUIRED",

@@ -1,12 +1,18 @@
 """Registry over real gRPC: registration into trees, credentials, names,
 scopes, listing and cascading close."""
 
+from dataclasses import replace
+
 import grpc
 import pytest
 
 from inboxmesh.client import errors
-from inboxmesh.client.mesh import AgentHandle
+from inboxmesh.client.mesh import AgentHandle, MeshClient
 from inboxmesh.registry.v1 import registry_pb2 as reg
+from services.config import RunsConfig
+from services.server import Mesh
+from services.store.sqlite.store import SqliteStore
+from tests.fixtures import ADMIN_TOKEN, make_config
 
 
 async def test_register_top_level_and_children(client):
@@ -170,3 +176,80 @@ async def test_a_registration_retried_with_its_request_id_names_the_same_agent(c
     with pytest.raises(errors.FailedPrecondition) as caught:
         await first.spawn("worker", run=reg.RunSpec(task="t"), request_id="req-child-0123456789")
     assert caught.value.reason == "AGENT_CLOSED"
+
+
+# -- RegisterChildren: many children in one call ------------------------------------------------------------
+async def test_register_children_registers_each_entry_in_order_with_its_run(tmp_path):
+    config = replace(make_config(tmp_path), runs=RunsConfig(max_active_children=1000), heartbeat_interval_s=60)
+    async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+        await _register_300_children(mesh, client)
+
+
+async def _register_300_children(mesh: Mesh, client: MeshClient) -> None:
+    lead = await client.register("lead")
+    entries = [reg.RegisterAgentRequest(name=f"c{i}", run=reg.RunSpec(task=f"task {i}")) for i in range(300)]
+    commits = mesh.store.writer.commits if isinstance(mesh.store, SqliteStore) else None
+    children = await lead.spawn_many(entries)
+    if commits is not None:  # SQLite: every entry's writes were queued before the commit
+        assert isinstance(mesh.store, SqliteStore)
+        assert mesh.store.writer.commits - commits <= 2, f"{mesh.store.writer.commits - commits} commits"
+    assert all(isinstance(c, AgentHandle) for c in children), [c for c in children if not isinstance(c, AgentHandle)]
+    handles = [c for c in children if isinstance(c, AgentHandle)]
+    assert [c.info.name for c in handles] == [f"c{i}" for i in range(300)]
+    assert {c.info.parent_id for c in handles} == {lead.agent_id}
+    assert {c.info.mode for c in handles} == {reg.AGENT_MODE_ASYNC}
+    assert len({c.agent_id for c in handles}) == 300
+    run = await lead.get_run(run_id=handles[7].run_id)
+    assert run.child_id == handles[7].agent_id and run.task == "task 7"
+    receipt = await handles[299].send(handles[0].agent_id, "each credential works")
+    assert receipt.status == 1
+    listed = await lead.list_agents(parent_id=lead.agent_id)
+    assert len(listed) == 300
+
+
+async def test_register_children_answers_each_refused_entry_alone(client, mesh):
+    lead = await client.register("lead")
+    stranger = await client.register("stranger")
+    entries = [
+        reg.RegisterAgentRequest(name="ok-1"),
+        reg.RegisterAgentRequest(name=""),  # no name
+        reg.RegisterAgentRequest(name="graft", parent_id=stranger.agent_id),  # someone else's child
+        reg.RegisterAgentRequest(name="main", mode=reg.AGENT_MODE_MAIN),  # a child cannot be MAIN
+        reg.RegisterAgentRequest(name="ok-2", request_id="short"),  # a request_id under 16 characters
+        reg.RegisterAgentRequest(name="ok-3", mode=reg.AGENT_MODE_SYNC),
+    ]
+    results = await lead.spawn_many(entries)
+    kinds = [type(r).__name__ if isinstance(r, errors.MeshError) else r.info.name for r in results]
+    assert kinds == ["ok-1", "InvalidArgument", "PermissionDenied", "InvalidArgument", "InvalidArgument", "ok-3"]
+    reasons = [r.reason for r in results if isinstance(r, errors.MeshError)]
+    assert reasons == ["MISSING_FIELD", "NOT_PARENT", "BAD_MODE", "REQUEST_ID_TOO_SHORT"]
+    assert [a.name for a in await lead.list_agents(parent_id=lead.agent_id)] == ["ok-1", "ok-3"]
+    assert [a.name for a in await stranger.list_agents(parent_id=stranger.agent_id)] == []
+
+
+async def test_register_children_stops_at_the_parents_limit_and_refuses_bad_calls_whole(client, mesh, tmp_path):
+    lead = await client.register("lead")
+    limit = mesh.config.runs.max_active_children
+    results = await lead.spawn_many([reg.RegisterAgentRequest(name=f"k{i}") for i in range(limit + 3)])
+    registered = [r for r in results if isinstance(r, AgentHandle)]
+    refused = [r for r in results if isinstance(r, errors.MeshError)]
+    assert [r.info.name for r in registered] == [f"k{i}" for i in range(limit)]  # the later entries are refused
+    assert [type(r) for r in refused] == [errors.ResourceExhausted] * 3
+    for entries, reason in (([], "MISSING_FIELD"), ([reg.RegisterAgentRequest(name="x")] * 1001, "BATCH_TOO_LARGE")):
+        with pytest.raises(errors.InvalidArgument) as caught:
+            await lead.spawn_many(entries)
+        assert caught.value.reason == reason
+    admin = client.agent(lead.info, client.admin_token)  # the operator's token cannot act as a parent
+    with pytest.raises(errors.PermissionDenied) as denied:
+        await admin.spawn_many([reg.RegisterAgentRequest(name="x")])
+    assert denied.value.reason == "AGENT_CREDENTIAL_REQUIRED"
+
+
+async def test_register_children_retried_with_its_request_ids_names_the_same_agents(client):
+    lead = await client.register("lead")
+    entries = [reg.RegisterAgentRequest(name=f"r{i}", request_id=f"retry-request-{i:04d}-abcdef") for i in range(5)]
+    first = await lead.spawn_many(entries)
+    again = await lead.spawn_many(entries)
+    assert [a.agent_id for a in first if isinstance(a, AgentHandle)] == [
+        a.agent_id for a in again if isinstance(a, AgentHandle)]
+    assert len(await lead.list_agents(parent_id=lead.agent_id)) == 5

@@ -16,7 +16,7 @@ from opentelemetry import trace
 from inboxmesh.client import credentials, errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.client.sending import SendStream
-from inboxmesh.client.status import error_info, from_rpc_error
+from inboxmesh.client.status import error_info, from_error_fields, from_rpc_error
 from inboxmesh.client.tracing import inject, tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev_pb
@@ -34,9 +34,10 @@ from inboxmesh.runs.v1 import runs_pb2_grpc
 
 _IDEMPOTENT = {
     "inboxmesh.inbox.v1.InboxService": ["Send", "Ack", "GetMessageStatus", "ListDeadLetters"],
-    # RegisterAgent: this client always sends a request_id, which makes a retry name the same agent
-    "inboxmesh.registry.v1.RegistryService": ["RegisterAgent", "GetAgent", "ResolveAgent", "ListAgents",
-                                              "CloseAgent"],
+    # RegisterAgent, RegisterChildren: this client always sends request_ids, which make a retry name the same
+    # agents
+    "inboxmesh.registry.v1.RegistryService": ["RegisterAgent", "RegisterChildren", "GetAgent", "ResolveAgent",
+                                              "ListAgents", "CloseAgent"],
     "inboxmesh.events.v1.EventService": ["ListEvents"],
     "inboxmesh.runs.v1.SubagentRunService": ["EndRun", "GetRun", "ListRuns"],
     "inboxmesh.ioa.v1.IoaRelayService": ["RelayStatus", "MapAddress", "SpaceRead"],
@@ -312,6 +313,23 @@ class AgentHandle:
             )
         )
         return AgentHandle(self.client, response.agent, response.credential, response.run_id)
+
+    async def spawn_many(self, children: list[reg_pb.RegisterAgentRequest]) -> list[AgentHandle | errors.MeshError]:
+        """Register many children of this agent in one RegisterChildren call (at most 1,000; the mesh stores
+        them together), in order: per entry its handle, or the MeshError that refused that entry alone.
+        An entry without a request_id gets a fresh random one, so the call is retried like `spawn`."""
+        entries = []
+        for child in children:
+            entry = reg_pb.RegisterAgentRequest()
+            entry.CopyFrom(child)
+            entry.request_id = entry.request_id or _request_id()
+            entries.append(entry)
+        response = await self.client._call(self.client.registry.RegisterChildren(
+            reg_pb.RegisterChildrenRequest(children=entries), **self._opts()))
+        return [AgentHandle(self.client, r.registered.agent, r.registered.credential, r.registered.run_id)
+                if r.HasField("registered") else
+                from_error_fields(r.error.code, r.error.reason, r.error.message, dict(r.error.metadata))
+                for r in response.results]
 
     async def end_run(self, result: str, *, failed: bool = False, run_id: str = "") -> runs_pb.EndRunResponse:
         """End this agent's run (or, as an ancestor, the run `run_id`)."""

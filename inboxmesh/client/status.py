@@ -72,3 +72,10 @@ def from_rpc_error(rpc_error: grpc.RpcError) -> errors.MeshError:
     if info is None:
         return cls(message or code.name, reason=code.name)
     return cls(message, reason=errors.reason_of(info.reason), metadata=dict(info.metadata))
+
+
+def from_error_fields(code: int, reason: str, message: str, metadata: dict[str, str]) -> errors.MeshError:
+    """The MeshError of a refusal answered inside a response (AckError, RegistrationError): code numbered
+    as google.rpc.Code."""
+    status = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    return ERROR_OF.get(status, errors.MeshError)(message, reason=errors.reason_of(reason), metadata=metadata)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import cast
 
+from inboxmesh.client import errors
+from inboxmesh.client.status import status_code_of
 from inboxmesh.registry.v1 import registry_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2_grpc
 from services.auth_policy import authenticated
@@ -49,6 +51,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         return pb.RegisterAgentResponse(agent=agent_pb(record), credential=credential, run_id=run_id)
 
     @unary
+    async def RegisterChildren(self, request: pb.RegisterChildrenRequest, context) -> pb.RegisterChildrenResponse:
+        results = await self._service.register_children(authenticated().caller, request.children)
+        return pb.RegisterChildrenResponse(results=[_child_result(r) for r in results])
+
+    @unary
     async def GetAgent(self, request: pb.GetAgentRequest, context) -> pb.GetAgentResponse:
         caller = authenticated().caller
         return pb.GetAgentResponse(agent=agent_pb(await self._service.get(caller, request.agent_id)))
@@ -79,3 +86,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         return pb.CloseAgentResponse(
             closed_agent_ids=[a.agent_id for a in outcome.closed], dead_lettered=len(outcome.dead_lettered)
         )
+
+
+def _child_result(result: tuple[AgentRecord, str, str] | errors.MeshError) -> pb.RegisterChildResult:
+    if isinstance(result, errors.MeshError):
+        return pb.RegisterChildResult(error=pb.RegistrationError(
+            code=status_code_of(result).value[0], reason=result.reason, message=result.message,
+            metadata=result.metadata))
+    record, credential, run_id = result
+    return pb.RegisterChildResult(registered=pb.RegisterAgentResponse(agent=agent_pb(record), credential=credential,
+                                                                      run_id=run_id))

@@ -3,6 +3,7 @@ Knows nothing of gRPC."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -21,6 +22,10 @@ from services.validation import check_map, check_text, fitting, page_size
 
 log = logging.getLogger(__name__)
 CHILD_MODES = (pb.AGENT_MODE_SYNC, pb.AGENT_MODE_ASYNC, pb.AGENT_MODE_FORK)
+MAX_CHILDREN_PER_CALL = 1_000
+"""Entries of one RegisterChildren call at most (INVALID_ARGUMENT / BATCH_TOO_LARGE beyond)."""
+Registered = tuple[AgentRecord, str, str]
+"""(agent, credential, run_id)."""
 
 
 class AgentCloser:
@@ -159,6 +164,31 @@ class RegistryService:
             f" run={run_id}" if run_id else "",
         )
         return record, credential, run_id
+
+    async def register_children(self, caller: Caller, children: Sequence[pb.RegisterAgentRequest]
+                                ) -> list[Registered | errors.MeshError]:
+        """Many children of the calling agent, each registered as `register` registers one (in order, so
+        limits refuse the later ones) and stored together: the writes of every entry are queued before the
+        store commits. One result per entry: what it was registered as, or its own refusal."""
+        parent = caller.require_agent("registering children")
+        if not children:
+            raise errors.InvalidArgument("the request holds no children", reason=Reason.MISSING_FIELD,
+                                         metadata={"field": "children"})
+        if len(children) > MAX_CHILDREN_PER_CALL:
+            raise errors.InvalidArgument(f"{len(children)} children in one request; at most {MAX_CHILDREN_PER_CALL}",
+                                         reason=Reason.BATCH_TOO_LARGE, metadata={"limit": str(MAX_CHILDREN_PER_CALL)})
+
+        async def one(child: pb.RegisterAgentRequest) -> Registered | errors.MeshError:
+            try:
+                return await self.register(
+                    caller, name=child.name, mode=child.mode or pb.AGENT_MODE_ASYNC,
+                    parent_id=child.parent_id or parent.agent_id, metadata=dict(child.metadata),
+                    inbox_capacity=child.inbox_capacity, run=child.run if child.HasField("run") else None,
+                    request_id=child.request_id)
+            except errors.MeshError as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one(child) for child in children)))
 
     async def _registered_before(self, existing: AgentRecord, credential: str, name: str, parent_id: str,
                                  run: pb.RunSpec | None) -> tuple[AgentRecord, str, str]:

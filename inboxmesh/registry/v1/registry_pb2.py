@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$inboxmesh/registry/v1/registry.proto\x12\x15inboxmesh.registry.v1\"\x87\x03\n\x05\x41gent\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x04mode\x18\x03 \x01(\x0e\x32 .inboxmesh.registry.v1.AgentMode\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12\x10\n\x08scope_id\x18\x05 \x01(\t\x12\x30\n\x05state\x18\x06 \x01(\x0e\x32!.inboxmesh.registry.v1.AgentState\x12<\n\x08metadata\x18\x07 \x03(\x0b\x32*.inboxmesh.registry.v1.Agent.MetadataEntry\x12\x15\n\rcreated_at_us\x18\x08 \x01(\x03\x12\x14\n\x0c\x63losed_at_us\x18\t \x01(\x03\x12\x14\n\x0c\x63lose_reason\x18\n \x01(\t\x12\x16\n\x0einbox_capacity\x18\x0b \x01(\r\x12\r\n\x05\x64\x65pth\x18\x0c \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x02\n\x14RegisterAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x04mode\x18\x02 \x01(\x0e\x32 .inboxmesh.registry.v1.AgentMode\x12\x11\n\tparent_id\x18\x03 \x01(\t\x12K\n\x08metadata\x18\x04 \x03(\x0b\x32\x39.inboxmesh.registry.v1.RegisterAgentRequest.MetadataEntry\x12\x16\n\x0einbox_capacity\x18\x05 \x01(\r\x12+\n\x03run\x18\x06 \x01(\x0b\x32\x1e.inboxmesh.registry.v1.RunSpec\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbc\x01\n\x07RunSpec\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x17\n\x0ftask_message_id\x18\x02 \x01(\t\x12\x32\n\x07\x63leanup\x18\x03 \x01(\x0e\x32!.inboxmesh.registry.v1.RunCleanup\x12\r\n\x05label\x18\x04 \x01(\t\x12\x15\n\rrun_timeout_s\x18\x05 \x01(\r\x12\x17\n\x0f\x61gent_config_id\x18\x06 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x07 \x01(\t\"h\n\x15RegisterAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"#\n\x0fGetAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"?\n\x10GetAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\"M\n\x13ResolveAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08scope_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_closed\x18\x03 \x01(\x08\"C\n\x14ResolveAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\"w\n\x11ListAgentsRequest\x12\x10\n\x08scope_id\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_closed\x18\x03 \x01(\x08\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"[\n\x12ListAgentsResponse\x12,\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"5\n\x11\x43loseAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"E\n\x12\x43loseAgentResponse\x12\x18\n\x10\x63losed_agent_ids\x18\x01 \x03(\t\x12\x15\n\rdead_lettered\x18\x02 \x01(\r*|\n\tAgentMode\x12\x1a\n\x16\x41GENT_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x41GENT_MODE_MAIN\x10\x01\x12\x13\n\x0f\x41GENT_MODE_SYNC\x10\x02\x12\x14\n\x10\x41GENT_MODE_ASYNC\x10\x03\x12\x13\n\x0f\x41GENT_MODE_FORK\x10\x04*W\n\nAgentState\x12\x1b\n\x17\x41GENT_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41GENT_STATE_OPEN\x10\x01\x12\x16\n\x12\x41GENT_STATE_CLOSED\x10\x02*W\n\nRunCleanup\x12\x1b\n\x17RUN_CLEANUP_UNSPECIFIED\x10\x00\x12\x14\n\x10RUN_CLEANUP_KEEP\x10\x01\x12\x16\n\x12RUN_CLEANUP_DELETE\x10\x02\x32\x89\x04\n\x0fRegistryService\x12j\n\rRegisterAgent\x12+.inboxmesh.registry.v1.RegisterAgentRequest\x1a,.inboxmesh.registry.v1.RegisterAgentResponse\x12[\n\x08GetAgent\x12&.inboxmesh.registry.v1.GetAgentRequest\x1a\'.inboxmesh.registry.v1.GetAgentResponse\x12g\n\x0cResolveAgent\x12*.inboxmesh.registry.v1.ResolveAgentRequest\x1a+.inboxmesh.registry.v1.ResolveAgentResponse\x12\x61\n\nListAgents\x12(.inboxmesh.registry.v1.ListAgentsRequest\x1a).inboxmesh.registry.v1.ListAgentsResponse\x12\x61\n\nCloseAgent\x12(.inboxmesh.registry.v1.CloseAgentRequest\x1a).inboxmesh.registry.v1.CloseAgentResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$inboxmesh/registry/v1/registry.proto\x12\x15inboxmesh.registry.v1\"\x87\x03\n\x05\x41gent\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x04mode\x18\x03 \x01(\x0e\x32 .inboxmesh.registry.v1.AgentMode\x12\x11\n\tparent_id\x18\x04 \x01(\t\x12\x10\n\x08scope_id\x18\x05 \x01(\t\x12\x30\n\x05state\x18\x06 \x01(\x0e\x32!.inboxmesh.registry.v1.AgentState\x12<\n\x08metadata\x18\x07 \x03(\x0b\x32*.inboxmesh.registry.v1.Agent.MetadataEntry\x12\x15\n\rcreated_at_us\x18\x08 \x01(\x03\x12\x14\n\x0c\x63losed_at_us\x18\t \x01(\x03\x12\x14\n\x0c\x63lose_reason\x18\n \x01(\t\x12\x16\n\x0einbox_capacity\x18\x0b \x01(\r\x12\r\n\x05\x64\x65pth\x18\x0c \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x02\n\x14RegisterAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x04mode\x18\x02 \x01(\x0e\x32 .inboxmesh.registry.v1.AgentMode\x12\x11\n\tparent_id\x18\x03 \x01(\t\x12K\n\x08metadata\x18\x04 \x03(\x0b\x32\x39.inboxmesh.registry.v1.RegisterAgentRequest.MetadataEntry\x12\x16\n\x0einbox_capacity\x18\x05 \x01(\r\x12+\n\x03run\x18\x06 \x01(\x0b\x32\x1e.inboxmesh.registry.v1.RunSpec\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbc\x01\n\x07RunSpec\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x17\n\x0ftask_message_id\x18\x02 \x01(\t\x12\x32\n\x07\x63leanup\x18\x03 \x01(\x0e\x32!.inboxmesh.registry.v1.RunCleanup\x12\r\n\x05label\x18\x04 \x01(\t\x12\x15\n\rrun_timeout_s\x18\x05 \x01(\r\x12\x17\n\x0f\x61gent_config_id\x18\x06 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x07 \x01(\t\"h\n\x15RegisterAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"X\n\x17RegisterChildrenRequest\x12=\n\x08\x63hildren\x18\x01 \x03(\x0b\x32+.inboxmesh.registry.v1.RegisterAgentRequest\"W\n\x18RegisterChildrenResponse\x12;\n\x07results\x18\x01 \x03(\x0b\x32*.inboxmesh.registry.v1.RegisterChildResult\"\x90\x01\n\x13RegisterChildResult\x12@\n\nregistered\x18\x01 \x01(\x0b\x32,.inboxmesh.registry.v1.RegisterAgentResponse\x12\x37\n\x05\x65rror\x18\x02 \x01(\x0b\x32(.inboxmesh.registry.v1.RegistrationError\"\xbd\x01\n\x11RegistrationError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12H\n\x08metadata\x18\x04 \x03(\x0b\x32\x36.inboxmesh.registry.v1.RegistrationError.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\x0fGetAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"?\n\x10GetAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\"M\n\x13ResolveAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08scope_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_closed\x18\x03 \x01(\x08\"C\n\x14ResolveAgentResponse\x12+\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\"w\n\x11ListAgentsRequest\x12\x10\n\x08scope_id\x18\x01 \x01(\t\x12\x11\n\tparent_id\x18\x02 \x01(\t\x12\x16\n\x0einclude_closed\x18\x03 \x01(\x08\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"[\n\x12ListAgentsResponse\x12,\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.registry.v1.Agent\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"5\n\x11\x43loseAgentRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"E\n\x12\x43loseAgentResponse\x12\x18\n\x10\x63losed_agent_ids\x18\x01 \x03(\t\x12\x15\n\rdead_lettered\x18\x02 \x01(\r*|\n\tAgentMode\x12\x1a\n\x16\x41GENT_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x41GENT_MODE_MAIN\x10\x01\x12\x13\n\x0f\x41GENT_MODE_SYNC\x10\x02\x12\x14\n\x10\x41GENT_MODE_ASYNC\x10\x03\x12\x13\n\x0f\x41GENT_MODE_FORK\x10\x04*W\n\nAgentState\x12\x1b\n\x17\x41GENT_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41GENT_STATE_OPEN\x10\x01\x12\x16\n\x12\x41GENT_STATE_CLOSED\x10\x02*W\n\nRunCleanup\x12\x1b\n\x17RUN_CLEANUP_UNSPECIFIED\x10\x00\x12\x14\n\x10RUN_CLEANUP_KEEP\x10\x01\x12\x16\n\x12RUN_CLEANUP_DELETE\x10\x02\x32\xfe\x04\n\x0fRegistryService\x12j\n\rRegisterAgent\x12+.inboxmesh.registry.v1.RegisterAgentRequest\x1a,.inboxmesh.registry.v1.RegisterAgentResponse\x12s\n\x10RegisterChildren\x12..inboxmesh.registry.v1.RegisterChildrenRequest\x1a/.inboxmesh.registry.v1.RegisterChildrenResponse\x12[\n\x08GetAgent\x12&.inboxmesh.registry.v1.GetAgentRequest\x1a\'.inboxmesh.registry.v1.GetAgentResponse\x12g\n\x0cResolveAgent\x12*.inboxmesh.registry.v1.ResolveAgentRequest\x1a+.inboxmesh.registry.v1.ResolveAgentResponse\x12\x61\n\nListAgents\x12(.inboxmesh.registry.v1.ListAgentsRequest\x1a).inboxmesh.registry.v1.ListAgentsResponse\x12\x61\n\nCloseAgent\x12(.inboxmesh.registry.v1.CloseAgentRequest\x1a).inboxmesh.registry.v1.CloseAgentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AGENT_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_REGISTERAGENTREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_REGISTERAGENTREQUEST_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_AGENTMODE']._serialized_start=1665
-  _globals['_AGENTMODE']._serialized_end=1789
-  _globals['_AGENTSTATE']._serialized_start=1791
-  _globals['_AGENTSTATE']._serialized_end=1878
-  _globals['_RUNCLEANUP']._serialized_start=1880
-  _globals['_RUNCLEANUP']._serialized_end=1967
+  _globals['_REGISTRATIONERROR_METADATAENTRY']._loaded_options = None
+  _globals['_REGISTRATIONERROR_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_AGENTMODE']._serialized_start=2183
+  _globals['_AGENTMODE']._serialized_end=2307
+  _globals['_AGENTSTATE']._serialized_start=2309
+  _globals['_AGENTSTATE']._serialized_end=2396
+  _globals['_RUNCLEANUP']._serialized_start=2398
+  _globals['_RUNCLEANUP']._serialized_end=2485
   _globals['_AGENT']._serialized_start=64
   _globals['_AGENT']._serialized_end=455
   _globals['_AGENT_METADATAENTRY']._serialized_start=408
@@ -53,22 +55,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNSPEC']._serialized_end=967
   _globals['_REGISTERAGENTRESPONSE']._serialized_start=969
   _globals['_REGISTERAGENTRESPONSE']._serialized_end=1073
-  _globals['_GETAGENTREQUEST']._serialized_start=1075
-  _globals['_GETAGENTREQUEST']._serialized_end=1110
-  _globals['_GETAGENTRESPONSE']._serialized_start=1112
-  _globals['_GETAGENTRESPONSE']._serialized_end=1175
-  _globals['_RESOLVEAGENTREQUEST']._serialized_start=1177
-  _globals['_RESOLVEAGENTREQUEST']._serialized_end=1254
-  _globals['_RESOLVEAGENTRESPONSE']._serialized_start=1256
-  _globals['_RESOLVEAGENTRESPONSE']._serialized_end=1323
-  _globals['_LISTAGENTSREQUEST']._serialized_start=1325
-  _globals['_LISTAGENTSREQUEST']._serialized_end=1444
-  _globals['_LISTAGENTSRESPONSE']._serialized_start=1446
-  _globals['_LISTAGENTSRESPONSE']._serialized_end=1537
-  _globals['_CLOSEAGENTREQUEST']._serialized_start=1539
-  _globals['_CLOSEAGENTREQUEST']._serialized_end=1592
-  _globals['_CLOSEAGENTRESPONSE']._serialized_start=1594
-  _globals['_CLOSEAGENTRESPONSE']._serialized_end=1663
-  _globals['_REGISTRYSERVICE']._serialized_start=1970
-  _globals['_REGISTRYSERVICE']._serialized_end=2491
+  _globals['_REGISTERCHILDRENREQUEST']._serialized_start=1075
+  _globals['_REGISTERCHILDRENREQUEST']._serialized_end=1163
+  _globals['_REGISTERCHILDRENRESPONSE']._serialized_start=1165
+  _globals['_REGISTERCHILDRENRESPONSE']._serialized_end=1252
+  _globals['_REGISTERCHILDRESULT']._serialized_start=1255
+  _globals['_REGISTERCHILDRESULT']._serialized_end=1399
+  _globals['_REGISTRATIONERROR']._serialized_start=1402
+  _globals['_REGISTRATIONERROR']._serialized_end=1591
+  _globals['_REGISTRATIONERROR_METADATAENTRY']._serialized_start=408
+  _globals['_REGISTRATIONERROR_METADATAENTRY']._serialized_end=455
+  _globals['_GETAGENTREQUEST']._serialized_start=1593
+  _globals['_GETAGENTREQUEST']._serialized_end=1628
+  _globals['_GETAGENTRESPONSE']._serialized_start=1630
+  _globals['_GETAGENTRESPONSE']._serialized_end=1693
+  _globals['_RESOLVEAGENTREQUEST']._serialized_start=1695
+  _globals['_RESOLVEAGENTREQUEST']._serialized_end=1772
+  _globals['_RESOLVEAGENTRESPONSE']._serialized_start=1774
+  _globals['_RESOLVEAGENTRESPONSE']._serialized_end=1841
+  _globals['_LISTAGENTSREQUEST']._serialized_start=1843
+  _globals['_LISTAGENTSREQUEST']._serialized_end=1962
+  _globals['_LISTAGENTSRESPONSE']._serialized_start=1964
+  _globals['_LISTAGENTSRESPONSE']._serialized_end=2055
+  _globals['_CLOSEAGENTREQUEST']._serialized_start=2057
+  _globals['_CLOSEAGENTREQUEST']._serialized_end=2110
+  _globals['_CLOSEAGENTRESPONSE']._serialized_start=2112
+  _globals['_CLOSEAGENTRESPONSE']._serialized_end=2181
+  _globals['_REGISTRYSERVICE']._serialized_start=2488
+  _globals['_REGISTRYSERVICE']._serialized_end=3126
 # @@protoc_insertion_point(module_scope)

@@ -125,6 +125,45 @@ class RegisterAgentResponse(_message.Message):
     run_id: str
     def __init__(self, agent: _Optional[_Union[Agent, _Mapping]] = ..., credential: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
+class RegisterChildrenRequest(_message.Message):
+    __slots__ = ("children",)
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    children: _containers.RepeatedCompositeFieldContainer[RegisterAgentRequest]
+    def __init__(self, children: _Optional[_Iterable[_Union[RegisterAgentRequest, _Mapping]]] = ...) -> None: ...
+
+class RegisterChildrenResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RegisterChildResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RegisterChildResult, _Mapping]]] = ...) -> None: ...
+
+class RegisterChildResult(_message.Message):
+    __slots__ = ("registered", "error")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    registered: RegisterAgentResponse
+    error: RegistrationError
+    def __init__(self, registered: _Optional[_Union[RegisterAgentResponse, _Mapping]] = ..., error: _Optional[_Union[RegistrationError, _Mapping]] = ...) -> None: ...
+
+class RegistrationError(_message.Message):
+    __slots__ = ("code", "reason", "message", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    message: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class GetAgentRequest(_message.Message):
     __slots__ = ("agent_id",)
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]

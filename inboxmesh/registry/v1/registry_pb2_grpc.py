@@ -39,6 +39,11 @@ class RegistryServiceStub(object):
                 request_serializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterAgentRequest.SerializeToString,
                 response_deserializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterAgentResponse.FromString,
                 _registered_method=True)
+        self.RegisterChildren = channel.unary_unary(
+                '/inboxmesh.registry.v1.RegistryService/RegisterChildren',
+                request_serializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterChildrenRequest.SerializeToString,
+                response_deserializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterChildrenResponse.FromString,
+                _registered_method=True)
         self.GetAgent = channel.unary_unary(
                 '/inboxmesh.registry.v1.RegistryService/GetAgent',
                 request_serializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.GetAgentRequest.SerializeToString,
@@ -66,6 +71,16 @@ class RegistryServiceServicer(object):
 
     def RegisterAgent(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterChildren(self, request, context):
+        """Register many children of the calling agent (its credential; the admin
+        token is PERMISSION_DENIED / AGENT_CREDENTIAL_REQUIRED) in one call: a
+        host starting a crowd. Entries are registered in order and stored
+        together (one commit on SQLite); each is answered in its own result.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -105,6 +120,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.RegisterAgent,
                     request_deserializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterAgentRequest.FromString,
                     response_serializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterAgentResponse.SerializeToString,
+            ),
+            'RegisterChildren': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterChildren,
+                    request_deserializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterChildrenRequest.FromString,
+                    response_serializer=inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterChildrenResponse.SerializeToString,
             ),
             'GetAgent': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAgent,
@@ -154,6 +174,33 @@ class RegistryService(object):
             '/inboxmesh.registry.v1.RegistryService/RegisterAgent',
             inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterAgentRequest.SerializeToString,
             inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterChildren(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inboxmesh.registry.v1.RegistryService/RegisterChildren',
+            inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterChildrenRequest.SerializeToString,
+            inboxmesh_dot_registry_dot_v1_dot_registry__pb2.RegisterChildrenResponse.FromString,
             options,
             channel_credentials,
             insecure,
