@@ -330,32 +330,3 @@ async def test_concurrent_changes_of_one_key_are_merged_into_few_writes(tmp_path
         assert found is not None and found.value == 101
         writes = messages[f"$KV.{mesh.store.conn.ns}_misc.{key}"]
         assert writes <= 3, f"{writes} writes for 101 changes"
-
-
-async def test_the_wal_is_checkpointed_off_the_writer_and_stays_bounded(tmp_path):
-    """SQLite: the writer's connection makes no checkpoints of its own (they ran inside its COMMITs, on
-    the event loop); the checkpointer's thread does, so after 6,000 messages to 500 inboxes the WAL holds a
-    small part of what was written, and a restart finds every message."""
-    if STORE != "sqlite":
-        pytest.skip("SQLite only: JetStream has no WAL of ours (the SQLite pass runs it)")
-    async with Mesh(_config(tmp_path)) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
-        assert isinstance(mesh.store, SqliteStore)
-        checkpointer = mesh.store._checkpointer
-        assert checkpointer is not None
-        assert mesh.store._conn is not None
-        assert mesh.store._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
-        lead = await client.register("lead")
-        targets = await _spawn(lead, 500, "t")
-        before = checkpointer.checkpoints
-        for round_ in range(12):
-            receipts = await lead.send_batch([envelope(t.agent_id, "x" * 200, message_id=f"w{round_}.{i}")
-                                              for i, t in enumerate(targets)])
-            assert all(r.status == ACCEPTED for r in receipts)
-        await eventually(lambda: checkpointer.checkpoints > before, message="a checkpoint by the thread")
-        wal = mesh.store.path.with_name(mesh.store.path.name + "-wal")
-        written = mesh.store.writer.commits
-        assert wal.stat().st_size < 16 * 2**20, f"the WAL grew to {wal.stat().st_size} bytes in {written} commits"
-    async with Mesh(_config(tmp_path)) as mesh:
-        assert isinstance(mesh.store, SqliteStore) and mesh.store._conn is not None
-        (count,) = mesh.store._conn.execute("SELECT count(*) FROM messages").fetchone()
-        assert count == 12 * 500

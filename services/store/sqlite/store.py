@@ -44,7 +44,6 @@ from services.store.base import (
 )
 from services.store.sqlite import agents, inbox, runs, sessions
 from services.store.sqlite import events as event_table
-from services.store.sqlite.checkpoint import Checkpointer
 from services.store.sqlite.schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE, UPGRADE
 from services.store.sqlite.writer import EventIds, Writer, connect
 
@@ -73,7 +72,6 @@ class SqliteStore(base.Store):
         self._writer: Writer | None = None
         self._conn: sqlite3.Connection | None = None
         self._listeners: list[CommitListener] = []
-        self._checkpointer: Checkpointer | None = None
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -95,13 +93,9 @@ class SqliteStore(base.Store):
         except BaseException:
             conn.close()
             raise
-        conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's thread does them, off the loop
-        self._checkpointer = Checkpointer(self.path, busy_timeout_ms=self.config.busy_timeout_ms)
-        self._checkpointer.start()
         self._writer = Writer(conn, max_pending=self.config.max_pending_writes,
                               max_ops_per_commit=self.config.max_ops_per_commit)
         self._writer.after_commit = self._after_commit
-        self._writer.committed = self._checkpointer.committed
         self._writer.start()
         self._conn = conn
         log.info("sqlite store open at %s (synchronous=%s)", self.path, self.config.synchronous)
@@ -117,9 +111,6 @@ class SqliteStore(base.Store):
         writer, self._writer = self._writer, None
         if writer is not None:
             await writer.close()
-        checkpointer, self._checkpointer = self._checkpointer, None
-        if checkpointer is not None:
-            await asyncio.to_thread(checkpointer.stop)
         if self._conn is not None:
             self._conn.close()
             self._conn = None

@@ -106,8 +106,6 @@ class Writer:
         self._closed = False
         self.after_commit: CommitListener | None = None
         """Called after each commit with (first event id, event rows)."""
-        self.committed: Callable[[], None] | None = None
-        """Called after each commit (the WAL checkpointer's cue)."""
         self._last_commit_s = 0.0
         """How long the last commit took (the linger's measure)."""
         self.commits = 0
@@ -221,8 +219,6 @@ class Writer:
                                          reason=Reason.STORE_UNAVAILABLE)
             return [(False, failure)] * len(ops), 0, []
         self._last_commit_s = time.perf_counter() - started
-        if self.committed is not None:
-            self.committed()
         self.commits += 1
         self.ops += len(ops)
         for ok, value in results:
