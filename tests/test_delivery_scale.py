@@ -37,6 +37,9 @@ BIG = 1000
 """Agents on the stream of the cost tests."""
 PER_BEAT = 64
 """Store reads a heartbeat may cost the whole mesh (the hub's safety slice, delivery.SAFETY_SLICE, is 64)."""
+SETTLING = 8
+"""Reads the settling itself may still cause after a count is reset: the probe's ack re-reads its feed,
+and on JetStream notices of appends arrive asynchronously (the 1,000 agents' feeds would be 1,000)."""
 TOUCHES_PER_BEAT = 6 * PER_BEAT
 """Feed touches (Feed.room reads) a heartbeat may cost: its slice's feeds, each visited once."""
 SLOW, FAIR, SPARE = range(BIG, BIG + 51), range(BIG + 51, BIG + 102), range(BIG + 102, BIG + 110)
@@ -199,7 +202,8 @@ async def test_a_heartbeat_and_a_delivery_cost_bounded_work_with_1000_agents_on_
         start = hub_beats(crowd)
         await stream.beats(4)
         beats = hub_beats(crowd) - start + 1  # and the one that may have been under way at the reset
-        assert reads.total <= beats * PER_BEAT, f"{reads.total} store reads in {beats} heartbeats, {len(agents)} agents"
+        assert reads.total <= beats * PER_BEAT + SETTLING, (
+            f"{reads.total} store reads in {beats} heartbeats, {len(agents)} agents")
 
         reads.reset()
         touches.clear()
