@@ -10,8 +10,10 @@
 # temporary folder: the real-model scenario (its model server computes on
 # both cores while the other lanes mostly wait on sockets and disks), the
 # rest of the SQLite pass, and the JetStream pass. Each lane's output is
-# printed when it ends, in that order. Every lane runs even when another (or
-# lint, or types) fails; the exit status is the first failure's.
+# printed when it ends, in that order. Then the tests marked `counts` (they
+# count store reads, feed visits, commits and NATS requests, which other
+# processes' load moves) run on their own, on each store. Every phase runs
+# even when another fails; the exit status is the first failure's.
 # Extra arguments go to pytest, and then only that one run is made (after
 # the same set-up).
 set -euo pipefail
@@ -74,9 +76,9 @@ lane() {
   lane_names+=("$name") lane_pids+=("$!")
 }
 lane "real-model scenario (SQLite)" .venv/bin/python -m pytest harness/test_real_llm.py
-lane "SQLite pass" .venv/bin/python -m pytest --ignore=harness/test_real_llm.py
+lane "SQLite pass" .venv/bin/python -m pytest --ignore=harness/test_real_llm.py -m "not counts"
 lane "JetStream pass" env INBOXMESH_TEST_STORE=jetstream .venv/bin/python -m pytest -q \
-  --ignore=harness/test_real_llm.py --ignore=tests/test_generated_code.py
+  --ignore=harness/test_real_llm.py --ignore=tests/test_generated_code.py -m "not counts"
 for i in "${!lane_names[@]}"; do
   name=${lane_names[$i]}
   wait "${lane_pids[$i]}" || true
@@ -88,5 +90,8 @@ for i in "${!lane_names[@]}"; do
   if [ "$status" -eq 0 ]; then status=$code; fi
 done
 rm -rf "$lanes"
+# tests that count the store work of delivery and commits, on their own: the lanes' load moves the counts
+phase "counted work (SQLite)" .venv/bin/python -m pytest -q -m counts
+phase "counted work (JetStream)" env INBOXMESH_TEST_STORE=jetstream .venv/bin/python -m pytest -q -m counts
 summary
 exit "$status"

@@ -30,7 +30,7 @@ from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config
 from tests.processes import MeshProcess
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.counts]
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
 BIG = 1000

@@ -32,6 +32,7 @@ from services.store.jetstream.store import JetStreamStore
 from services.store.sqlite.store import SqliteStore
 from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config
 
+pytestmark = pytest.mark.counts
 ACCEPTED = pb.RECEIPT_STATUS_ACCEPTED
 CONSUMED = pb.ACK_STATUS_CONSUMED
 SPAWNS = 64
