@@ -19,8 +19,12 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.runs.v1 import runs_pb2 as runs
+from services.config import MeshConfig, StoreConfig
+from services.server import Mesh
+from services.store.jetstream import kv
 from tests.fixtures import ADMIN_TOKEN, eventually
 from tests.processes import MeshProcess
+from tests.streams import Collector
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -165,6 +169,38 @@ async def running(traffic: Traffic, count: int):
         consumer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await consumer
+
+
+async def test_another_replicas_append_wakes_a_stream_at_once_and_a_replicas_own_are_not_followed(tmp_path):
+    """Two replicas on one NATS, heartbeats a minute apart (so only an append's notice can wake a stream
+    in time): a message sent through replica B reaches a stream on replica A within seconds. A's own
+    appends wake its delivery hub directly, with their sequences; the notices of those are skipped, since
+    each would only make a feed read the store again."""
+    node = NatsNode(tmp_path / "nats").start()
+    try:
+        store = StoreConfig(backend="jetstream", nats_urls=(node.url,), nats_namespace="notices",
+                            path=tmp_path / "mesh.db")
+        config = MeshConfig(port=0, store=store, admin_token=ADMIN_TOKEN, heartbeat_interval_s=60)
+        async with Mesh(config) as a, Mesh(config) as b, MeshClient(a.address, admin_token=ADMIN_TOKEN) as on_a, \
+                MeshClient(b.address, admin_token=ADMIN_TOKEN) as on_b:
+            noticed: list[str] = []
+            a.store.add_append_listener(noticed.append)
+            lead = await on_a.register("lead")
+            kid = await lead.spawn("kid")
+            stream = Collector(on_a.agent(kid.info, kid.credential), auto_ack=True)
+            try:
+                for i in range(5):
+                    assert (await lead.send(kid.agent_id, f"own {i}")).status == pb.RECEIPT_STATUS_ACCEPTED
+                await eventually(lambda: len(stream.consumed) == 5, message="A's own messages consumed")
+                receipt = await on_b.agent(lead.info, lead.credential).send(kid.agent_id, "through B")
+                assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED
+                await eventually(lambda: len(stream.consumed) == 6, timeout=10, message="B's message on A's stream")
+                assert stream.consumed[-1].content.text == "through B"
+                assert noticed == [kv.token(kid.agent_id)], "only the append made elsewhere was noticed"
+            finally:
+                await stream.stop()
+    finally:
+        node.kill()
 
 
 async def test_a_killed_replica_loses_nothing_and_its_host_resumes_on_another(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
 
+ORIGIN_HEADER = "Inboxmesh-Origin"
+"""The header naming the connection (JetStreamConnection.origin) that published an inbox message."""
 BUCKETS = ("agents", "msgs", "runs", "runwork", "misc")
 """runwork: one key per run not archived yet, so the sweeper reads only those."""
 EVENT_DEDUP_WINDOW_S = 300.0
@@ -79,6 +82,10 @@ class JetStreamConnection:
         self.js: Any = None
         """Its JetStream context while open."""
         self._kv: dict[str, Any] = {}
+        self.origin = secrets.token_hex(8)
+        """Names this connection's own appends (header ORIGIN_HEADER), so that it can tell them from other
+        processes' in the notices it follows: every path here that appends wakes the delivery hub itself,
+        with the message's sequence, and a notice arriving later would only make a feed read again."""
 
     async def open(self) -> None:
         """Connect, and create (or update) the streams and buckets."""

@@ -49,7 +49,7 @@ from services.store.base import (
     SendOutcome,
 )
 from services.store.jetstream import kv
-from services.store.jetstream.connection import JetStreamConnection
+from services.store.jetstream.connection import ORIGIN_HEADER, JetStreamConnection
 from services.store.jetstream.events import EventLog, dead_event, message_event, stored_events
 from services.store.jetstream.kv import REJECTED, CasResult, MessageState
 from services.store.jetstream.messages import InboxMessages
@@ -116,7 +116,7 @@ class InboxLog:
         self.events = events
         self.messages = InboxMessages(conn)
         self.listeners: list[Callable[[str], None]] = []
-        """Called with the recipient's subject token when any process appended to it."""
+        """Called with the recipient's subject token when another process appended to it."""
         self._delivered: dict[tuple[str, int], kv.Entry[MessageState]] = {}
 
     async def start(self) -> None:
@@ -124,6 +124,8 @@ class InboxLog:
         await self.conn.nc.subscribe(f"{self.conn.ns}.inbox.*", cb=self._on_published)
 
     async def _on_published(self, msg: Any) -> None:
+        if msg.headers and msg.headers.get(ORIGIN_HEADER) == self.conn.origin:
+            return  # this process appended it and told the delivery hub already
         token = msg.subject.rsplit(".", 1)[-1]
         for callback in self.listeners:
             callback(token)

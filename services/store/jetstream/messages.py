@@ -12,7 +12,7 @@ from nats.js.errors import APIError, NotFoundError
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED
 from services.store.jetstream import kv
-from services.store.jetstream.connection import JetStreamConnection
+from services.store.jetstream.connection import ORIGIN_HEADER, JetStreamConnection
 from services.store.jetstream.kv import REJECTED, MessageState
 
 FULL_CODE = 10077
@@ -67,7 +67,7 @@ class InboxMessages:
         while True:
             try:
                 ack = await self.conn.js.publish(self.subject(recipient), envelope.SerializeToString(),
-                                                 headers={"Nats-Msg-Id": msg_id})
+                                                 headers={"Nats-Msg-Id": msg_id, ORIGIN_HEADER: self.conn.origin})
             except APIError as exc:
                 if exc.err_code == FULL_CODE:
                     return Published(INBOX_FULL, _full(recipient, capacity, capacity), 0)
