@@ -14,5 +14,5 @@ ENV PYTHONPATH=/app
 RUN pip install --no-cache-dir . && useradd --create-home mesh && mkdir /data && chown mesh /data
 USER mesh
 ENV PATH="/usr/local/bin:${PATH}"
-EXPOSE 4222 7400 7401 7402 7403 7500
+EXPOSE 4222 8222 7400 7401 7402 7403 7500
 CMD ["inboxmesh", "--help"]

@@ -171,7 +171,7 @@ def run(config: ManyConfig, profile: Path | None = None) -> dict[str, Any]:
             from harness.nats import NatsNode
 
             nats_node = NatsNode(Path(data) / "nats").start()
-            extra += ["--store", "jetstream", "--nats", nats_node.url]
+            extra += nats_node.mesh_args()
         extra += ["--max-active-children", str(n + 1)]  # the N children of one parent stay open all along
         try:
             mesh = Child("mesh", [*_python(config), "inboxmesh.cli.main", "--log-level", "warning", "up", "--port",

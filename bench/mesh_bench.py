@@ -166,7 +166,7 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
             from harness.nats import NatsNode
 
             nats_node = NatsNode(Path(data) / "nats").start()
-            extra += ["--store", "jetstream", "--nats", nats_node.url]
+            extra += nats_node.mesh_args()
         meshes = [Child(f"mesh{i}", [*cli, "up", "--port", "0", "--no-demo", "--data-dir", f"{data}/m{i}",
                                      "--synchronous", synchronous, *extra], env) for i in range(replicas)]
         children += meshes

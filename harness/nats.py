@@ -14,8 +14,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import nats
+
+from services.config import StoreConfig
 
 
 def nats_server_binary() -> str:
@@ -33,17 +36,25 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+CONFIG = Path(__file__).resolve().parent / "nats-server.conf"
+"""The shipped server settings (fsync every write); the address, ports and store directory are flags."""
+
+
 class NatsNode:
-    """One nats-server with JetStream (file storage under `store_dir`)."""
+    """One nats-server with JetStream (file storage under `store_dir`) and its monitoring endpoint.
+    `durable` (the default): started with the shipped config, which fsyncs every write; False: the
+    server's own default (an fsync every two minutes), for the tests of the mesh's refusal of it."""
 
     def __init__(self, store_dir: Path, *, name: str = "n1", port: int = 0, cluster_port: int = 0,
-                 routes: tuple[int, ...] = (), cluster: str = "inboxmesh"):
+                 routes: tuple[int, ...] = (), cluster: str = "inboxmesh", durable: bool = True):
         self.store_dir = store_dir
         self.name = name
         self.port = port or free_port()
+        self.http_port = free_port()
         self.cluster_port = cluster_port
         self.routes = routes
         self.cluster = cluster
+        self.durable = durable
         self.proc: subprocess.Popen | None = None
         self.log_path = store_dir / f"{name}.log"
 
@@ -51,22 +62,32 @@ class NatsNode:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def _config(self) -> Path:
-        lines = [f'server_name: "{self.name}"', "host: 127.0.0.1", f"port: {self.port}",
-                 f'jetstream {{ store_dir: "{self.store_dir / self.name}" }}']
+    @property
+    def monitor_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def store_config(self, **fields: Any) -> StoreConfig:
+        """The JetStream store config of a mesh on this node alone (more fields as given)."""
+        return StoreConfig(**{"backend": "jetstream", "nats_urls": (self.url,),
+                              "nats_monitor_urls": (self.monitor_url,), **fields})
+
+    def mesh_args(self) -> list[str]:
+        """The `inboxmesh up` flags of a mesh on this node alone."""
+        return ["--store", "jetstream", "--nats", self.url, "--nats-monitor", self.monitor_url]
+
+    def _argv(self) -> list[str]:
+        argv = [nats_server_binary(), *(["-c", str(CONFIG)] if self.durable else []), "-n", self.name,
+                "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.http_port), "-js", "-sd",
+                str(self.store_dir / self.name)]
         if self.cluster_port:
-            routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in self.routes)
-            lines.append(f'cluster {{ name: "{self.cluster}", host: 127.0.0.1, port: {self.cluster_port},'
-                         f" routes: [{routes}] }}")
-        path = self.store_dir / f"{self.name}.conf"
-        path.write_text("\n".join(lines) + "\n")
-        return path
+            argv += ["--cluster_name", self.cluster, "--cluster", f"nats-route://127.0.0.1:{self.cluster_port}",
+                     "--routes", ",".join(f"nats-route://127.0.0.1:{p}" for p in self.routes)]
+        return argv
 
     def start(self) -> NatsNode:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self._config())], stdout=log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 60  # generous: a loaded 2-core machine starts it slowly
         while time.monotonic() < deadline:
@@ -116,6 +137,15 @@ class NatsCluster:
     @property
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes]
+
+    @property
+    def monitor_urls(self) -> list[str]:
+        return [n.monitor_url for n in self.nodes]
+
+    def mesh_args(self) -> list[str]:
+        """The `inboxmesh up` flags of a mesh on this cluster, with every stream on three nodes."""
+        return ["--store", "jetstream", "--nats", ",".join(self.urls), "--nats-monitor",
+                ",".join(self.monitor_urls), "--nats-replicas", str(len(self.nodes))]
 
     def start(self) -> NatsCluster:
         try:

@@ -30,7 +30,7 @@ async def test_the_exchange_survives_the_loss_of_the_hosts_replica(tmp_path):
     b_model = GatedModel(SIBLING_POLICIES["B"], {2: gate})  # B's second model call: A's message is in hand
     policies: dict[str, Policy | ScriptedModel] = {**SIBLING_POLICIES, "B": b_model}
     with NatsNode(tmp_path / "nats") as node:
-        args = ("--store", "jetstream", "--nats", node.url)
+        args = node.mesh_args()
         with MeshProcess(tmp_path / "r1", *args) as r1, MeshProcess(tmp_path / "r2", *args) as r2:
             both = f"ipv4:{r1.address},{r2.address}"  # gRPC tries them in order: r1 while it lives
             async with scripted_host(both, tmp_path / "host", policies) as host:
@@ -65,7 +65,7 @@ async def test_an_ack_whose_answer_was_lost_still_reaches_the_agent(tmp_path):
     the model."""
     secret = f"SEC-{secrets.randbelow(10**6):06d}"
     with NatsNode(tmp_path / "nats") as node:
-        args = ("--store", "jetstream", "--nats", node.url)
+        args = node.mesh_args()
         # the second ack: A's task (both children are registered by then; a registration is not retried)
         with MeshProcess(tmp_path / "r1", *args, env={"INBOXMESH_CRASH_AT": "ack-stored:2"}) as r1, \
                 MeshProcess(tmp_path / "r2", *args) as r2:

@@ -27,6 +27,11 @@ class StoreConfig:
     """How long to wait for another process holding the database lock."""
     nats_urls: tuple[str, ...] = ()
     """NATS servers of the "jetstream" backend (any of a cluster's nodes)."""
+    nats_monitor_urls: tuple[str, ...] = ()
+    """Monitoring endpoints of the NATS servers (`nats-server -m PORT`), read at start to check that each
+    fsyncs every write (services/store/jetstream/durability.py); empty: port 8222 of each server's host."""
+    nats_accept_lazy_fsync: bool = False
+    """Start without that check, on servers that may fsync only every two minutes (their default)."""
     nats_replicas: int = 1
     """JetStream replicas of every stream and bucket (3 on a three-node cluster)."""
     nats_timeout_s: float = 5.0

@@ -138,6 +138,13 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+def _monitor_urls(urls: tuple[str, ...]) -> str | None:
+    wrong = [url for url in urls if not url.startswith(("http://", "https://"))]
+    if wrong:
+        return f"expected http:// or https:// URLs of the servers' monitoring ports, got {wrong[0][:80]!r}"
+    return None
+
+
 def _at_least(low: int, high: int | None = None) -> Callable[[int], str | None]:
     def check(value: int) -> str | None:
         if not isinstance(value, int) or isinstance(value, bool):
@@ -190,6 +197,10 @@ BACKEND = Setting("store", lambda: _STORE.backend, flag="--store", check=_one_of
 NATS = Setting[tuple[str, ...]]("nats", lambda: (), flag="--nats", parse=_names)
 NATS_REPLICAS = Setting("nats_replicas", lambda: _STORE.nats_replicas, flag="--nats-replicas", parse=_integer,
                         check=_at_least(1, 5))
+NATS_MONITOR = Setting[tuple[str, ...]]("nats_monitor", lambda: _STORE.nats_monitor_urls, flag="--nats-monitor",
+                                        parse=_names, check=_monitor_urls)
+NATS_LAZY_FSYNC = Setting("nats_accept_lazy_fsync", lambda: _STORE.nats_accept_lazy_fsync,
+                          flag="--nats-accept-lazy-fsync")
 NATS_NAMESPACE = Setting("nats_namespace", lambda: _STORE.nats_namespace, flag="--nats-namespace", check=_text)
 IOA_NETWORK = Setting[str | None]("ioa_network", lambda: None, flag="--ioa-network")
 NODE_ID = Setting[str | None]("node_id", lambda: None, flag="--node-id")
@@ -229,12 +240,14 @@ def mesh_config(flags: Mapping[str, object], env: Mapping[str, str]) -> MeshConf
                                         layers.value(NODE_ID))
     backend, urls, replicas, namespace = (layers.value(BACKEND), layers.value(NATS), layers.value(NATS_REPLICAS),
                                           layers.value(NATS_NAMESPACE))  # every given flag is checked, used or not
+    monitors, lazy_fsync = layers.value(NATS_MONITOR), bool(layers.value(NATS_LAZY_FSYNC))
     store = StoreConfig(path=layers.value(DATA_DIR) / "mesh.db", synchronous=layers.value(SYNCHRONOUS))
     if backend == "jetstream":
         if not urls:
             raise errors.InvalidArgument("--store jetstream needs --nats URL[,URL...]", reason=Reason.BAD_CONFIG,
                                          metadata={"setting": "--nats"})
-        store = replace(store, backend="jetstream", nats_urls=urls, nats_replicas=replicas, nats_namespace=namespace)
+        store = replace(store, backend="jetstream", nats_urls=urls, nats_replicas=replicas, nats_namespace=namespace,
+                        nats_monitor_urls=monitors, nats_accept_lazy_fsync=lazy_fsync)
     ioa = None
     if network:
         ioa = IoaConfig(node_id=node_id or f"mesh-{port or 'any'}", network=network)

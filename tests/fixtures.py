@@ -60,9 +60,18 @@ def store_config(tmp_path: Path) -> StoreConfig:
         node = NatsNode(Path(tempfile.mkdtemp(prefix="inboxmesh-nats-"))).start()
         atexit.register(node.kill)
         _NATS["node"] = node
-    return StoreConfig(backend="jetstream", nats_urls=(_NATS["node"].url,),
-                       nats_namespace="t" + hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12],
-                       path=tmp_path / "mesh.db")  # the same directory is the same mesh, as with SQLite
+    namespace = "t" + hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
+    return _NATS["node"].store_config(nats_namespace=namespace, path=tmp_path / "mesh.db")  # the same directory
+    # is the same mesh, as with SQLite
+
+
+def store_args(store: StoreConfig) -> tuple[str, ...]:
+    """The `inboxmesh up` flags of a mesh process on `store` (a store_config): none for SQLite (its file is
+    in the process's data directory), the NATS servers and namespace for JetStream."""
+    if store.backend != "jetstream":
+        return ()
+    return ("--store", "jetstream", "--nats", ",".join(store.nats_urls), "--nats-monitor",
+            ",".join(store.nats_monitor_urls), "--nats-namespace", store.nats_namespace)
 
 
 def contiguous_sequences() -> bool:

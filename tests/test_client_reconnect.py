@@ -25,7 +25,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.faults import ENV as CRASH_AT
 from services.server import Mesh
-from tests.fixtures import ADMIN_TOKEN, eventually, make_config, store_config
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config, store_args, store_config
 from tests.processes import MeshProcess
 from tests.streams import Collector
 
@@ -126,9 +126,7 @@ async def test_an_ack_whose_mesh_died_after_storing_it_is_retried_once_the_mesh_
     client's next attempt goes to the restarted mesh, which answers that the
     message is consumed already."""
     store = store_config(tmp_path)
-    store_args = () if store.backend != "jetstream" else (
-        "--store", "jetstream", "--nats", ",".join(store.nats_urls), "--nats-namespace", store.nats_namespace)
-    with MeshProcess(tmp_path / "mesh", *store_args, env={CRASH_AT: "ack-stored"}) as crashing:
+    with MeshProcess(tmp_path / "mesh", *store_args(store), env={CRASH_AT: "ack-stored"}) as crashing:
         port = int(crashing.address.rpartition(":")[2])
         async with MeshClient(crashing.address, timeout=CALL_TIMEOUT, admin_token=ADMIN_TOKEN) as client:
             lead = await client.register("lead")
@@ -141,7 +139,7 @@ async def test_an_ack_whose_mesh_died_after_storing_it_is_retried_once_the_mesh_
             await inbox.ended.wait()
             async with AddressHolder(port) as holder:
                 await holder.until_failed_or_waiting(acking)
-            with MeshProcess(tmp_path / "mesh", *store_args, "--port", str(port)):
+            with MeshProcess(tmp_path / "mesh", *store_args(store), "--port", str(port)):
                 results = await acking
                 assert [(r.sequence, r.status) for r in results] == [(receipt.sequence,
                                                                       pb.ACK_STATUS_ALREADY_CONSUMED)]

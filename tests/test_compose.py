@@ -56,10 +56,9 @@ class Local:
 
     def argv(self, name: str, command: str) -> list[str]:
         services = load()
-        own = re.search(r"(?:--port|-p) (\d+)", command)
-        text = command.replace("/data", str(self.tmp / name))
-        if own:  # the service's own port, as the others address it
-            text = re.sub(r"(--port|-p) \d+", lambda m: f"{m.group(1)} {self.port(name, own.group(1))}", text)
+        text = command.replace("/data", str(self.tmp / name)).replace("/app/", f"{ROOT}/")  # the image's copy
+        # the service's own ports (its clients', nats-server's monitoring), as the others address them
+        text = re.sub(r"(--port|-p|-m) (\d+)", lambda m: f"{m.group(1)} {self.port(name, m.group(2))}", text)
         for other in services:
             def local_address(m: re.Match[str], other: str = other) -> str:
                 return f"127.0.0.1:{self.port(other, m.group(1))}"

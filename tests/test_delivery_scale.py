@@ -27,7 +27,7 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.config import RunsConfig
 from services.inbox import delivery
 from services.server import Mesh
-from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config, store_args
 from tests.processes import MeshProcess
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.counts]
@@ -298,11 +298,7 @@ async def test_a_backlog_takes_its_share_per_round_and_does_not_hold_back_the_ot
 def _other_process(crowd: Crowd) -> MeshProcess:
     """A registry-only mesh process on the crowd's store (its SQLite file, or its NATS namespace)."""
     store = crowd.mesh.config.store
-    extra = ["--services", "registry"]
-    if STORE == "jetstream":
-        extra += ["--store", "jetstream", "--nats", ",".join(store.nats_urls), "--nats-namespace",
-                  store.nats_namespace]
-    return MeshProcess(store.path.parent, *extra)
+    return MeshProcess(store.path.parent, "--services", "registry", *store_args(store))
 
 
 @module_loop

@@ -13,7 +13,6 @@ from inboxmesh.client.mesh import MeshClient
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.clock import now_us
-from services.config import StoreConfig
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, make_config
 from tests.streams import Collector
@@ -22,8 +21,7 @@ from tests.streams import Collector
 @pytest.fixture
 async def jetstream_mesh(tmp_path):
     with NatsNode(tmp_path / "nats") as node:
-        config = replace(make_config(tmp_path), store=StoreConfig(
-            backend="jetstream", nats_urls=(node.url,), nats_namespace=f"c{uuid.uuid4().hex[:12]}"))
+        config = replace(make_config(tmp_path), store=node.store_config(nats_namespace=f"c{uuid.uuid4().hex[:12]}"))
         async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
             yield mesh, client
 

@@ -22,7 +22,6 @@ from inboxmesh.client.errors import Reason
 from inboxmesh.runs.v1 import runs_pb2
 from services import auth
 from services.clock import now_us
-from services.config import StoreConfig
 from services.store.base import AGENT_OPEN, AgentRecord, RunRecord, SpawnLimits
 from services.store.jetstream import JetStreamStore
 from services.store.jetstream.kv import CasResult, write
@@ -40,8 +39,7 @@ def node(tmp_path) -> Iterator[NatsNode]:
 
 @pytest.fixture
 async def store(node) -> AsyncIterator[JetStreamStore]:
-    s = JetStreamStore(StoreConfig(backend="jetstream", nats_urls=(node.url,), nats_timeout_s=1.0,
-                                   nats_namespace=f"cas{uuid.uuid4().hex[:12]}"))
+    s = JetStreamStore(node.store_config(nats_timeout_s=1.0, nats_namespace=f"cas{uuid.uuid4().hex[:12]}"))
     await s.start()
     try:
         yield s

@@ -19,7 +19,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.runs.v1 import runs_pb2 as runs
-from services.config import MeshConfig, StoreConfig
+from services.config import MeshConfig
 from services.server import Mesh
 from services.store.jetstream import kv
 from tests.fixtures import ADMIN_TOKEN, eventually
@@ -29,9 +29,9 @@ from tests.streams import Collector
 pytestmark = pytest.mark.timeout(180)
 
 
-def replica(tmp_path, urls: list[str], name: str, replicas: int = 1, env: dict | None = None) -> MeshProcess:
-    return MeshProcess(tmp_path / name, "--store", "jetstream", "--nats", ",".join(urls),
-                       "--nats-replicas", str(replicas), env=env)
+def replica(tmp_path, nats: NatsNode | NatsCluster, name: str, env: dict | None = None) -> MeshProcess:
+    """A mesh process on the node, or on the cluster with every stream on its three nodes."""
+    return MeshProcess(tmp_path / name, *nats.mesh_args(), env=env)
 
 
 class Traffic:
@@ -178,8 +178,7 @@ async def test_another_replicas_append_wakes_a_stream_at_once_and_a_replicas_own
     each would only make a feed read the store again."""
     node = NatsNode(tmp_path / "nats").start()
     try:
-        store = StoreConfig(backend="jetstream", nats_urls=(node.url,), nats_namespace="notices",
-                            path=tmp_path / "mesh.db")
+        store = node.store_config(nats_namespace="notices", path=tmp_path / "mesh.db")
         config = MeshConfig(port=0, store=store, admin_token=ADMIN_TOKEN, heartbeat_interval_s=60)
         async with Mesh(config) as a, Mesh(config) as b, MeshClient(a.address, admin_token=ADMIN_TOKEN) as on_a, \
                 MeshClient(b.address, admin_token=ADMIN_TOKEN) as on_b:
@@ -205,7 +204,7 @@ async def test_another_replicas_append_wakes_a_stream_at_once_and_a_replicas_own
 
 async def test_a_killed_replica_loses_nothing_and_its_host_resumes_on_another(tmp_path):
     with NatsNode(tmp_path / "nats") as node:
-        with replica(tmp_path, [node.url], "r1") as r1, replica(tmp_path, [node.url], "r2") as r2:
+        with replica(tmp_path, node, "r1") as r1, replica(tmp_path, node, "r2") as r2:
             sender, target = await _pair(r1.address)
             traffic = Traffic([r1.address, r2.address], sender, target)
             async with running(traffic, 300):
@@ -218,12 +217,12 @@ async def test_a_killed_replica_loses_nothing_and_its_host_resumes_on_another(tm
 async def test_a_restarted_nats_node_loses_nothing_accepted(tmp_path):
     node = NatsNode(tmp_path / "nats").start()
     try:
-        with replica(tmp_path, [node.url], "r1") as r1:
+        with replica(tmp_path, node, "r1") as r1:
             sender, target = await _pair(r1.address)
             traffic = Traffic([r1.address], sender, target)
             async with running(traffic, 200):
                 await eventually(lambda: len(traffic.received) >= 50, timeout=30, message="traffic flowing")
-                node.kill()  # file storage: what was acknowledged is on disk
+                node.kill()  # kill -9 mid-burst: what was acknowledged is on disk (fsynced first)
                 await asyncio.sleep(1.0)
                 node.start()
             async with MeshClient(r1.address, admin_token=ADMIN_TOKEN) as admin:
@@ -232,22 +231,26 @@ async def test_a_restarted_nats_node_loses_nothing_accepted(tmp_path):
         node.kill()
 
 
-async def test_one_node_of_three_stopped_while_traffic_flows(tmp_path):
+async def test_one_node_of_three_killed_mid_burst_and_restarted_loses_nothing_accepted(tmp_path):
+    """kill -9 of a node of a three-node cluster (replicas 3, every node fsyncing each write) while
+    messages flow, then its restart: the other two keep a quorum, and the node rejoins."""
     with NatsCluster(tmp_path / "nats") as cluster:
         await wait_for_jetstream(cluster.urls, replicas=3)
-        with replica(tmp_path, cluster.urls, "r1", replicas=3) as r1, \
-                replica(tmp_path, cluster.urls, "r2", replicas=3) as r2:
+        with replica(tmp_path, cluster, "r1") as r1, \
+                replica(tmp_path, cluster, "r2") as r2:
             sender, target = await _pair(r1.address)
             traffic = Traffic([r1.address, r2.address], sender, target)
-            async with running(traffic, 200):
+            async with running(traffic, 300):
                 await eventually(lambda: len(traffic.received) >= 50, timeout=30, message="traffic flowing")
-                cluster.nodes[0].stop()
+                cluster.nodes[0].kill()
+                await eventually(lambda: len(traffic.received) >= 150, timeout=60, message="traffic on two nodes")
+                cluster.nodes[0].start()
             async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
                 await traffic.check(admin)
 
 
 async def test_retries_after_timeouts_are_duplicates_and_a_crashed_host_gets_its_messages_again(tmp_path):
-    with NatsNode(tmp_path / "nats") as node, replica(tmp_path, [node.url], "r1") as r1:
+    with NatsNode(tmp_path / "nats") as node, replica(tmp_path, node, "r1") as r1:
         sender, target = await _pair(r1.address)
         accepted: dict[str, int] = {}
         async with MeshClient(r1.address, timeout=0.004) as hasty, MeshClient(r1.address) as patient:
@@ -294,9 +297,9 @@ async def test_a_consumption_whose_replica_died_before_its_event_still_gets_its_
     the CONSUMED event (a crash point): the event keeper of the other
     replica takes over the keeper's lease and publishes it, once."""
     with NatsNode(tmp_path / "nats") as node:
-        with replica(tmp_path, [node.url], "r1", env={"INBOXMESH_CRASH_AT": "consumed-unrecorded"}) as r1:
+        with replica(tmp_path, node, "r1", env={"INBOXMESH_CRASH_AT": "consumed-unrecorded"}) as r1:
             sender, target = await _pair(r1.address)  # r1 starts first: it holds the keeper's lease
-            with replica(tmp_path, [node.url], "r2") as r2:
+            with replica(tmp_path, node, "r2") as r2:
                 async with MeshClient(r2.address) as client:
                     receipt = await client.agent(sender.info, sender.credential).send(
                         target.agent_id, "x", message_id="gap-1")
@@ -322,8 +325,8 @@ async def test_a_spawn_whose_replica_died_midway_is_retried_into_one_child_with_
     other replica: the same child, its run completed, one slot among the
     parent's active children."""
     with NatsNode(tmp_path / "nats") as node:
-        with replica(tmp_path, [node.url], "r1", env={"INBOXMESH_CRASH_AT": "child-stored"}) as r1, \
-                replica(tmp_path, [node.url], "r2") as r2:
+        with replica(tmp_path, node, "r1", env={"INBOXMESH_CRASH_AT": "child-stored"}) as r1, \
+                replica(tmp_path, node, "r2") as r2:
             async with MeshClient(r2.address) as client:
                 lead = await client.register("lead")
             async with MeshClient(f"ipv4:{r1.address},{r2.address}", timeout=20.0) as both:
@@ -346,13 +349,13 @@ async def test_a_close_whose_replica_died_midway_is_finished_by_another(tmp_path
     dead-lettered and their sender told, the child's run ends CLOSED, and
     the record has the close once."""
     with NatsNode(tmp_path / "nats") as node:
-        with replica(tmp_path, [node.url], "r1", env={"INBOXMESH_CRASH_AT": "closed-unfinished"}) as r1:
+        with replica(tmp_path, node, "r1", env={"INBOXMESH_CRASH_AT": "closed-unfinished"}) as r1:
             async with MeshClient(r1.address) as client:
                 lead = await client.register("lead")
                 sender = await lead.spawn("sender")
                 child = await lead.spawn("child", run=reg.RunSpec(task="t"))
                 receipts = [await sender.send(child.agent_id, f"m{i}", message_id=f"q-{i}") for i in range(3)]
-            with replica(tmp_path, [node.url], "r2") as r2:
+            with replica(tmp_path, node, "r2") as r2:
                 async with MeshClient(r1.address) as client:
                     with pytest.raises(errors.MeshError):
                         await client.agent(lead.info, lead.credential).close(child.agent_id, "enough")

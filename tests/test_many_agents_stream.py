@@ -23,7 +23,7 @@ from services.directory import Caller
 from services.inbox.service import StreamSenders
 from services.server import Mesh
 from services.store.sqlite.store import SqliteStore
-from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config, store_config
+from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config, store_args, store_config
 from tests.processes import MeshProcess
 
 ACCEPTED = pb.RECEIPT_STATUS_ACCEPTED
@@ -325,11 +325,9 @@ async def test_an_agent_closed_before_the_stream_subscribes_ends_alone(client):
 @pytest.mark.timeout(300)  # 1,000 registrations take a while on JetStream
 async def test_resume_after_a_mesh_restart_with_a_thousand_agents_loses_and_repeats_nothing(tmp_path):
     store = store_config(tmp_path)
-    store_args: tuple[str, ...] = () if store.backend != "jetstream" else (
-        "--store", "jetstream", "--nats", ",".join(store.nats_urls), "--nats-namespace", store.nats_namespace)
-    store_args = (*store_args, "--max-active-children", str(CHILDREN))
+    mesh_args = (*store_args(store), "--max-active-children", str(CHILDREN))
     agents_count, per_agent, batch = 1000, 2, 40
-    with MeshProcess(tmp_path / "mesh", *store_args) as first:
+    with MeshProcess(tmp_path / "mesh", *mesh_args) as first:
         port = int(first.address.rpartition(":")[2])
         async with MeshClient(first.address, timeout=30, admin_token=ADMIN_TOKEN) as client:
             lead = await client.register("lead")
@@ -356,7 +354,7 @@ async def test_resume_after_a_mesh_restart_with_a_thousand_agents_loses_and_repe
                 sending = asyncio.create_task(send_all())
                 await eventually(lambda: host.won_count() >= 300, 60, message="consumption under way")
                 first.kill()  # mid-stream: sends, deliveries and acks on the wire
-                with MeshProcess(tmp_path / "mesh", *store_args, "--port", str(port)):
+                with MeshProcess(tmp_path / "mesh", *mesh_args, "--port", str(port)):
                     await sending
                     assert set(receipts.values()) <= {ACCEPTED, pb.RECEIPT_STATUS_DUPLICATE}
                     assert len(receipts) == len(messages)

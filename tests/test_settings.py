@@ -105,6 +105,11 @@ def test_the_ioa_relay_and_the_jetstream_store_are_assembled_from_their_flags():
     assert config.services == (*MeshConfig().services, "relay")
     assert config.store.backend == "jetstream" and config.store.nats_replicas == 3
     assert config.store.nats_urls == ("nats://a:4222", "nats://b:4222")
+    assert config.store.nats_monitor_urls == () and not config.store.nats_accept_lazy_fsync, "checked by default"
+    checked = settings.mesh_config(up("--store", "jetstream", "--nats", "nats://a:4222", "--nats-monitor",
+                                      "http://a:8222, https://b:8223", "--nats-accept-lazy-fsync"), {})
+    assert checked.store.nats_monitor_urls == ("http://a:8222", "https://b:8223")
+    assert checked.store.nats_accept_lazy_fsync
 
 
 @pytest.mark.parametrize(("argv", "env", "starts"), [
@@ -112,6 +117,7 @@ def test_the_ioa_relay_and_the_jetstream_store_are_assembled_from_their_flags():
     (("--max-trail-visits", "0"), {}, "--max-trail-visits: must be at least 1, got 0"),
     (("--heartbeat-interval", "-1"), {}, "--heartbeat-interval: must be a finite number greater than 0, got -1"),
     (("--nats-replicas", "9"), {}, "--nats-replicas: must be at most 5, got 9"),
+    (("--nats-monitor", "a:8222"), {}, "--nats-monitor: expected http:// or https:// URLs of the servers'"),
     ((), {settings.ENV_ADMIN_TOKEN: "  "}, f"{settings.ENV_ADMIN_TOKEN}: is empty"),
 ])
 def test_a_bad_value_is_refused_naming_the_setting(argv, env, starts):

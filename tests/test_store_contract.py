@@ -44,8 +44,7 @@ async def client(request, backend, tmp_path):
     config = make_config(tmp_path)
     if backend == "jetstream":
         node = request.getfixturevalue("nats_node")
-        config = replace(config, store=StoreConfig(backend="jetstream", nats_urls=(node.url,),
-                                                   nats_namespace=f"c{uuid.uuid4().hex[:12]}"))
+        config = replace(config, store=node.store_config(nats_namespace=f"c{uuid.uuid4().hex[:12]}"))
     else:
         config = replace(config, store=StoreConfig(path=tmp_path / "mesh.db"))
     async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as c:
@@ -155,9 +154,8 @@ async def test_duplicates_are_found_after_jetstream_forgot_them(nats_node, tmp_p
     the durable idempotency record answers after it: the same receipt
     (DUPLICATE, original sequence), one stored copy, also when the target
     has been closed since."""
-    config = replace(make_config(tmp_path), store=StoreConfig(
-        backend="jetstream", nats_urls=(nats_node.url,), nats_namespace=f"w{uuid.uuid4().hex[:12]}",
-        nats_duplicate_window_s=0.5))
+    store = nats_node.store_config(nats_namespace=f"w{uuid.uuid4().hex[:12]}", nats_duplicate_window_s=0.5)
+    config = replace(make_config(tmp_path), store=store)
     async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
         lead = await client.register("lead")
         a, b, c = await lead.spawn("a"), await lead.spawn("b"), await lead.spawn("c")
@@ -185,8 +183,7 @@ async def test_the_keeper_finds_nothing_to_restore_after_operations_that_finishe
     of the event the writing process published: after sends, deliveries,
     acks, a close with dead letters and a run announced, its replay adds
     no event (each is dropped as a copy) and the record holds each once."""
-    config = replace(make_config(tmp_path), store=StoreConfig(
-        backend="jetstream", nats_urls=(nats_node.url,), nats_namespace=f"k{uuid.uuid4().hex[:12]}"))
+    config = replace(make_config(tmp_path), store=nats_node.store_config(nats_namespace=f"k{uuid.uuid4().hex[:12]}"))
     async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
         lead = await client.register("lead")
         a, b = await lead.spawn("a"), await lead.spawn("b")

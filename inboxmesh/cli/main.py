@@ -80,8 +80,9 @@ async def _up(args) -> int:
         return 2
     try:
         await mesh.start()
-    except errors.Unavailable as exc:
-        print(f"inboxmesh: {exc.message}. Use --port 0 for any free port.", file=sys.stderr)
+    except errors.MeshError as exc:  # the port taken, the store unreachable or unfit (SCHEMA_MISMATCH, ...)
+        hint = ". Use --port 0 for any free port." if exc.reason == errors.Reason.BIND_FAILED else ""
+        print(f"inboxmesh: {exc.message}{hint}", file=sys.stderr)
         return 1
     state = settings.write_state(settings.data_dir(flags, os.environ), mesh.address, config.admin_token)
     where = (f"sqlite {config.store.path}" if config.store.backend == "sqlite"
@@ -283,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sqlite: embedded file in --data-dir (default); jetstream: NATS JetStream (docs/jetstream.md)")
     up.add_argument("--nats", metavar="URL[,URL]", help="NATS servers of the jetstream store")
     up.add_argument("--nats-replicas", type=int, help="JetStream replicas (default 1; 3 on a three-node cluster)")
+    up.add_argument("--nats-monitor", metavar="URL[,URL]",
+                    help="monitoring endpoints of the NATS servers (nats-server -m PORT), read at start to check"
+                         " that each fsyncs every write (default: port 8222 of each --nats host)")
+    up.add_argument("--nats-accept-lazy-fsync", action="store_true", default=None,
+                    help="start without that check: on a server that does not fsync every write, a power loss"
+                         " can lose accepted messages")
     up.add_argument("--nats-namespace", help="prefix of the mesh's streams and buckets (default im)")
     up.add_argument("--routing", metavar="FILE", help="routing config (YAML or TOML: agents.list, bindings,"
                     " ingress.tokens; docs/routing.md); serves the routing ingress")

@@ -24,6 +24,7 @@ from nats.js.errors import APIError, BadRequestError
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from services.config import StoreConfig
+from services.store.jetstream.durability import check_durability
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -99,6 +100,11 @@ class JetStreamConnection:
         except Exception as exc:
             raise errors.Unavailable(f"cannot reach NATS at {', '.join(urls)}: {exc}",
                                      reason=Reason.NATS_DOWN) from None
+        try:
+            await check_durability(self.config)
+        except errors.MeshError:
+            await self.close()
+            raise
         self.js = self.nc.jetstream(timeout=self.config.nats_timeout_s)
         replicas = self.config.nats_replicas
         ns = self.ns
