@@ -65,8 +65,8 @@ async def _start_children(host: ScriptedHost, lead, count: int, prefix: str = "c
 async def _send_to_all(sender: AgentHandle, recipients: list[str], per_agent: int, tag: str) -> list[pb.Receipt]:
     envelopes = [envelope(r, f"{tag}-{n}", message_id=f"{tag}-{n}-{r}") for n in range(per_agent) for r in recipients]
     receipts: list[pb.Receipt] = []
-    for start in range(0, len(envelopes), 200):
-        receipts += await sender.send_batch(envelopes[start:start + 200])
+    for start in range(0, len(envelopes), 50):  # each batch well within the call deadline on a busy JetStream
+        receipts += await sender.send_batch(envelopes[start:start + 50])
     return receipts
 
 

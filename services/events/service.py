@@ -3,10 +3,14 @@
 Live watchers are fed from memory: after each commit the store hands over
 the event rows it just wrote (with their ids), and every watcher keeps the
 ones its filter matches in a bounded buffer. A watcher reads the store
-instead when it starts behind (replay), when its buffer overflowed, and
-when events appear that this process did not write (another process on the
-same store): the ids then show a gap. Ids are one total order, so a watcher
-never yields an event twice or skips one.
+instead when it starts behind (replay), when its buffer overflowed, when
+events appear that this process did not write (another process on the
+same store: the ids then show a gap), and once per poll interval (another
+process's events that no commit of ours follows). A read that such a
+request overtook does not count as done: the watcher reads again before it
+takes from the buffer, or it would skip the other process's events below
+the buffered ids. Ids are one total order, so a watcher never yields an
+event twice or skips one.
 """
 
 from __future__ import annotations
@@ -32,13 +36,22 @@ EventBatch = list[ev.Event]
 
 
 class _Watcher:
-    __slots__ = ("query", "buffer", "needs_store", "wake")
+    __slots__ = ("query", "buffer", "needs_store", "rereads", "wake")
 
     def __init__(self, query: EventQuery):
         self.query = query
         self.buffer: collections.deque[ev.Event] = collections.deque()
         self.needs_store = True
+        self.rereads = 0
+        """Counts the requests to read the store: a read that one overtook (an event it may not have seen
+        was recorded while it ran) does not clear needs_store."""
         self.wake = asyncio.Event()
+
+    def reread(self) -> None:
+        """Read the store next: events may have been recorded that the buffer does not hold."""
+        self.needs_store = True
+        self.rereads += 1
+        self.wake.set()
 
     def matches(self, row: EventRow) -> bool:
         q = self.query
@@ -55,7 +68,7 @@ class _Watcher:
         # its snapshot before this event committed.
         if len(self.buffer) >= _BUFFER_LIMIT:
             self.buffer.clear()
-            self.needs_store = True
+            self.reread()
         else:
             self.buffer.append(row.event(event_id))
         self.wake.set()
@@ -76,18 +89,16 @@ class EventsService:
         """Every poll interval, make every watcher re-read the store once:
         the safety net for events written by another process."""
         for watcher in self._watchers:
-            watcher.needs_store = True
-            watcher.wake.set()
+            watcher.reread()
         self._poll = asyncio.get_running_loop().call_later(self._poll_interval_s, self._poll_store)
 
     def _on_commit(self, first_id: int, rows: list[EventRow]) -> None:
         gap = self._last_seen >= 0 and first_id != self._last_seen + 1
         self._last_seen = first_id + len(rows) - 1
         for watcher in self._watchers:
-            if gap:
-                watcher.needs_store = True  # someone else wrote events in between
+            if gap:  # someone else wrote events in between
                 watcher.buffer.clear()
-                watcher.wake.set()
+                watcher.reread()
                 continue
             for offset, row in enumerate(rows):
                 if watcher.matches(row):
@@ -164,13 +175,14 @@ class EventsService:
             self._poll = asyncio.get_running_loop().call_later(self._poll_interval_s, self._poll_store)
         try:
             last = stored_int(after)
-            if from_now and not after:
-                last = self._last_seen if self._last_seen >= 0 else await self._store.last_event_id()
+            if from_now and not after:  # the store's last id: another process may have recorded events since ours
+                last = max(self._last_seen, await self._store.last_event_id())
             while not self.closing:
                 watcher.wake.clear()
                 if watcher.needs_store:
+                    rereads = watcher.rereads
                     found = await self._store.list_events(replace(watcher.query, after_event_id=last))
-                    if len(found) < _PAGE:
+                    if len(found) < _PAGE and watcher.rereads == rereads:
                         watcher.needs_store = False
                     if found:
                         last = found[-1].event_id

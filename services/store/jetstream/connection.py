@@ -10,6 +10,7 @@ them, each explicitly (`@nats_call`).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import secrets
 from collections.abc import Callable, Coroutine, Iterator
@@ -135,6 +136,32 @@ class JetStreamConnection:
     def require_open(self) -> None:
         if self.nc is None or self.js is None:
             raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED)
+
+    async def direct_batch(self, stream: str, subject: str, seq: int, batch: int) -> tuple[list[Any], int]:
+        """The messages of `stream` on `subject` (wildcards allowed) from sequence `seq` on, at most `batch`,
+        in stream order, in one batched direct get (nats-server 2.11 and later); and how many more on the
+        subject follow them. Each message's sequence is its header Nats-Sequence."""
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        try:
+            await self.nc.publish(f"$JS.API.DIRECT.GET.{stream}",
+                                  json.dumps({"seq": seq, "next_by_subj": subject, "batch": batch}).encode(),
+                                  reply=inbox)
+            found: list[Any] = []
+            while True:
+                msg = await sub.next_msg(timeout=self.config.nats_timeout_s)
+                status = msg.headers.get("Status") if msg.headers else None
+                if status is None:
+                    found.append(msg)
+                elif status == "204":  # end of the batch
+                    return found, int(msg.headers.get("Nats-Num-Pending", "0"))
+                elif status == "404":  # nothing (more) on the subject
+                    return found, 0
+                else:
+                    raise nats.errors.Error(f"direct get from {stream}: status {status}"
+                                            f" {msg.headers.get('Description', '')}"[:200])
+        finally:
+            await sub.unsubscribe()
 
     def bucket(self, name: str) -> Any:
         """A key-value bucket (nats.js.kv.KeyValue) of BUCKETS."""

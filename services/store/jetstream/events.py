@@ -10,7 +10,6 @@ import logging
 from typing import Any
 
 import nats.errors
-from nats.js.errors import NotFoundError
 
 from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
@@ -27,6 +26,8 @@ _DELIVERED, _CONSUMED = ev.EVENT_KIND_MESSAGE_DELIVERED, ev.EVENT_KIND_MESSAGE_C
 _DEAD = ev.EVENT_KIND_MESSAGE_DEAD_LETTERED
 ACCEPTED_NAME = RECEIPT_NAME[ACCEPTED]
 """The detail of the sent event of an accepted message (the receipt's name)."""
+READ_BATCH = 512
+"""Events one batched direct get reads (a list filters by kind and message id after reading)."""
 _ONCE_PER_AGENT = (ev.EVENT_KIND_AGENT_REGISTERED, ev.EVENT_KIND_AGENT_CLOSED)
 _ONCE_PER_RUN = (ev.EVENT_KIND_RUN_CREATED, ev.EVENT_KIND_RUN_STARTED, ev.EVENT_KIND_RUN_ENDED,
                  ev.EVENT_KIND_RUN_ANNOUNCED, ev.EVENT_KIND_RUN_REQUESTER_GONE, ev.EVENT_KIND_RUN_CLEANED_UP,
@@ -143,6 +144,9 @@ class EventLog:
         return int((await self.conn.js.stream_info(self.conn.event_stream)).state.last_seq)
 
     async def read(self, query: EventQuery) -> list[EventRecord]:
+        """The first `query.limit` matching events after `query.after_event_id`, in id order. An agent's
+        events lie on two subjects (it is the subject, or the sender): each is read for its own first
+        `limit` matches, and the union's first `limit` are the answer."""
         ns = self.conn.ns
         if query.agent_id:
             token = kv.token(query.agent_id)
@@ -153,19 +157,24 @@ class EventLog:
             subjects = [f"{ns}.ev.>"]
         found: dict[int, EventRecord] = {}
         for subject in subjects:
-            seq = query.after_event_id + 1
-            while len(found) < query.limit * len(subjects):
-                try:
-                    msg = await self.conn.js.get_msg(self.conn.event_stream, seq=seq, subject=subject, next=True,
-                                                     direct=True)
-                except NotFoundError:
-                    break
-                event = ev.Event.FromString(msg.data)
-                event.event_id = msg.seq
-                if _matches(event, query):
-                    found[msg.seq] = event
-                seq = msg.seq + 1
+            found.update(await self._read_subject(subject, query))
         return [found[k] for k in sorted(found)][:query.limit]
+
+    async def _read_subject(self, subject: str, query: EventQuery) -> dict[int, EventRecord]:
+        """The subject's first `query.limit` matching events after the query's id, by id."""
+        found: dict[int, EventRecord] = {}
+        seq = query.after_event_id + 1
+        while len(found) < query.limit:
+            batch, more = await self.conn.direct_batch(self.conn.event_stream, subject, seq, READ_BATCH)
+            for msg in batch:
+                event = ev.Event.FromString(msg.data)
+                event.event_id = seq = int(msg.headers["Nats-Sequence"])
+                if _matches(event, query) and len(found) < query.limit:
+                    found[seq] = event
+            seq += 1
+            if not batch or not more:
+                break
+        return found
 
 
 def _matches(event: EventRecord, query: EventQuery) -> bool:

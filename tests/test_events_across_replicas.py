@@ -1,0 +1,113 @@
+"""The event record seen through two mesh processes on one store (two Mesh objects on the same SQLite
+file, or the same NATS namespace): a page of an agent's events holds every event about it in id order,
+whichever subject or process it came from, and a watcher on one process sees every event the other
+records, in order, once each, while both are busy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+
+import pytest
+
+from inboxmesh.client.mesh import MeshClient, envelope
+from inboxmesh.events.v1 import events_pb2 as ev
+from services.config import RunsConfig
+from services.server import Mesh
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config
+
+pytestmark = pytest.mark.timeout(240)
+CONSUMED = ev.EVENT_KIND_MESSAGE_CONSUMED
+
+
+async def test_a_page_of_an_agents_events_holds_those_it_sent_and_those_it_received_in_id_order(tmp_path):
+    """An agent is in an event as its subject (received, registered) or as its sender: the page after an id
+    is the first events of either kind, however many of one kind follow."""
+    async with Mesh(make_config(tmp_path)) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+        lead = await client.register("lead")
+        x, y = await lead.spawn("x"), await lead.spawn("y")
+        for i in range(3):
+            await x.send(y.agent_id, f"x to y {i}")
+        await lead.send_batch([envelope(x.agent_id, f"lead to x {i}") for i in range(30)])
+        every = await client.admin_events(limit=1000)
+        expected = [e.event_id for e in every if x.agent_id in (e.agent_id, e.sender)]
+        pages: list[int] = []
+        after = 0
+        while True:
+            page = await client.agent(lead.info, lead.credential).events(agent_id=x.agent_id, after=after, limit=10)
+            if not page:
+                break
+            pages += [e.event_id for e in page]
+            after = page[-1].event_id
+        assert pages == expected, "pages of 10 give every event of x, in id order"
+
+
+async def test_a_watcher_sees_every_consumption_while_the_other_process_records_its_sends(tmp_path):
+    """The layout of the JetStream benchmark that hung: the receiver consumes through replica A and the
+    sender watches those consumptions through A, while the sender sends through replica B, so A's own
+    CONSUMED events interleave with B's SENT and STORED events. Every CONSUMED event must arrive, in id
+    order, each once. On a busy machine a watcher's store read is overtaken by the events recorded while
+    it runs; each read here answers only after A has recorded another event of its own (the real read,
+    its answer held back), which makes that race happen on every read instead of now and then."""
+    count = 400
+    config = replace(make_config(tmp_path, default_capacity=10_000), runs=RunsConfig(max_active_children=100))
+    async with Mesh(config) as a, Mesh(config) as b, MeshClient(a.address, admin_token=ADMIN_TOKEN) as on_a, \
+            MeshClient(b.address, admin_token=ADMIN_TOKEN) as on_b:
+        lead = await on_a.register("lead")
+        sender, receiver = await lead.spawn("sender"), await lead.spawn("receiver")
+        read, recorded = a.store.list_events, asyncio.Event()
+        a.store.add_commit_listener(lambda first_id, rows: recorded.set())
+
+        async def overtaken(query):
+            found = await read(query)
+            recorded.clear()  # the answer waits for an event recorded after the read: one it cannot hold
+            with contextlib.suppress(TimeoutError):  # at the end nothing more comes: answer anyway
+                await asyncio.wait_for(recorded.wait(), 0.5)
+            return found
+
+        a.store.list_events = overtaken  # what the events service reads (the mesh's own store object)
+        seen: list[int] = []
+
+        async def watch() -> None:
+            async for event in sender.watch_events(agent_id=receiver.agent_id, kinds=[CONSUMED], from_now=True):
+                seen.append(event.event_id)
+
+        async def consume() -> None:  # the receiver, on A
+            async for response in receiver.subscribe(64):
+                if response.WhichOneof("event") == "deliveries":
+                    await receiver.ack(m.sequence for m in response.deliveries.messages)
+
+        async def send() -> None:  # the sender, on B
+            me = on_b.agent(sender.info, sender.credential)
+            for i in range(count):
+                await me.send(receiver.agent_id, f"m{i}")
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.3)  # the watch starts at "now"
+        consumer = asyncio.create_task(consume())
+        try:
+            await send()
+            consumed = await eventually(lambda: _consumed(on_b.agent(lead.info, lead.credential), receiver.agent_id,
+                                                          count), timeout=120, interval=0.5,
+                                        message="every message consumed")
+            await eventually(lambda: len(seen) >= len(consumed), timeout=30, interval=0.2,
+                             message=f"the watcher on A saw {len(seen)} of {count} consumptions")
+            assert seen == sorted(consumed), "every consumption once, in id order"
+        finally:
+            for task in (consumer, watcher):
+                task.cancel()
+            await asyncio.gather(consumer, watcher, return_exceptions=True)
+
+
+async def _consumed(reader, receiver_id: str, count: int) -> list[int] | None:
+    """The ids of the receiver's CONSUMED events (listed by `reader`), once all `count` are recorded."""
+    found: list[int] = []
+    after = 0
+    while True:
+        page = await reader.events(agent_id=receiver_id, after=after, limit=1000)
+        if not page:
+            break
+        found += [e.event_id for e in page if e.kind == CONSUMED]
+        after = page[-1].event_id
+    return found if len(found) >= count else None
