@@ -66,7 +66,7 @@ async def test_a_watcher_sees_every_consumption_while_the_other_process_records_
                 await asyncio.wait_for(recorded.wait(), 0.5)
             return found
 
-        a.store.list_events = overtaken  # what the events service reads (the mesh's own store object)
+        a.store.list_events = overtaken  # type: ignore[method-assign]  # what the events service reads (the mesh's own store object)
         seen: list[int] = []
 
         async def watch() -> None:
