@@ -285,6 +285,8 @@ async def _close_while_acking(lead, index: int) -> list[str]:
     return problems
 
 
+@pytest.mark.timeout(360)  # 40 rounds of 40 single acks: about 26 s alone on JetStream (each ack's writes are
+# fsynced), past 120 s in the JetStream lane beside the real-model lane
 async def test_closing_the_agent_while_acks_are_in_flight_ends_the_stream_cleanly(client):
     lead = await client.register("lead")
     problems = []

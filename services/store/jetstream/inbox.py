@@ -110,6 +110,10 @@ def _answers(sequences: list[int], by_seq: dict[int, tuple[AckOutcome, envelope_
     return outcomes
 
 
+_RUNS_AT_ONCE = 64
+"""Recipients of one append whose messages are stored at the same time (InboxLog._append_all)."""
+
+
 class InboxLog:
     def __init__(self, conn: JetStreamConnection, events: EventLog):
         self.conn = conn
@@ -143,10 +147,9 @@ class InboxLog:
         if not sender_id.startswith(base.EXTERNAL_PREFIXES):
             sender = await kv.read_agent(self.conn.agents, sender_id)
             sender_open = sender is not None and sender.is_open
-        outcomes: list[SendOutcome] = []
+        outcomes = await self._append_all(sender_id, sender_open, items, at_us)
         rows: list[EventRow] = []
-        for item in items:
-            outcome = await self._append_one(sender_id, sender_open, item, at_us)
+        for item, outcome in zip(items, outcomes):
             env = item.envelope
             sent = EventRow(at_us, ev.EVENT_KIND_MESSAGE_SENT, outcome.recipient, message_id=env.message_id,
                             sender=sender_id, recipient=outcome.recipient, seq=outcome.sequence,
@@ -155,9 +158,41 @@ class InboxLog:
             rows.append(sent)
             if outcome.status == ACCEPTED:
                 rows.append(replace(sent, kind=ev.EVENT_KIND_MESSAGE_STORED, agent_id=env.recipient, detail=""))
-            outcomes.append(outcome)
         await self.events.emit(rows)
         return outcomes
+
+    async def _append_all(self, sender_id: str, sender_open: bool, items: list[AppendItem],
+                          at_us: int) -> list[SendOutcome]:
+        """The outcome of each item, in order. Each recipient's messages are stored one after the other
+        (FIFO per pair), different recipients' at the same time (at most _RUNS_AT_ONCE): a batch waits
+        for the requests of its longest run, not for those of every message one after the other (each
+        is fsynced). One after the other throughout when the batch names a message id twice or counts a
+        conversation budget: which copy is the duplicate, or which message the budget refuses, must not
+        depend on timing."""
+        runs: dict[str, list[int]] = {}
+        for index, item in enumerate(items):
+            runs.setdefault(item.envelope.recipient, []).append(index)
+        ids = {item.envelope.message_id for item in items}
+        if len(runs) == 1 or len(ids) < len(items) or any(
+                item.conversation_budget and item.envelope.conversation_id for item in items):
+            return [await self._append_one(sender_id, sender_open, item, at_us) for item in items]
+        found: dict[int, SendOutcome] = {}
+        room = asyncio.Semaphore(_RUNS_AT_ONCE)
+
+        async def run(indexes: list[int]) -> None:
+            async with room:
+                for index in indexes:
+                    found[index] = await self._append_one(sender_id, sender_open, items[index], at_us)
+
+        tasks = [asyncio.ensure_future(run(indexes)) for indexes in runs.values()]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # a NATS failure: stop the other runs, raise it (the client retries by id)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [found[index] for index in range(len(items))]
 
     async def _append_one(self, sender_id: str, sender_open: bool, item: AppendItem, at_us: int) -> SendOutcome:
         env = item.envelope
