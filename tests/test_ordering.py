@@ -65,3 +65,21 @@ async def test_concurrent_senders_keep_pair_fifo_and_one_inbox_order(client, pla
         if sub is not None:
             await sub.stop()
         await lead.close()
+
+
+async def test_one_batch_to_several_recipients_keeps_each_pairs_order_and_answers_in_request_order(client):
+    """A batch's messages to different recipients may be stored at the same time (JetStream does): each
+    recipient's stay in batch order, the receipts come in request order, and a message id named twice in
+    one batch is stored once, the first time it is named."""
+    lead = await client.register("lead")
+    kids = [await lead.spawn(f"k{i}") for i in range(4)]
+    batch = [envelope(kids[i % 4].agent_id, f"{i}", message_id=f"m{i}") for i in range(40)]
+    receipts = await lead.send_batch(batch)
+    assert [r.message_id for r in receipts] == [e.message_id for e in batch]
+    assert {r.status for r in receipts} == {pb.RECEIPT_STATUS_ACCEPTED}
+    for kid in kids:
+        mine = [r.sequence for r, e in zip(receipts, batch) if e.recipient == kid.agent_id]
+        assert mine == sorted(mine) and len(set(mine)) == 10, f"{kid.agent_id}'s messages in batch order"
+    twice = await lead.send_batch([envelope(kids[0].agent_id, "first", message_id="same"),
+                                   envelope(kids[1].agent_id, "second", message_id="same")])
+    assert [r.status for r in twice] == [pb.RECEIPT_STATUS_ACCEPTED, pb.RECEIPT_STATUS_DUPLICATE]
