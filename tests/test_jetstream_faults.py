@@ -156,13 +156,13 @@ async def _pair(address: str):
 
 
 @contextlib.asynccontextmanager
-async def running(traffic: Traffic, count: int):
+async def running(traffic: Traffic, count: int, settle_s: float = 60):
     consumer = asyncio.create_task(traffic.consume())
     sender = asyncio.create_task(traffic.send(count))
     try:
         yield sender
         await sender
-        await eventually(lambda: _settled(traffic), timeout=60, message="every accepted message acked")
+        await eventually(lambda: _settled(traffic), timeout=settle_s, message="every accepted message acked")
     finally:
         sender.cancel()
         traffic.stop.set()
@@ -231,16 +231,19 @@ async def test_a_restarted_nats_node_loses_nothing_accepted(tmp_path):
         node.kill()
 
 
+@pytest.mark.timeout(360)
 async def test_one_node_of_three_killed_mid_burst_and_restarted_loses_nothing_accepted(tmp_path):
     """kill -9 of a node of a three-node cluster (replicas 3, every node fsyncing each write) while
-    messages flow, then its restart: the other two keep a quorum, and the node rejoins."""
+    messages flow, then its restart: the other two keep a quorum, and the node rejoins. The restarted
+    node catches up while the last messages are consumed: in the test command's JetStream lane, beside
+    the real-model lane, that took more than 60 s once (28-37 s in all on a machine with two CPU hogs)."""
     with NatsCluster(tmp_path / "nats") as cluster:
         await wait_for_jetstream(cluster.urls, replicas=3)
         with replica(tmp_path, cluster, "r1") as r1, \
                 replica(tmp_path, cluster, "r2") as r2:
             sender, target = await _pair(r1.address)
             traffic = Traffic([r1.address, r2.address], sender, target)
-            async with running(traffic, 300):
+            async with running(traffic, 300, settle_s=240):
                 await eventually(lambda: len(traffic.received) >= 50, timeout=30, message="traffic flowing")
                 cluster.nodes[0].kill()
                 await eventually(lambda: len(traffic.received) >= 150, timeout=60, message="traffic on two nodes")
