@@ -9,7 +9,9 @@ them, each explicitly (`@nats_call`).
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import itertools
 import json
 import logging
 import secrets
@@ -37,6 +39,9 @@ BUCKETS = ("agents", "msgs", "runs", "runwork", "misc")
 """runwork: one key per run not archived yet, so the sweeper reads only those."""
 EVENT_DEDUP_WINDOW_S = 300.0
 """Duplicate window of the events stream: how long a replayed event is recognised (the keeper)."""
+REPLAY_HORIZON_US = int((EVENT_DEDUP_WINDOW_S - 30) * 1_000_000)
+"""An event older than this (by its time) is not published again, by the keeper or as a delivery's
+copy of a message's stored events: the duplicate window might no longer drop the copy."""
 NATS_FAILURES: tuple[type[BaseException], ...] = (nats.errors.Error, TimeoutError, APIError, OSError)
 """What a NATS request raises when NATS is down, slow or refuses (disconnected, timed out, no JetStream
 leader, an error answer)."""
@@ -55,6 +60,11 @@ def nats_errors() -> Iterator[None]:
             f"NATS JetStream did not answer ({type(exc).__name__}: {exc}); retry with the same"
             " message ids (a send may have been stored; a retry is then a duplicate)",
             reason=Reason.STORE_UNAVAILABLE) from None
+
+
+def _settle(future: asyncio.Future[Any], msg: Any) -> None:
+    if not future.done():
+        future.set_result(msg)
 
 
 def nats_call(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
@@ -84,6 +94,10 @@ class JetStreamConnection:
         self.js: Any = None
         """Its JetStream context while open."""
         self._kv: dict[str, Any] = {}
+        self._reply_prefix = ""
+        self._replies: dict[str, Callable[[Any], None]] = {}
+        """Per reply token, what takes the answers of a request in flight (_on_reply)."""
+        self._tokens = itertools.count(1)
         self.origin = secrets.token_hex(8)
         """Names this connection's own appends (header ORIGIN_HEADER), so that it can tell them from other
         processes' in the notices it follows: every path here that appends wakes the delivery hub itself,
@@ -107,6 +121,8 @@ class JetStreamConnection:
             await self.close()
             raise
         self.js = self.nc.jetstream(timeout=self.config.nats_timeout_s)
+        self._reply_prefix = self.nc.new_inbox()
+        await self.nc.subscribe(f"{self._reply_prefix}.*", cb=self._on_reply)
         replicas = self.config.nats_replicas
         ns = self.ns
         await self._ensure_stream(StreamConfig(
@@ -117,9 +133,27 @@ class JetStreamConnection:
             name=self.event_stream, subjects=[f"{ns}.ev.>"], storage=StorageType.FILE, num_replicas=replicas,
             allow_direct=True, duplicate_window=EVENT_DEDUP_WINDOW_S))
         for bucket in BUCKETS:
-            self._kv[bucket] = await self.js.create_key_value(KeyValueConfig(
-                bucket=f"{ns}_{bucket}", history=1, storage=StorageType.FILE, replicas=replicas))
+            self._kv[bucket] = await self._ensure_bucket(bucket, replicas)
         log.info("jetstream store on %s (replicas=%d)", ", ".join(urls), replicas)
+
+    async def _ensure_bucket(self, bucket: str, replicas: int) -> Any:
+        """Create the bucket, or bind to it. The msgs bucket allows direct gets: a delivery asks which of its
+        messages have state entries in one batched direct get (kv.last_many). With one replica every bucket
+        is read by direct gets, which the stream answers itself (0.5 ms here against 0.8 ms through the
+        JetStream API); with more, a follower may answer a direct get a moment behind its leader, so the
+        reads that settle races (an agent's record after a publish) go to the leader. A bucket an earlier
+        version made otherwise is changed."""
+        config = KeyValueConfig(bucket=f"{self.ns}_{bucket}", history=1, storage=StorageType.FILE,
+                                replicas=replicas, direct=bucket == "msgs" or replicas == 1)
+        try:
+            return await self.js.create_key_value(config)
+        except BadRequestError:
+            info = await self.js.stream_info(self.kv_stream(bucket))
+            if info.config.allow_direct == config.direct:
+                raise
+            info.config.allow_direct = config.direct
+            await self.js.update_stream(info.config)
+            return await self.js.create_key_value(config)
 
     async def _ensure_stream(self, config: StreamConfig) -> None:
         try:
@@ -137,31 +171,69 @@ class JetStreamConnection:
         if self.nc is None or self.js is None:
             raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED)
 
+    async def _on_reply(self, msg: Any) -> None:
+        handler = self._replies.get(msg.subject[len(self._reply_prefix) + 1:])
+        if handler is not None:
+            handler(msg)
+
+    async def request_many(self, requests: list[tuple[str, bytes, dict[str, str] | None]]) -> list[Any]:
+        """Send the requests at once, pipelined on one reply subscription, and wait (one timeout for all)
+        for each one's answer, in order. Cheaper for both sides than a request each (nc.request)."""
+        futures: list[asyncio.Future[Any]] = []
+        tokens = []
+        try:
+            for subject, payload, headers in requests:
+                token = str(next(self._tokens))
+                future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                self._replies[token] = functools.partial(_settle, future)
+                tokens.append(token)
+                futures.append(future)
+                await self.nc.publish(subject, payload, reply=f"{self._reply_prefix}.{token}", headers=headers)
+            try:
+                return list(await asyncio.wait_for(asyncio.gather(*futures), self.config.nats_timeout_s))
+            except TimeoutError:
+                raise nats.errors.TimeoutError from None
+        finally:
+            for token in tokens:
+                self._replies.pop(token, None)
+
     async def direct_batch(self, stream: str, subject: str, seq: int, batch: int) -> tuple[list[Any], int]:
         """The messages of `stream` on `subject` (wildcards allowed) from sequence `seq` on, at most `batch`,
         in stream order, in one batched direct get (nats-server 2.11 and later); and how many more on the
         subject follow them. Each message's sequence is its header Nats-Sequence."""
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
+        return await self.direct_get(stream, {"seq": seq, "next_by_subj": subject, "batch": batch})
+
+    async def direct_get(self, stream: str, request: dict[str, Any]) -> tuple[list[Any], int]:
+        """The messages a batched direct get of `stream` answers (a batch from a sequence on a subject, or
+        the last message of each of several subjects: `multi_last`), and how many more follow them."""
+        token = str(next(self._tokens))
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        self._replies[token] = answers.put_nowait
         try:
-            await self.nc.publish(f"$JS.API.DIRECT.GET.{stream}",
-                                  json.dumps({"seq": seq, "next_by_subj": subject, "batch": batch}).encode(),
-                                  reply=inbox)
+            await self.nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(),
+                                  reply=f"{self._reply_prefix}.{token}")
             found: list[Any] = []
             while True:
-                msg = await sub.next_msg(timeout=self.config.nats_timeout_s)
+                try:
+                    msg = await asyncio.wait_for(answers.get(), self.config.nats_timeout_s)
+                except TimeoutError:
+                    raise nats.errors.TimeoutError from None
                 status = msg.headers.get("Status") if msg.headers else None
                 if status is None:
                     found.append(msg)
                 elif status == "204":  # end of the batch
                     return found, int(msg.headers.get("Nats-Num-Pending", "0"))
-                elif status == "404":  # nothing (more) on the subject
+                elif status == "404":  # nothing (more)
                     return found, 0
                 else:
                     raise nats.errors.Error(f"direct get from {stream}: status {status}"
                                             f" {msg.headers.get('Description', '')}"[:200])
         finally:
-            await sub.unsubscribe()
+            self._replies.pop(token, None)
+
+    def kv_subject(self, bucket: str, key: str) -> str:
+        """The subject a bucket's key is written on."""
+        return f"$KV.{self.ns}_{bucket}.{key}"
 
     def bucket(self, name: str) -> Any:
         """A key-value bucket (nats.js.kv.KeyValue) of BUCKETS."""

@@ -16,6 +16,7 @@ import asyncio
 import enum
 import functools
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,6 +41,7 @@ from services.store.base import (
     RECEIPT_NAME,
     TARGET_CLOSED,
     AckOutcome,
+    AgentRecord,
     AppendItem,
     DeliveryBatch,
     EventRow,
@@ -49,11 +51,12 @@ from services.store.base import (
     SendOutcome,
 )
 from services.store.jetstream import kv
-from services.store.jetstream.connection import ORIGIN_HEADER, JetStreamConnection
+from services.store.jetstream.connection import NATS_FAILURES, ORIGIN_HEADER, REPLAY_HORIZON_US, JetStreamConnection
 from services.store.jetstream.events import EventLog, dead_event, message_event, stored_events
 from services.store.jetstream.kv import REJECTED, CasResult, MessageState
 from services.store.jetstream.messages import InboxMessages
 
+log = logging.getLogger(__name__)
 _MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
 _REMEMBERED = 50_000
 """First-delivery states kept per process for the acks that follow (oldest dropped first)."""
@@ -110,6 +113,14 @@ def _answers(sequences: list[int], by_seq: dict[int, tuple[AckOutcome, envelope_
     return outcomes
 
 
+MARK_DELAY_S = 0.05
+"""How long the state entry of a first delivery waits to be written. An ack that comes first writes the
+consumed state instead: one write for both, as the SQLite store's delivered markers ride with its next
+commit. A mesh process that dies meanwhile loses the count of that one attempt (the message is delivered
+again as a first attempt); its delivered event is recorded either way."""
+_UNMARKED_MAX = 10_000
+"""First deliveries waiting to be written at most; beyond, they are written at once."""
+
 _RUNS_AT_ONCE = 64
 """Recipients of one append whose messages are stored at the same time (InboxLog._append_all)."""
 
@@ -122,6 +133,15 @@ class InboxLog:
         self.listeners: list[Callable[[str], None]] = []
         """Called with the recipient's subject token when another process appended to it."""
         self._delivered: dict[tuple[str, int], kv.Entry[MessageState]] = {}
+        self._unmarked: dict[tuple[str, int], MessageState] = {}
+        """First deliveries whose state entry is not written yet (MARK_DELAY_S), by (recipient, sequence)."""
+        self._marking: dict[tuple[str, int], asyncio.Future[None]] = {}
+        """Those being written now: done when the write is."""
+        self._mark_timer: asyncio.TimerHandle | None = None
+        self._mark_tasks: set[asyncio.Task[None]] = set()
+        self._recorded: dict[tuple[str, int], None] = {}
+        """Messages whose sent and stored events this process published (oldest dropped first): their first
+        delivery here need not publish copies of them."""
 
     async def start(self) -> None:
         """Follow appends of every process (a core NATS subscription on the inbox subjects)."""
@@ -134,6 +154,20 @@ class InboxLog:
         for callback in self.listeners:
             callback(token)
 
+    def _note_recorded(self, outcomes: list[SendOutcome]) -> None:
+        for outcome in outcomes:
+            if outcome.status == ACCEPTED:
+                self._recorded[(outcome.recipient, outcome.sequence)] = None
+        while len(self._recorded) > _REMEMBERED:
+            self._recorded.pop(next(iter(self._recorded)))
+
+    def _copies_needed(self, recipient: str, env: envelope_pb2.Envelope, now_us: int) -> bool:
+        """Whether a first delivery publishes copies of the message's sent and stored events: not when
+        this process published them, nor when the message is so old that a copy would not be dropped."""
+        if self._recorded.pop((recipient, env.sequence), 0) is None:
+            return False
+        return env.stored_at_us >= now_us - REPLAY_HORIZON_US
+
     def _remember(self, recipient: str, seq: int, entry: kv.Entry[MessageState]) -> None:
         """The state entry this process wrote at a first delivery, so the ack
         that usually follows can change it without reading it first."""
@@ -143,11 +177,14 @@ class InboxLog:
 
     # -- append ---------------------------------------------------------------------
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
-        sender_open = True
-        if not sender_id.startswith(base.EXTERNAL_PREFIXES):
-            sender = await kv.read_agent(self.conn.agents, sender_id)
-            sender_open = sender is not None and sender.is_open
-        outcomes = await self._append_all(sender_id, sender_open, items, at_us)
+        external = sender_id.startswith(base.EXTERNAL_PREFIXES)
+        recipients = list(dict.fromkeys(item.envelope.recipient for item in items))
+        # the sender and every target read at once (a run uses its target's; a message on its own reads again)
+        found = await asyncio.gather(*([] if external else [kv.read_agent(self.conn.agents, sender_id)]),
+                                     *(kv.read_agent(self.conn.agents, rid) for rid in recipients))
+        sender_open = external or (found[0] is not None and found[0].is_open)
+        targets = dict(zip(recipients, found[0 if external else 1:]))
+        outcomes = await self._append_all(sender_id, sender_open, items, targets, at_us)
         rows: list[EventRow] = []
         for item, outcome in zip(items, outcomes):
             env = item.envelope
@@ -159,30 +196,36 @@ class InboxLog:
             if outcome.status == ACCEPTED:
                 rows.append(replace(sent, kind=ev.EVENT_KIND_MESSAGE_STORED, agent_id=env.recipient, detail=""))
         await self.events.emit(rows)
+        self._note_recorded(outcomes)
         return outcomes
 
     async def _append_all(self, sender_id: str, sender_open: bool, items: list[AppendItem],
-                          at_us: int) -> list[SendOutcome]:
-        """The outcome of each item, in order. Each recipient's messages are stored one after the other
-        (FIFO per pair), different recipients' at the same time (at most _RUNS_AT_ONCE): a batch waits
-        for the requests of its longest run, not for those of every message one after the other (each
-        is fsynced). One after the other throughout when the batch names a message id twice or counts a
-        conversation budget: which copy is the duplicate, or which message the budget refuses, must not
-        depend on timing."""
+                          targets: dict[str, AgentRecord | None], at_us: int) -> list[SendOutcome]:
+        """The outcome of each item, in order. Each recipient's messages (a run) are published pipelined,
+        in order (FIFO per pair), and settled together (_append_run); different recipients' runs at the
+        same time (at most _RUNS_AT_ONCE): a batch waits for a few rounds of requests, not for those of
+        every message one after the other (each write is fsynced). One after the other throughout when
+        the batch names a message id twice or counts a conversation budget: which copy is the duplicate,
+        or which message the budget refuses, must not depend on timing."""
         runs: dict[str, list[int]] = {}
         for index, item in enumerate(items):
             runs.setdefault(item.envelope.recipient, []).append(index)
         ids = {item.envelope.message_id for item in items}
-        if len(runs) == 1 or len(ids) < len(items) or any(
-                item.conversation_budget and item.envelope.conversation_id for item in items):
+        if len(ids) < len(items) or any(item.conversation_budget and item.envelope.conversation_id
+                                        for item in items):
             return [await self._append_one(sender_id, sender_open, item, at_us) for item in items]
+        if len(runs) == 1:
+            return await self._append_run(sender_id, sender_open, items, targets[items[0].envelope.recipient],
+                                          at_us)
         found: dict[int, SendOutcome] = {}
         room = asyncio.Semaphore(_RUNS_AT_ONCE)
 
         async def run(indexes: list[int]) -> None:
             async with room:
-                for index in indexes:
-                    found[index] = await self._append_one(sender_id, sender_open, items[index], at_us)
+                run_items = [items[i] for i in indexes]
+                outcomes = await self._append_run(sender_id, sender_open, run_items,
+                                                  targets[run_items[0].envelope.recipient], at_us)
+                found.update(zip(indexes, outcomes))
 
         tasks = [asyncio.ensure_future(run(indexes)) for indexes in runs.values()]
         try:
@@ -194,61 +237,126 @@ class InboxLog:
             raise
         return [found[index] for index in range(len(items))]
 
-    async def _append_one(self, sender_id: str, sender_open: bool, item: AppendItem, at_us: int) -> SendOutcome:
+    async def _earlier(self, sender_id: str, env: envelope_pb2.Envelope) -> SendOutcome | None:
+        """The receipt of an earlier attempt of this message, if it was stored."""
+        original = await kv.get(self.conn.msgs, kv.idem_key(sender_id, env.message_id), kv.STORED)
+        if original is None:
+            return None
+        stored = original.value
+        state = await kv.get(self.conn.msgs, kv.state_key(stored.recipient, stored.seq), kv.MESSAGE_STATE)
+        if state is not None and state.value.state == REJECTED:
+            return None  # recorded, then taken back (over capacity, target closed): not stored after all
+        return SendOutcome(env.message_id, stored.recipient, DUPLICATE, stored.seq, stored.stored_at_us,
+                           "already accepted from this sender; nothing stored again")
+
+    async def _append_run(self, sender_id: str, sender_open: bool, run: list[AppendItem],
+                          target: AgentRecord | None, at_us: int) -> list[SendOutcome]:
+        """Messages to one recipient (`target`, as read at the start of the append), none with a
+        conversation budget, no message id twice: the ones not refused published pipelined
+        (messages.publish_many), then capacity and a racing close settled once for the run while their
+        idempotency records are created."""
+        rid = run[0].envelope.recipient
+        found: list[SendOutcome | None] = [self._refused(sender_id, sender_open, item, target) for item in run]
+        refused = [i for i, outcome in enumerate(found) if outcome is not None]
+        # a refused send may be the retry of one stored before things changed: that stays a duplicate
+        for i, earlier in zip(refused, await asyncio.gather(*(self._earlier(sender_id, run[i].envelope)
+                                                              for i in refused))):
+            if earlier is not None:
+                found[i] = earlier
+        todo = [i for i, outcome in enumerate(found) if outcome is None]
+        if not todo:
+            return [outcome for outcome in found if outcome is not None]
+        assert target is not None
+        for i in todo:
+            env = run[i].envelope
+            env.sender = sender_id
+            env.sequence = 0
+            env.stored_at_us = at_us
+            env.delivery_attempt = 0
+        published = await self.messages.publish_many(rid, [run[i].envelope for i in todo], target.inbox_capacity)
+        stored = [(i, p) for i, p in zip(todo, published) if p.status in (ACCEPTED, DUPLICATE)]
+        # the idempotency records while capacity and a racing close are settled: the record of a message then
+        # taken back names a rejected message, which _earlier does not count
+        settled, created = await asyncio.gather(
+            self.messages.settle(rid, published, target.inbox_capacity),
+            kv.write_many(self.conn, "msgs", [(kv.idem_key(sender_id, run[i].envelope.message_id),
+                                               kv.STORED.encode(kv.Stored(rid, p.seq, at_us)), 0)
+                                              for i, p in stored]))
+        recorded = {i: bool(made) for (i, _), made in zip(stored, created)}
+        for i, p in zip(todo, settled):
+            env = run[i].envelope
+            if p.status in (ACCEPTED, DUPLICATE):
+                found[i] = await self._settled(sender_id, env, p.status, p.detail, p.seq, recorded[i], at_us)
+            else:
+                found[i] = SendOutcome(env.message_id, rid, p.status, detail=p.detail)
+        return [outcome for outcome in found if outcome is not None]
+
+    def _refused(self, sender_id: str, sender_open: bool, item: AppendItem,
+                 target: AgentRecord | None) -> SendOutcome | None:
+        """Why this send is refused before it is stored (no conversation budget counted), or None."""
         env = item.envelope
         mid, rid = env.message_id, env.recipient
-        idem = kv.idem_key(sender_id, mid)
+        if item.rejection is not None:
+            return SendOutcome(mid, rid, item.rejection[0], detail=item.rejection[1])
+        if not sender_open:
+            return SendOutcome(mid, rid, NOT_PERMITTED, detail=f"sender {sender_id} is closed")
+        if target is None:
+            return SendOutcome(mid, rid, base.UNKNOWN_TARGET, detail=f"no agent {rid}")
+        if not target.is_open:
+            return SendOutcome(mid, rid, TARGET_CLOSED, detail=f"agent {rid} is closed")
+        return None
 
-        async def earlier() -> SendOutcome | None:
-            """The receipt of an earlier attempt of this message, if it was stored."""
-            original = await kv.get(self.conn.msgs, idem, kv.STORED)
-            if original is None:
-                return None
-            stored = original.value
-            return SendOutcome(mid, stored.recipient, DUPLICATE, stored.seq, stored.stored_at_us,
-                               "already accepted from this sender; nothing stored again")
-
-        budgeted = bool(item.conversation_budget and env.conversation_id)
-        if budgeted and (duplicate := await earlier()):
-            return duplicate  # before the budget is counted: a retry does not use it up
-        refusal, capacity = await self._refusal(sender_id, sender_open, item, budgeted)
-        if refusal is not None:
-            # a refused send may be the retry of one stored before things changed: that stays a duplicate
-            return (None if budgeted else await earlier()) or refusal
-        env.sender = sender_id
-        env.sequence = 0
-        env.stored_at_us = at_us
-        env.delivery_attempt = 0
-        status, detail, seq = await self.messages.publish(rid, env, capacity)
-        if status not in (ACCEPTED, DUPLICATE):
-            return SendOutcome(mid, rid, status, detail=detail)
-        if not await kv.create(self.conn.msgs, idem, kv.Stored(rid, seq, at_us), kv.STORED) and status == ACCEPTED:
-            # stored before, longer ago than JetStream's duplicate window: take this copy back
-            duplicate = await earlier()
+    async def _settled(self, sender_id: str, env: envelope_pb2.Envelope, status: int, detail: str, seq: int,
+                       recorded: bool, at_us: int) -> SendOutcome:
+        """The outcome of a message published (ACCEPTED or DUPLICATE by JetStream) whose idempotency record
+        was created (`recorded`) or found to exist: then it was stored before, longer ago than
+        JetStream's duplicate window, and this copy is taken back."""
+        mid, rid = env.message_id, env.recipient
+        if not recorded and status == ACCEPTED:
+            duplicate = await self._earlier(sender_id, env)
             if duplicate is not None and duplicate.sequence != seq and await self.messages.reject(rid, seq):
                 return duplicate
+            if duplicate is None:  # the record names a copy taken back: it names this one now
+                await kv.cas(self.conn.msgs, kv.idem_key(sender_id, mid), lambda _: kv.Stored(rid, seq, at_us),
+                             kv.STORED)
         if status == DUPLICATE:
             return SendOutcome(mid, rid, DUPLICATE, seq, at_us, detail)
         env.sequence = seq
         return SendOutcome(mid, rid, ACCEPTED, seq, at_us, envelope=env)
+
+    async def _append_one(self, sender_id: str, sender_open: bool, item: AppendItem, at_us: int) -> SendOutcome:
+        """One message on its own (a batch that names a message id twice or counts a conversation budget)."""
+        env = item.envelope
+        rid = env.recipient
+        budgeted = bool(item.conversation_budget and env.conversation_id)
+        if budgeted and (duplicate := await self._earlier(sender_id, env)):
+            return duplicate  # before the budget is counted: a retry does not use it up
+        refusal, capacity = await self._refusal(sender_id, sender_open, item, budgeted)
+        if refusal is not None:
+            # a refused send may be the retry of one stored before things changed: that stays a duplicate
+            return (None if budgeted else await self._earlier(sender_id, env)) or refusal
+        env.sender = sender_id
+        env.sequence = 0
+        env.stored_at_us = at_us
+        env.delivery_attempt = 0
+        status, detail, seq, _ = await self.messages.publish(rid, env, capacity)
+        if status not in (ACCEPTED, DUPLICATE):
+            return SendOutcome(env.message_id, rid, status, detail=detail)
+        recorded = await kv.create(self.conn.msgs, kv.idem_key(sender_id, env.message_id),
+                                   kv.Stored(rid, seq, at_us), kv.STORED)
+        return await self._settled(sender_id, env, status, detail, seq, bool(recorded), at_us)
 
     async def _refusal(self, sender_id: str, sender_open: bool, item: AppendItem,
                        budgeted: bool) -> tuple[SendOutcome | None, int]:
         """Why this send is refused before it is stored (or None), and the
         target's inbox capacity."""
         env = item.envelope
-        mid, rid = env.message_id, env.recipient
-        if item.rejection is not None:
-            return SendOutcome(mid, rid, item.rejection[0], detail=item.rejection[1]), 0
-        if not sender_open:
-            return SendOutcome(mid, rid, NOT_PERMITTED, detail=f"sender {sender_id} is closed"), 0
-        target = await kv.read_agent(self.conn.agents, rid)
-        if target is None:
-            return SendOutcome(mid, rid, base.UNKNOWN_TARGET, detail=f"no agent {rid}"), 0
-        if not target.is_open:
-            return SendOutcome(mid, rid, TARGET_CLOSED, detail=f"agent {rid} is closed"), 0
+        target = await kv.read_agent(self.conn.agents, env.recipient) if sender_open else None
+        refusal = self._refused(sender_id, sender_open, item, target)
+        if refusal is not None or target is None:
+            return refusal, 0
         if budgeted and not await self._within_budget(env.conversation_id, item.conversation_budget):
-            return SendOutcome(mid, rid, NOT_PERMITTED,
+            return SendOutcome(env.message_id, env.recipient, NOT_PERMITTED,
                                detail=f"loop guard: conversation {env.conversation_id} has used its budget of"
                                       f" {item.conversation_budget} messages"), 0
         return None, target.inbox_capacity
@@ -261,7 +369,10 @@ class InboxLog:
     # -- delivery -------------------------------------------------------------------
     async def next_deliveries(self, recipient: str, after_sequence: int, limit: int, max_attempts: int,
                               now_us: int, in_flight: int = 0) -> DeliveryBatch:
-        agent = await kv.read_agent(self.conn.agents, recipient)
+        # the recipient's record and the first messages at once (what capacity holds back is cut off after)
+        agent, read = await asyncio.gather(kv.read_agent(self.conn.agents, recipient),
+                                           self.messages.read(recipient, after_sequence + 1, limit))
+        ahead: tuple[list[envelope_pb2.Envelope], int] | None = read
         if agent is None or not agent.is_open:
             return DeliveryBatch([], [], recipient_open=False,
                                  close_reason=agent.close_reason if agent else "unknown agent")
@@ -275,59 +386,131 @@ class InboxLog:
             held_back, limit = room < limit, min(limit, room)
         else:
             held_back = False
-        msgs = self.conn.msgs
         envelopes: list[envelope_pb2.Envelope] = []
         dead: list[MessageRecord] = []
         notices: list[envelope_pb2.Envelope] = []
         rows: list[EventRow] = []
         seq = after_sequence + 1
         while len(envelopes) + len(dead) < limit:
-            env = await self.messages.next(recipient, seq)
-            if env is None:
+            want = limit - len(envelopes) - len(dead)
+            if ahead is not None:
+                batch, more = ahead[0][:want], ahead[1] + max(0, len(ahead[0]) - want)
+                ahead = None
+            else:
+                batch, more = await self.messages.read(recipient, seq, want)
+            if not batch:
                 break
-            seq = env.sequence + 1
-            key = kv.state_key(recipient, env.sequence)
-            expired = bool(env.expires_at_us and env.expires_at_us <= now_us)
-            deliver = functools.partial(_next_attempt, env=env, now_us=now_us)
-
-            written = None
-            if not expired and max_attempts > 0:  # the usual case, a first delivery: one request
-                first = deliver(None)
-                assert first is not None
-                revision = await kv.create(msgs, key, first, kv.MESSAGE_STATE)
-                if revision:
-                    written = first
-                    self._remember(recipient, env.sequence, kv.Entry(first, revision))
-            if written is None:
-                found = await kv.get(msgs, key, kv.MESSAGE_STATE)
-                state = found.value if found else None
-                if state is not None and state.final:
-                    await self.messages.delete(env.sequence)
-                    continue
-                attempts = state.attempts if state else 0
-                reason = base.REASON_EXPIRED if expired else (
-                    base.REASON_ATTEMPTS if attempts >= max_attempts else "")
-                if reason:
-                    record, notice = await self.dead_letter(recipient, env, reason, now_us)
-                    if record is not None:
-                        dead.append(record)
-                    if notice is not None:
-                        notices.append(notice)
-                    continue
-                written = await kv.cas(msgs, key, deliver, kv.MESSAGE_STATE)
+            seq = batch[-1].sequence + 1
+            firsts = await self._first_deliveries(recipient, batch, max_attempts, now_us)
+            for env, written in zip(batch, firsts):
                 if written is None:
-                    continue
-            env.delivery_attempt = written.attempts
-            if env.delivery_attempt == 1:
-                # the sent and stored events first (copies of the sender's, dropped as such): the record
-                # stays in causal order even when this feed is faster than the sender's replica
-                rows += stored_events(env, recipient, env.sequence)
-            rows.append(message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, now_us, recipient, env,
-                                      detail=f"attempt={env.delivery_attempt}"))
-            envelopes.append(env)
+                    written = await self._later_delivery(recipient, env, max_attempts, now_us, dead, notices)
+                    if written is None:
+                        continue
+                env.delivery_attempt = written.attempts
+                if env.delivery_attempt == 1 and self._copies_needed(recipient, env, now_us):
+                    # the sent and stored events first (copies of the sender's, dropped as such): the record
+                    # stays in causal order even when this feed is faster than the sender's replica
+                    rows += stored_events(env, recipient, env.sequence)
+                rows.append(message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, now_us, recipient, env,
+                                          detail=f"attempt={env.delivery_attempt}"))
+                envelopes.append(env)
+            if not more:
+                break
         await self.events.emit(rows)  # before the subscriber can ack: consumed always follows delivered
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
                              held_back=held_back and len(envelopes) + len(dead) >= limit)
+
+    async def _first_deliveries(self, recipient: str, batch: list[envelope_pb2.Envelope], max_attempts: int,
+                                now_us: int) -> list[MessageState | None]:
+        """The usual case: messages delivered for the first time. One batched read tells which have a state
+        entry; those without get their first attempt, written MARK_DELAY_S later unless an ack writes its
+        consumed state first. For each, its state, or None when it is not that (its entry exists, it
+        expired, or deliveries are not counted)."""
+        firsts: list[MessageState | None] = [None] * len(batch)
+        if max_attempts <= 0:
+            return firsts
+        fresh = [(i, (recipient, env.sequence)) for i, env in enumerate(batch)
+                 if not (env.expires_at_us and env.expires_at_us <= now_us)]
+        # delivered before by this process and not written yet (a new subscription): written now, counted on
+        again = {key for _, key in fresh if key in self._unmarked or key in self._marking}
+        if again:
+            await self._mark(list(again))
+            await asyncio.gather(*{self._marking[key] for key in again if key in self._marking})
+        ask = [(i, key) for i, key in fresh if key not in again]
+        existing = await kv.last_many(self.conn, "msgs", [kv.state_key(*key) for _, key in ask])
+        for i, key in ask:
+            if kv.state_key(*key) not in existing:
+                firsts[i] = self._unmarked[key] = MessageState.first(batch[i], DELIVERED).first_attempt(now_us)
+        if len(self._unmarked) > _UNMARKED_MAX:
+            await self._mark(list(self._unmarked))
+        elif self._unmarked and self._mark_timer is None:
+            self._mark_timer = asyncio.get_running_loop().call_later(MARK_DELAY_S, self._marks_due)
+        return firsts
+
+    def _marks_due(self) -> None:
+        self._mark_timer = None
+        task = asyncio.ensure_future(self._mark(list(self._unmarked)))
+        self._mark_tasks.add(task)
+        task.add_done_callback(self._marked)
+
+    def _marked(self, task: asyncio.Task[None]) -> None:
+        self._mark_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("first deliveries not written (their attempts are not counted): %r", task.exception())
+
+    async def _mark(self, keys: list[tuple[str, int]]) -> None:
+        """Write the state entries of the first deliveries of `keys` that are still unmarked."""
+        todo = [(key, self._unmarked.pop(key)) for key in keys if key in self._unmarked]
+        if not todo:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for key, _ in todo:
+            self._marking[key] = done
+        try:
+            revisions = await kv.write_many(self.conn, "msgs", [(kv.state_key(*key), first.encode(), 0)
+                                                                for key, first in todo])
+            for (key, first), revision in zip(todo, revisions):
+                if revision:  # else somebody wrote first (an ack elsewhere, a close): theirs stands
+                    self._remember(*key, kv.Entry(first, revision))
+        finally:
+            for key, _ in todo:
+                self._marking.pop(key, None)
+            done.set_result(None)
+
+    async def flush_marks(self) -> None:
+        """Write every first delivery not written yet (the store closes)."""
+        if self._mark_timer is not None:
+            self._mark_timer.cancel()
+            self._mark_timer = None
+        try:
+            await self._mark(list(self._unmarked))
+        except NATS_FAILURES as exc:
+            log.warning("first deliveries not written at close (their attempts are not counted): %r", exc)
+        await asyncio.gather(*self._mark_tasks, return_exceptions=True)
+
+    async def _later_delivery(self, recipient: str, env: envelope_pb2.Envelope, max_attempts: int, now_us: int,
+                              dead: list[MessageRecord], notices: list[envelope_pb2.Envelope]) -> MessageState | None:
+        """A message whose state entry exists (or that expired): its next attempt written, or None when it is
+        final (then deleted from the stream) or dead-lettered now (added to `dead` and `notices`)."""
+        key = kv.state_key(recipient, env.sequence)
+        found = await kv.get(self.conn.msgs, key, kv.MESSAGE_STATE)
+        state = found.value if found else None
+        if state is not None and state.final:
+            await self.messages.delete(env.sequence)
+            return None
+        attempts = state.attempts if state else 0
+        expired = bool(env.expires_at_us and env.expires_at_us <= now_us)
+        reason = base.REASON_EXPIRED if expired else (base.REASON_ATTEMPTS if attempts >= max_attempts else "")
+        if reason:
+            record, notice = await self.dead_letter(recipient, env, reason, now_us)
+            if record is not None:
+                dead.append(record)
+            if notice is not None:
+                notices.append(notice)
+            return None
+        return await kv.cas(self.conn.msgs, key, functools.partial(_next_attempt, env=env, now_us=now_us),
+                            kv.MESSAGE_STATE)
 
     # -- acks -----------------------------------------------------------------------
     async def ack_many(self, entries: list[tuple[str, list[int], int]], at_us: int) -> list[list[AckOutcome]]:
@@ -337,9 +520,8 @@ class InboxLog:
         recipient's new frontier. A sequence an entry names twice is answered for its first mention
         and ALREADY_CONSUMED (or the same refusal) after, as one ack after the other would."""
         distinct = [list(dict.fromkeys(sequences)) for _, sequences, _ in entries]
-        taken = await asyncio.gather(*(self._consume(recipient, seq, at_us, turn)
-                                       for (recipient, _, turn), seqs in zip(entries, distinct) for seq in seqs),
-                                     return_exceptions=True)
+        taken = await self._consume_many([(recipient, seq, turn) for (recipient, _, turn), seqs in
+                                          zip(entries, distinct) for seq in seqs], at_us)
         failure = next((t for t in taken if isinstance(t, BaseException)), None)
         results = iter(taken)
         answers: list[list[AckOutcome]] = []
@@ -368,7 +550,7 @@ class InboxLog:
             crash_point("consumed-unrecorded")  # the consumptions are stored, their events not yet
         # The frontiers only guard the agents' next sends, and a final message left on the stream (a
         # crash before its delete) is deleted by the next read of its inbox: all of them go together.
-        await asyncio.gather(self.events.emit(rows), *(self.messages.delete(seq) for seq in deletes),
+        await asyncio.gather(self.events.emit(rows), self.messages.delete_many(deletes),
                              *(self.conn.msgs.put(frontier_key(recipient),
                                                   json.dumps([f.hop_count, f.trail]).encode())
                                for recipient, f in frontiers.items()))
@@ -379,6 +561,41 @@ class InboxLog:
     async def frontier(self, agent_id: str) -> Frontier | None:
         found = await kv.get(self.conn.msgs, frontier_key(agent_id), kv.JSON)
         return None if found is None else Frontier(found.value[0], tuple(found.value[1]))
+
+    async def _consume_many(self, acks: list[tuple[str, int, int]], at_us: int) -> list[Any]:
+        """The outcome of each (recipient, sequence, turn) ack, or the NATS failure it met. The usual case, a
+        message this process delivered and remembers, is written at once (pipelined compare-and-set
+        writes, one request each); the others, and any that lost a race, one by one (_consume)."""
+        results: list[Any] = [None] * len(acks)
+        fast: list[tuple[int, MessageState, int]] = []
+        writing = {self._marking[(r, seq)] for r, seq, _ in acks if (r, seq) in self._marking}
+        if writing:  # a first delivery's state being written: it is remembered once written
+            await asyncio.gather(*writing)
+        for k, (recipient, seq, turn) in enumerate(acks):
+            unmarked = self._unmarked.pop((recipient, seq), None)
+            if unmarked is not None:  # delivered and not written yet: the consumed state is its first write
+                fast.append((k, unmarked.consumed(at_us, turn), 0))
+                continue
+            remembered = self._delivered.pop((recipient, seq), None)
+            if remembered is not None and not remembered.value.final:
+                fast.append((k, remembered.value.consumed(at_us, turn), remembered.revision))
+        try:
+            revisions = await kv.write_many(self.conn, "msgs", [
+                (kv.state_key(acks[k][0], acks[k][1]), new.encode(), revision) for k, new, revision in fast])
+        except NATS_FAILURES as exc:  # some may be written: a retry of those finds them consumed
+            revisions = []
+            for k, _, _ in fast:
+                results[k] = exc
+        for (k, new, _), revision in zip(fast, revisions):
+            if revision:
+                env = new.envelope_pb()
+                results[k] = (AckOutcome(acks[k][1], env.message_id, inbox_pb2.ACK_STATUS_CONSUMED,
+                                         env.trace.traceparent, env), env)
+        slow = [k for k, result in enumerate(results) if result is None]
+        for k, result in zip(slow, await asyncio.gather(*(self._consume(*acks[k][:2], at_us, acks[k][2])
+                                                          for k in slow), return_exceptions=True)):
+            results[k] = result
+        return results
 
     async def _consume(self, recipient: str, seq: int, at_us: int,
                        turn: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None]:
@@ -446,7 +663,7 @@ class InboxLog:
             in_reply_to=dead.message_id, conversation_id=dead.conversation_id, trace=dead.trace, origin=_MESH_ORIGIN,
             headers={"inboxmesh-notice": "dead-lettered", "inboxmesh-reason": reason}, created_at_us=at_us,
             stored_at_us=at_us)
-        status, detail, seq = await self.messages.publish(dead.sender, notice, sender.inbox_capacity)
+        status, detail, seq, _ = await self.messages.publish(dead.sender, notice, sender.inbox_capacity)
         if status != ACCEPTED:
             await self.events.emit([EventRow(at_us, ev.EVENT_KIND_NOTICE_UNDELIVERED, dead.sender,
                                              message_id=message_id, sender=recipient, recipient=dead.sender,
@@ -491,7 +708,7 @@ class InboxLog:
         if not requester.is_open:
             return AnnounceStored(Announce.GONE, f"requester {run.requester_id} is closed ({requester.close_reason})")
         env.stored_at_us = at_us
-        status, _, seq = await self.messages.publish(run.requester_id, env, requester.inbox_capacity)
+        status, _, seq, _ = await self.messages.publish(run.requester_id, env, requester.inbox_capacity)
         if status == INBOX_FULL:
             held = await self.messages.unconsumed(run.requester_id)
             return AnnounceStored(Announce.FULL, f"requester {run.requester_id}'s inbox is full ({held} of"
@@ -504,6 +721,9 @@ class InboxLog:
 
     # -- queries ----------------------------------------------------------------------
     async def by_inbox(self, recipient: str, seq: int) -> MessageRecord | None:
+        unmarked = self._unmarked.get((recipient, seq))
+        if unmarked is not None:
+            return unmarked.record()
         found = await kv.get(self.conn.msgs, kv.state_key(recipient, seq), kv.MESSAGE_STATE)
         if found is not None:
             return None if found.value.state == REJECTED else found.value.record()

@@ -22,9 +22,16 @@ record, its index entries and its events. So:
 
 The keeper reads a write only once it is `LAG_S` old, so the event the
 changing process publishes normally lands first and keeps its place in
-the record. A write older than the duplicate window (less a margin) when
-the keeper reaches it is not replayed, since its copy could no longer be
-told from the original: that takes every mesh process down for minutes,
+the record. It also follows the events stream itself (batched direct gets,
+one request per `events.READ_BATCH` events) and publishes only the implied
+events whose identity it has not read there in the last `SEEN_S`: where
+the writer finished, that is none, and the keeper costs one read per few
+hundred events instead of a publish per event (the duplicate window would
+drop the copies too, but each copy is a request for both sides). A write
+older than the duplicate window (less a margin) when the keeper reaches it
+is not replayed, nor an implied event that old (a message stored minutes
+before it was consumed), since its copy could no longer be told from the
+original: a lost write that old takes every mesh process down for minutes,
 and is logged with a count.
 """
 
@@ -46,8 +53,13 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, EventRow, RunRecord
 from services.store.jetstream import kv
 from services.store.jetstream.agents import Agents
-from services.store.jetstream.connection import EVENT_DEDUP_WINDOW_S, NATS_FAILURES, JetStreamConnection
-from services.store.jetstream.events import EventLog, dead_event, message_event, stored_events
+from services.store.jetstream.connection import (
+    EVENT_DEDUP_WINDOW_S,
+    NATS_FAILURES,
+    REPLAY_HORIZON_US,
+    JetStreamConnection,
+)
+from services.store.jetstream.events import READ_BATCH, EventLog, dead_event, dedup_id, message_event, stored_events
 from services.store.jetstream.kv import CasResult, MessageState
 from services.store.jetstream.runs import Runs
 
@@ -57,6 +69,12 @@ TICK_S = 1.0
 LAG_S = 1.0
 _BATCH = 256
 _KEY = "event-keeper"
+SEEN_S = 30.0
+"""How long the identity of an event read from the events stream is remembered (the keeper does not
+publish it again meanwhile)."""
+_SEEN_BATCHES = 64
+"""Batched reads of the events stream per tick at most (the rest the next tick: meanwhile the keeper
+publishes copies, which the duplicate window drops)."""
 
 
 def implied_events(state: MessageState, seq: int) -> list[EventRow]:
@@ -138,6 +156,10 @@ class EventKeeper:
         self.restored = 0
         """Events the keeper published that were not there yet."""
         self.too_old = 0
+        self._seen: dict[str, float] = {}
+        """Identities (dedup_id) of events read from the events stream, and when (oldest first)."""
+        self._events_next = 0
+        """The events stream sequence `_read_recorded` reads from next (0: from the end, at the first tick)."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._sources = [_Source("msgs", "m.", self._message_written),
@@ -166,7 +188,9 @@ class EventKeeper:
                 if cursors is None:
                     for source in self._sources:
                         await source.drop()  # another process keeps the store
+                    self._seen, self._events_next = {}, 0
                 else:
+                    await self._read_recorded()
                     done = {s.name: await self._replay(s, cursors[s.name]) for s in self._sources}
                     if done != cursors:
                         await self._lease(done)
@@ -196,6 +220,34 @@ class EventKeeper:
         if await kv.write(self.conn.misc, _KEY, lease.encode(), found.revision if found else 0) is CasResult.LOST:
             return None  # another process took it just now
         return cursors
+
+    async def _read_recorded(self) -> None:
+        """Remember the identities of the events recorded since the last tick (forget those read more
+        than SEEN_S ago)."""
+        now = time.monotonic()
+        if not self._events_next:
+            self._events_next = await self.events.last_event_id() + 1
+        for _ in range(_SEEN_BATCHES):
+            batch, more = await self.conn.direct_batch(self.conn.event_stream, f"{self.conn.ns}.ev.>",
+                                                       self._events_next, READ_BATCH)
+            for msg in batch:
+                ident = msg.headers.get("Nats-Msg-Id")
+                if ident:
+                    self._seen[ident] = now
+                self._events_next = int(msg.headers["Nats-Sequence"]) + 1
+            if not batch or not more:
+                break
+        while self._seen:
+            oldest = next(iter(self._seen))
+            if now - self._seen[oldest] <= SEEN_S:
+                break
+            del self._seen[oldest]
+
+    def _unrecorded(self, rows: list[EventRow]) -> list[EventRow]:
+        """The implied events to publish: not read from the stream lately, and not so old that a copy
+        would be recorded twice."""
+        oldest = int(time.time() * 1_000_000) - REPLAY_HORIZON_US
+        return [row for row in rows if row.at_us >= oldest and (dedup_id(row) or "") not in self._seen]
 
     async def _replay(self, source: _Source, cursor: int) -> int:
         """Roll forward the writes after `cursor` that are old enough; the new cursor."""
@@ -228,6 +280,7 @@ class EventKeeper:
             source.held.pop(0)
             done = meta.sequence.stream
             source.next_seq = done + 1
+        rows = self._unrecorded(rows)
         if rows:
             self.restored += sum(not ack.duplicate for ack in await self.events.publish(rows))
         return done

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.common.v1 import envelope_pb2
-from services.store.base import CONSUMED, DEAD_LETTERED, AgentRecord, MessageRecord
+from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, AgentRecord, MessageRecord
 
 T = TypeVar("T")
 _SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -108,6 +108,52 @@ async def create(kv: Any, key: str, value: T, codec: Codec[T]) -> int:
         return int(await kv.create(key, codec.encode(value)))
     except KeyWrongLastSequenceError:
         return 0
+
+
+_WRONG_LAST = (10071, 10164)
+"""JetStream's error codes for a write whose expected last sequence did not match."""
+
+
+async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]]) -> list[int]:
+    """Conditional writes of several keys of a bucket at once, pipelined (JetStreamConnection.request_many):
+    each (key, value, revision) written only if the entry is still at `revision` (0: only if absent). For
+    each, the new revision, or 0 when somebody else wrote first. Any other failure is raised (the writes
+    before it may have been made)."""
+    answers = await conn.request_many([
+        (conn.kv_subject(bucket, key), value, {"Nats-Expected-Last-Subject-Sequence": str(revision)})
+        for key, value, revision in writes])
+    revisions = []
+    for answer in answers:
+        reply = json.loads(answer.data) if answer.data else {}
+        error = reply.get("error")
+        if error is None and "seq" in reply:
+            revisions.append(int(reply["seq"]))
+        elif error is not None and error.get("err_code") in _WRONG_LAST:
+            revisions.append(0)
+        elif error is not None:
+            raise APIError(code=error.get("code"), err_code=error.get("err_code"),
+                           description=str(error.get("description", ""))[:200])
+        else:  # a status instead of an answer (503: no JetStream responded)
+            status = answer.headers.get("Status", "") if answer.headers else ""
+            raise APIError(code=int(status) if status.isdigit() else None,
+                           description=f"no answer from JetStream (status {status or 'none'})")
+    return revisions
+
+
+async def last_many(conn: Any, bucket: str, keys: list[str]) -> dict[str, Entry[bytes]]:
+    """The entries of the keys that exist (a deleted one counts as absent), in one batched direct get of
+    the bucket's stream (`multi_last`). The bucket allows direct gets (JetStreamConnection.open); with
+    replicas a follower may answer a moment behind its leader."""
+    if not keys:
+        return {}
+    prefix = conn.kv_subject(bucket, "")
+    found, _ = await conn.direct_get(conn.kv_stream(bucket), {"multi_last": [prefix + key for key in keys],
+                                                              "batch": len(keys)})
+    entries = {}
+    for msg in found:
+        if msg.data and not msg.headers.get("KV-Operation"):
+            entries[msg.headers["Nats-Subject"][len(prefix):]] = Entry(msg.data, int(msg.headers["Nats-Sequence"]))
+    return entries
 
 
 @dataclass(eq=False)
@@ -265,6 +311,10 @@ class MessageState:
     def first(envelope: envelope_pb2.Envelope, state: int) -> MessageState:
         """The entry of a message seen for the first time (no attempt yet)."""
         return MessageState(state, stored_at_us=envelope.stored_at_us, envelope=envelope.SerializeToString())
+
+    def first_attempt(self, at_us: int) -> MessageState:
+        """Delivered for the first time at `at_us`."""
+        return replace(self, state=DELIVERED, attempts=1, delivered_at_us=at_us)
 
     @property
     def final(self) -> bool:

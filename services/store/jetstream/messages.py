@@ -4,9 +4,11 @@ message back, deleting one whose state is final."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, NamedTuple
 
+import nats.errors
 from nats.js.errors import APIError, NotFoundError
 
 from inboxmesh.common.v1 import envelope_pb2
@@ -25,6 +27,8 @@ class Published(NamedTuple):
     detail: str
     seq: int
     """The message's sequence (ACCEPTED, DUPLICATE), else 0."""
+    settled: bool = True
+    """False: published by publish_many, its capacity and the target's state not settled yet (settle)."""
 
 
 class InboxMessages:
@@ -43,6 +47,17 @@ class InboxMessages:
             return None
         return _envelope(msg)
 
+    async def read(self, recipient: str, seq: int, batch: int) -> tuple[list[envelope_pb2.Envelope], int]:
+        """The inbox's first `batch` messages at or after `seq`, in order (one batched direct get), and
+        how many more follow them."""
+        found, more = await self.conn.direct_batch(self.conn.inbox_stream, self.subject(recipient), seq, batch)
+        envelopes = []
+        for msg in found:
+            envelope = envelope_pb2.Envelope.FromString(msg.data)
+            envelope.sequence = int(msg.headers["Nats-Sequence"])
+            envelopes.append(envelope)
+        return envelopes, more
+
     async def envelope_at(self, recipient: str, seq: int) -> envelope_pb2.Envelope | None:
         env = await self.next(recipient, seq)
         return env if env is not None and env.sequence == seq else None
@@ -56,6 +71,13 @@ class InboxMessages:
                                    json.dumps({"seq": seq, "no_erase": True}).encode(),
                                    timeout=self.conn.config.nats_timeout_s)
         # an error answer (already gone) needs nothing more
+
+    async def delete_many(self, sequences: list[int]) -> None:
+        """Remove final messages from the stream at once (pipelined, as `delete`)."""
+        if sequences:
+            subject = f"$JS.API.STREAM.MSG.DELETE.{self.conn.inbox_stream}"
+            await self.conn.request_many([(subject, json.dumps({"seq": seq, "no_erase": True}).encode(), None)
+                                          for seq in sequences])
 
     async def unconsumed(self, recipient: str) -> int:
         info = await self.conn.js.stream_info(self.conn.inbox_stream, subjects_filter=self.subject(recipient))
@@ -88,6 +110,59 @@ class InboxMessages:
             return Published(TARGET_CLOSED, f"agent {recipient} is closed", 0)
         return Published(ACCEPTED, "", ack.seq)
 
+    async def publish_many(self, recipient: str, envelopes: list[envelope_pb2.Envelope],
+                           capacity: int) -> list[Published]:
+        """Put the envelopes on the recipient's subject in their order, pipelined (one connection keeps
+        the order of what it publishes). An envelope JetStream takes for a duplicate is settled on its
+        own, as `publish` does; the others still need `settle`."""
+        subject = self.subject(recipient)
+        futures = [await self.conn.js.publish_async(
+            subject, env.SerializeToString(),
+            headers={"Nats-Msg-Id": kv.msg_id_header(env.sender, env.message_id), ORIGIN_HEADER: self.conn.origin})
+            for env in envelopes]
+        try:
+            acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
+                                          self.conn.config.nats_timeout_s)
+        except TimeoutError:
+            for future in futures:
+                future.cancel()
+            raise nats.errors.TimeoutError from None
+        found: list[Published] = []
+        for env, ack in zip(envelopes, acks):
+            if isinstance(ack, APIError) and ack.err_code == FULL_CODE:
+                found.append(Published(INBOX_FULL, _full(recipient, capacity, capacity), 0))
+            elif isinstance(ack, BaseException):
+                raise ack  # NATS failed: some may be stored; the client retries them by id
+            elif ack.duplicate:
+                found.append(await self.publish(recipient, env, capacity))
+            else:
+                found.append(Published(ACCEPTED, "", ack.seq, settled=False))
+        return found
+
+    async def settle(self, recipient: str, published: list[Published], capacity: int) -> list[Published]:
+        """Settle capacity and a close that raced the messages publish_many put on the subject, once for
+        all: over capacity, the newest of them are taken back, so what stays is the front of the run
+        (FIFO); the target closed meanwhile, all of them (but those a close dead-lettered already)."""
+        found = [p._replace(settled=True) for p in published]
+        fresh = [i for i, p in enumerate(published) if not p.settled]
+        if not fresh:
+            return found
+        limited = capacity < self.conn.config.max_inbox_capacity
+        now_open, held = await asyncio.gather(kv.read_agent(self.conn.agents, recipient),
+                                              self.unconsumed(recipient) if limited else _nothing())
+        if now_open is not None and not now_open.is_open:
+            taken = await asyncio.gather(*(self.reject(recipient, found[i].seq) for i in fresh))
+            for i, back in zip(fresh, taken):
+                if back:
+                    found[i] = Published(TARGET_CLOSED, f"agent {recipient} is closed", 0)
+        elif held > capacity:
+            for i in reversed(fresh[-(held - capacity):]):
+                if not await self.reject(recipient, found[i].seq):
+                    break  # a close dead-lettered it: it stays accepted, and so do the ones before it
+                held -= 1
+                found[i] = Published(INBOX_FULL, _full(recipient, held, capacity), 0)
+        return found
+
     async def reject(self, recipient: str, seq: int) -> bool:
         """Take a just-published message back; False when a close already
         dead-lettered it (then it stays accepted)."""
@@ -95,6 +170,10 @@ class InboxMessages:
             await self.delete(seq)
             return True
         return False
+
+
+async def _nothing() -> int:
+    return 0
 
 
 def _envelope(msg: Any) -> envelope_pb2.Envelope:

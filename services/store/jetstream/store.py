@@ -82,6 +82,7 @@ class JetStreamStore(base.Store):
     @nats_call
     async def close(self) -> None:
         await self.keeper.stop()
+        await self.inbox.flush_marks()
         await self.closes.drop()
         await self.events.drain()
         await self.conn.close()

@@ -1,0 +1,107 @@
+"""What the engine alone does on this machine, with the settings the mesh runs it with: a nats-server
+from harness/nats.py (file storage, `sync_interval: always`, so every write is fsynced before its
+acknowledgement), driven by nats-py, the client the mesh uses. The limits the JetStream store's figures
+are read against (docs/benchmarks.md, "Stores: SQLite and JetStream"):
+
+- the latency of one request at a time: a key-value read, an fsynced publish, an fsynced key-value
+  create, a batched direct get;
+- the rate of fsynced publishes with 64 in flight, into one stream and spread over three streams (the
+  store writes to three: the inboxes, the message states, the events).
+
+    .venv/bin/python bench/nats_probe.py [--count 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness.nats import NatsNode  # noqa: E402
+
+PAYLOAD = b"x" * 400
+"""About the size of a small envelope or a message state."""
+
+
+async def _latency(n: int, call: Any) -> dict[str, float]:
+    took = []
+    for i in range(n):
+        started = time.perf_counter()
+        await call(i)
+        took.append((time.perf_counter() - started) * 1000)
+    took.sort()
+    return {"p50_ms": round(statistics.median(took), 3), "p99_ms": round(took[int(len(took) * 0.99) - 1], 3)}
+
+
+async def _rate(js: Any, subjects: list[str], count: int, in_flight: int) -> float:
+    """Fsynced publishes per second, `in_flight` at a time, round robin over `subjects`."""
+    window = asyncio.Semaphore(in_flight)
+
+    async def one(i: int) -> None:
+        async with window:
+            await js.publish(subjects[i % len(subjects)], PAYLOAD)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return round(count / (time.perf_counter() - started), 1)
+
+
+async def probe(url: str, count: int) -> dict[str, Any]:
+    import nats
+    from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    try:
+        for name in ("P1", "P2", "P3"):
+            await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.*"], storage=StorageType.FILE,
+                                             allow_direct=True))
+        bucket = await js.create_key_value(KeyValueConfig(bucket="probe", history=1, storage=StorageType.FILE))
+        await bucket.put("read", PAYLOAD)
+        serial = max(200, count // 10)
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+
+        async def direct_batch(_: int) -> None:
+            await nc.publish("$JS.API.DIRECT.GET.P1", json.dumps({"seq": 1, "next_by_subj": "p1.a",
+                                                                  "batch": 64}).encode(), reply=inbox)
+            while True:
+                msg = await sub.next_msg(timeout=5)
+                if msg.headers and msg.headers.get("Status") in ("204", "404"):
+                    return
+
+        result: dict[str, Any] = {
+            "kv get": await _latency(serial, lambda i: bucket.get("read")),
+            "publish (fsynced)": await _latency(serial, lambda i: js.publish("p1.a", PAYLOAD)),
+            "kv create (fsynced)": await _latency(serial, lambda i: bucket.create(f"k{i}", PAYLOAD)),
+            "direct get, batch of 64": await _latency(serial, direct_batch),
+        }
+        await sub.unsubscribe()
+        result["publishes/s, 64 in flight, 1 stream"] = await _rate(js, ["p1.a"], count, 64)
+        result["publishes/s, 64 in flight, 3 streams"] = await _rate(js, ["p1.a", "p2.a", "p3.a"], count, 64)
+        result["publishes/s, 1 in flight"] = await _rate(js, ["p1.a"], serial, 1)
+        return result
+    finally:
+        await nc.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=2000, help="publishes per rate measurement")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="natsprobe") as data, NatsNode(Path(data) / "nats") as node:
+        result = asyncio.run(probe(node.url, args.count))
+    for name, value in result.items():
+        print(f"{name:<40} {value}")
+
+
+if __name__ == "__main__":
+    main()
