@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import NamedTuple
 
 import nats.errors
+from nats.js.errors import APIError
 
 from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
@@ -17,7 +18,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from services.store import base
 from services.store.base import ACCEPTED, RECEIPT_NAME, CommitListener, EventQuery, EventRecord, EventRow
 from services.store.jetstream import kv
-from services.store.jetstream.connection import JetStreamConnection
+from services.store.jetstream.connection import BATCH_MAX, JetStreamConnection
 
 log = logging.getLogger(__name__)
 _NOTICE_PREFIX = base.RESERVED_ID_PREFIX + "notice:"
@@ -81,6 +82,14 @@ def dead_event(at_us: int, recipient: str, env: envelope_pb2.Envelope, reason: s
                     seq=env.sequence, detail=reason, trace_id=trace_id_of(env.trace.traceparent))
 
 
+class Recorded(NamedTuple):
+    """What publishing one event came to."""
+
+    seq: int
+    """Its id (the stream sequence), or that of the recorded event it is a copy of."""
+    duplicate: bool
+
+
 class EventLog:
     """Publishes event rows and reads them back; tells this process's commit listeners."""
 
@@ -89,34 +98,48 @@ class EventLog:
         self.listeners: list[CommitListener] = []
         self._pending: set[asyncio.Task[list[int]]] = set()
 
-    async def publish(self, rows: list[EventRow]) -> list[Any]:
-        """Publish event rows in order (pipelined) and tell this process's
-        listeners of the new ones; the PubAcks. A message event carries its
-        identity (dedup_id) as Nats-Msg-Id, so a copy the event keeper
-        publishes again is dropped (ack.duplicate)."""
+    async def publish(self, rows: list[EventRow], *, copies: bool = False) -> list[Recorded]:
+        """Publish event rows in order and tell this process's listeners of the new ones; for each, its id
+        and whether it was a copy of a recorded one. A message event carries its identity (dedup_id) as
+        Nats-Msg-Id, so a copy (the event keeper's, a delivery's of its message's sent and stored events)
+        is dropped. The rows go as atomic batches (JetStreamConnection.publish_batch), one message at a
+        time when JetStream refuses a batch for a copy in it; `copies`: the rows may be copies, one at a
+        time at once."""
         if not rows:
             return []
-        futures = []
+        messages = []
         for row in rows:
             ident = dedup_id(row)
-            futures.append(await self.conn.js.publish_async(
-                f"{self.conn.ns}.ev.{kv.token(row.agent_id or '_')}.{kv.token(row.sender or '_')}",
-                row.event(0).SerializeToString(), headers={"Nats-Msg-Id": ident} if ident else None))
+            messages.append((f"{self.conn.ns}.ev.{kv.token(row.agent_id or '_')}.{kv.token(row.sender or '_')}",
+                             row.event(0).SerializeToString(), {"Nats-Msg-Id": ident} if ident else {}))
+        recorded: list[Recorded] = []
+        for start in range(0, len(messages), BATCH_MAX):
+            recorded += await self._store(messages[start:start + BATCH_MAX], copies)
+        for done, row in zip(recorded, rows):
+            if done.duplicate:
+                continue
+            for callback in self.listeners:
+                try:
+                    callback(done.seq, [row])
+                except Exception:  # a listener's bug must not fail the write that was made
+                    log.exception("event listener failed")
+        return recorded
+
+    async def _store(self, messages: list[tuple[str, bytes, dict[str, str]]], copies: bool) -> list[Recorded]:
+        if len(messages) > 1 and not copies:
+            try:
+                return [Recorded(seq, False) for seq in await self.conn.publish_batch(messages)]
+            except APIError as exc:  # nothing of the batch was stored: one at a time says which are copies
+                log.debug("events batch refused (%s): one at a time", exc)
+        futures = [await self.conn.js.publish_async(subject, payload, headers=headers or None)
+                   for subject, payload, headers in messages]
         try:
             acks = await asyncio.wait_for(asyncio.gather(*futures), self.conn.config.nats_timeout_s)
         except TimeoutError:
             for future in futures:
                 future.cancel()
             raise nats.errors.TimeoutError from None
-        for ack, row in zip(acks, rows):
-            if ack.duplicate:
-                continue
-            for callback in self.listeners:
-                try:
-                    callback(ack.seq, [row])
-                except Exception:  # a listener's bug must not fail the write that was made
-                    log.exception("event listener failed")
-        return acks
+        return [Recorded(ack.seq, bool(ack.duplicate)) for ack in acks]
 
     async def emit(self, rows: list[EventRow]) -> list[int]:
         """Publish event rows, in order; ids (stream sequences) once stored."""

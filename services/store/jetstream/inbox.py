@@ -121,6 +121,9 @@ again as a first attempt); its delivered event is recorded either way."""
 _UNMARKED_MAX = 10_000
 """First deliveries waiting to be written at most; beyond, they are written at once."""
 
+_TELL_AGAIN_S = 0.1
+"""A notice of another process's append wakes the agent's feed at once and again this much later."""
+
 _RUNS_AT_ONCE = 64
 """Recipients of one append whose messages are stored at the same time (InboxLog._append_all)."""
 
@@ -139,18 +142,26 @@ class InboxLog:
         """Those being written now: done when the write is."""
         self._mark_timer: asyncio.TimerHandle | None = None
         self._mark_tasks: set[asyncio.Task[None]] = set()
+        self._recording: dict[tuple[str, int], asyncio.Future[None]] = {}
+        """Messages this process published whose sent and stored events it is about to record: done when
+        the append that stores them is (a first delivery meanwhile waits for it, and publishes no copies)."""
         self._recorded: dict[tuple[str, int], None] = {}
         """Messages whose sent and stored events this process published (oldest dropped first): their first
         delivery here need not publish copies of them."""
 
     async def start(self) -> None:
-        """Follow appends of every process (a core NATS subscription on the inbox subjects)."""
-        await self.conn.nc.subscribe(f"{self.conn.ns}.inbox.*", cb=self._on_published)
+        """Follow appends of every process (the core NATS notices messages.InboxMessages._told sends)."""
+        await self.conn.nc.subscribe(self.conn.appended_subject("*"), cb=self._on_published)
 
     async def _on_published(self, msg: Any) -> None:
         if msg.headers and msg.headers.get(ORIGIN_HEADER) == self.conn.origin:
             return  # this process appended it and told the delivery hub already
         token = msg.subject.rsplit(".", 1)[-1]
+        self._tell(token)
+        # once more a moment later: with replicas, a follower a moment behind its leader may answer the read
+        asyncio.get_running_loop().call_later(_TELL_AGAIN_S, self._tell, token)
+
+    def _tell(self, token: str) -> None:
         for callback in self.listeners:
             callback(token)
 
@@ -184,7 +195,26 @@ class InboxLog:
                                      *(kv.read_agent(self.conn.agents, rid) for rid in recipients))
         sender_open = external or (found[0] is not None and found[0].is_open)
         targets = dict(zip(recipients, found[0 if external else 1:]))
-        outcomes = await self._append_all(sender_id, sender_open, items, targets, at_us)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        published: list[tuple[str, int]] = []
+        try:
+            outcomes = await self._append_all(sender_id, sender_open, items, targets, at_us,
+                                              functools.partial(self._publishing, done, published))
+            await self._record_sent(sender_id, items, outcomes, at_us)
+        finally:
+            for key in published:
+                self._recording.pop(key, None)
+            done.set_result(None)
+        return outcomes
+
+    def _publishing(self, done: asyncio.Future[None], published: list[tuple[str, int]], recipient: str,
+                    seq: int) -> None:
+        """A message of an append in progress is on the stream: a delivery of it waits for the append."""
+        self._recording[(recipient, seq)] = done
+        published.append((recipient, seq))
+
+    async def _record_sent(self, sender_id: str, items: list[AppendItem], outcomes: list[SendOutcome],
+                           at_us: int) -> None:
         rows: list[EventRow] = []
         for item, outcome in zip(items, outcomes):
             env = item.envelope
@@ -197,10 +227,10 @@ class InboxLog:
                 rows.append(replace(sent, kind=ev.EVENT_KIND_MESSAGE_STORED, agent_id=env.recipient, detail=""))
         await self.events.emit(rows)
         self._note_recorded(outcomes)
-        return outcomes
 
     async def _append_all(self, sender_id: str, sender_open: bool, items: list[AppendItem],
-                          targets: dict[str, AgentRecord | None], at_us: int) -> list[SendOutcome]:
+                          targets: dict[str, AgentRecord | None], at_us: int,
+                          published: Callable[[str, int], None]) -> list[SendOutcome]:
         """The outcome of each item, in order. Each recipient's messages (a run) are published pipelined,
         in order (FIFO per pair), and settled together (_append_run); different recipients' runs at the
         same time (at most _RUNS_AT_ONCE): a batch waits for a few rounds of requests, not for those of
@@ -213,10 +243,10 @@ class InboxLog:
         ids = {item.envelope.message_id for item in items}
         if len(ids) < len(items) or any(item.conversation_budget and item.envelope.conversation_id
                                         for item in items):
-            return [await self._append_one(sender_id, sender_open, item, at_us) for item in items]
+            return [await self._append_one(sender_id, sender_open, item, at_us, published) for item in items]
         if len(runs) == 1:
             return await self._append_run(sender_id, sender_open, items, targets[items[0].envelope.recipient],
-                                          at_us)
+                                          at_us, published)
         found: dict[int, SendOutcome] = {}
         room = asyncio.Semaphore(_RUNS_AT_ONCE)
 
@@ -224,7 +254,7 @@ class InboxLog:
             async with room:
                 run_items = [items[i] for i in indexes]
                 outcomes = await self._append_run(sender_id, sender_open, run_items,
-                                                  targets[run_items[0].envelope.recipient], at_us)
+                                                  targets[run_items[0].envelope.recipient], at_us, published)
                 found.update(zip(indexes, outcomes))
 
         tasks = [asyncio.ensure_future(run(indexes)) for indexes in runs.values()]
@@ -250,7 +280,8 @@ class InboxLog:
                            "already accepted from this sender; nothing stored again")
 
     async def _append_run(self, sender_id: str, sender_open: bool, run: list[AppendItem],
-                          target: AgentRecord | None, at_us: int) -> list[SendOutcome]:
+                          target: AgentRecord | None, at_us: int,
+                          published_at: Callable[[str, int], None]) -> list[SendOutcome]:
         """Messages to one recipient (`target`, as read at the start of the append), none with a
         conversation budget, no message id twice: the ones not refused published pipelined
         (messages.publish_many), then capacity and a racing close settled once for the run while their
@@ -274,6 +305,9 @@ class InboxLog:
             env.stored_at_us = at_us
             env.delivery_attempt = 0
         published = await self.messages.publish_many(rid, [run[i].envelope for i in todo], target.inbox_capacity)
+        for p in published:
+            if p.seq:
+                published_at(rid, p.seq)
         stored = [(i, p) for i, p in zip(todo, published) if p.status in (ACCEPTED, DUPLICATE)]
         # the idempotency records while capacity and a racing close are settled: the record of a message then
         # taken back names a rejected message, which _earlier does not count
@@ -324,7 +358,8 @@ class InboxLog:
         env.sequence = seq
         return SendOutcome(mid, rid, ACCEPTED, seq, at_us, envelope=env)
 
-    async def _append_one(self, sender_id: str, sender_open: bool, item: AppendItem, at_us: int) -> SendOutcome:
+    async def _append_one(self, sender_id: str, sender_open: bool, item: AppendItem, at_us: int,
+                          published: Callable[[str, int], None]) -> SendOutcome:
         """One message on its own (a batch that names a message id twice or counts a conversation budget)."""
         env = item.envelope
         rid = env.recipient
@@ -342,6 +377,7 @@ class InboxLog:
         status, detail, seq, _ = await self.messages.publish(rid, env, capacity)
         if status not in (ACCEPTED, DUPLICATE):
             return SendOutcome(env.message_id, rid, status, detail=detail)
+        published(rid, seq)
         recorded = await kv.create(self.conn.msgs, kv.idem_key(sender_id, env.message_id),
                                    kv.Stored(rid, seq, at_us), kv.STORED)
         return await self._settled(sender_id, env, status, detail, seq, bool(recorded), at_us)
@@ -390,6 +426,7 @@ class InboxLog:
         dead: list[MessageRecord] = []
         notices: list[envelope_pb2.Envelope] = []
         rows: list[EventRow] = []
+        firsts_here: list[envelope_pb2.Envelope] = []
         seq = after_sequence + 1
         while len(envelopes) + len(dead) < limit:
             want = limit - len(envelopes) - len(dead)
@@ -408,15 +445,23 @@ class InboxLog:
                     if written is None:
                         continue
                 env.delivery_attempt = written.attempts
-                if env.delivery_attempt == 1 and self._copies_needed(recipient, env, now_us):
-                    # the sent and stored events first (copies of the sender's, dropped as such): the record
-                    # stays in causal order even when this feed is faster than the sender's replica
-                    rows += stored_events(env, recipient, env.sequence)
+                if env.delivery_attempt == 1:
+                    firsts_here.append(env)
                 rows.append(message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, now_us, recipient, env,
                                           detail=f"attempt={env.delivery_attempt}"))
                 envelopes.append(env)
             if not more:
                 break
+        # The sent and stored events before delivered: an append of this process still at work records them
+        # (waited for); else copies of the sender's, dropped as such, keep the record in causal order even
+        # when this feed is faster than the sender's replica.
+        appending = {self._recording[key] for env in firsts_here
+                     if (key := (recipient, env.sequence)) in self._recording}
+        if appending:
+            await asyncio.gather(*appending)
+        copies = [row for env in firsts_here if self._copies_needed(recipient, env, now_us)
+                  for row in stored_events(env, recipient, env.sequence)]
+        await self.events.publish(copies, copies=True)
         await self.events.emit(rows)  # before the subscriber can ack: consumed always follows delivered
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
                              held_back=held_back and len(envelopes) + len(dead) >= limit)

@@ -282,7 +282,7 @@ class EventKeeper:
             source.next_seq = done + 1
         rows = self._unrecorded(rows)
         if rows:
-            self.restored += sum(not ack.duplicate for ack in await self.events.publish(rows))
+            self.restored += sum(not ack.duplicate for ack in await self.events.publish(rows, copies=True))
         return done
 
     async def _message_written(self, msg: Any) -> list[EventRow]:

@@ -24,6 +24,7 @@ from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, AgentRecord, MessageRecord
+from services.store.jetstream.connection import BATCH_MAX
 
 T = TypeVar("T")
 _SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -119,9 +120,15 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
     each (key, value, revision) written only if the entry is still at `revision` (0: only if absent). For
     each, the new revision, or 0 when somebody else wrote first. Any other failure is raised (the writes
     before it may have been made)."""
-    answers = await conn.request_many([
-        (conn.kv_subject(bucket, key), value, {"Nats-Expected-Last-Subject-Sequence": str(revision)})
-        for key, value, revision in writes])
+    messages = [(conn.kv_subject(bucket, key), value, {"Nats-Expected-Last-Subject-Sequence": str(revision)})
+                for key, value, revision in writes]
+    if 1 < len(messages) <= BATCH_MAX and bucket == "msgs":
+        try:  # as one atomic batch, the usual case (every entry as expected)
+            return await conn.publish_batch(messages)
+        except APIError as exc:  # none written: somebody wrote one of them first; one at a time says which
+            if exc.err_code not in _WRONG_LAST:
+                raise
+    answers = await conn.request_many(messages)
     revisions = []
     for answer in answers:
         reply = json.loads(answer.data) if answer.data else {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, NamedTuple
 
 import nats.errors
@@ -14,9 +15,10 @@ from nats.js.errors import APIError, NotFoundError
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED
 from services.store.jetstream import kv
-from services.store.jetstream.connection import ORIGIN_HEADER, JetStreamConnection
+from services.store.jetstream.connection import BATCH_MAX, ORIGIN_HEADER, JetStreamConnection
 from services.store.jetstream.kv import REJECTED, MessageState
 
+log = logging.getLogger(__name__)
 FULL_CODE = 10077
 """JetStream: maximum messages per subject exceeded."""
 
@@ -89,12 +91,13 @@ class InboxMessages:
         while True:
             try:
                 ack = await self.conn.js.publish(self.subject(recipient), envelope.SerializeToString(),
-                                                 headers={"Nats-Msg-Id": msg_id, ORIGIN_HEADER: self.conn.origin})
+                                                 headers={"Nats-Msg-Id": msg_id})
             except APIError as exc:
                 if exc.err_code == FULL_CODE:
                     return Published(INBOX_FULL, _full(recipient, capacity, capacity), 0)
                 raise
             if not ack.duplicate:
+                await self._told(recipient)
                 break
             earlier = await kv.get(self.conn.msgs, kv.state_key(recipient, ack.seq), kv.MESSAGE_STATE)
             if earlier is None or earlier.value.state != REJECTED:
@@ -116,10 +119,17 @@ class InboxMessages:
         the order of what it publishes). An envelope JetStream takes for a duplicate is settled on its
         own, as `publish` does; the others still need `settle`."""
         subject = self.subject(recipient)
-        futures = [await self.conn.js.publish_async(
-            subject, env.SerializeToString(),
-            headers={"Nats-Msg-Id": kv.msg_id_header(env.sender, env.message_id), ORIGIN_HEADER: self.conn.origin})
-            for env in envelopes]
+        messages = [(subject, env.SerializeToString(), {"Nats-Msg-Id": kv.msg_id_header(env.sender, env.message_id)})
+                    for env in envelopes]
+        if 1 < len(messages) <= BATCH_MAX:
+            try:  # as one atomic batch, the usual case
+                seqs = await self.conn.publish_batch(messages)
+                await self._told(recipient)
+                return [Published(ACCEPTED, "", seq, settled=False) for seq in seqs]
+            except APIError as exc:  # none stored: a retry among them (a duplicate), the inbox at its limit
+                log.debug("inbox batch refused (%s): one at a time", exc)
+        futures = [await self.conn.js.publish_async(subject, payload, headers=headers)
+                   for subject, payload, headers in messages]
         try:
             acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
                                           self.conn.config.nats_timeout_s)
@@ -137,7 +147,17 @@ class InboxMessages:
                 found.append(await self.publish(recipient, env, capacity))
             else:
                 found.append(Published(ACCEPTED, "", ack.seq, settled=False))
+        if any(not p.settled for p in found):
+            await self._told(recipient)
         return found
+
+    async def _told(self, recipient: str) -> None:
+        """Tell the other mesh processes that the recipient's inbox has new messages, stored now: a core
+        NATS notice (appended_subject) naming this connection, whose own delivery hub is woken by the
+        append itself. (The stream's own publishes are no such notice: those of an atomic batch reach a
+        subscriber before the batch is stored.)"""
+        await self.conn.nc.publish(self.conn.appended_subject(kv.token(recipient)), b"",
+                                   headers={ORIGIN_HEADER: self.conn.origin})
 
     async def settle(self, recipient: str, published: list[Published], capacity: int) -> list[Published]:
         """Settle capacity and a close that raced the messages publish_many put on the subject, once for
