@@ -149,7 +149,12 @@ class EventLog:
         """Publish in the background (owned: close() waits for it)."""
         task = asyncio.create_task(self.emit(rows))
         self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        task.add_done_callback(self._emitted)
+
+    def _emitted(self, task: asyncio.Task[list[int]]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the keeper restores what it can
+            log.warning("events not recorded: %r", task.exception())
 
     async def drain(self) -> None:
         """Wait for what emit_later started (a failure there loses only those events)."""

@@ -92,10 +92,12 @@ def _next_attempt(cur: MessageState | None, env: envelope_pb2.Envelope, now_us: 
                    delivered_at_us=state.delivered_at_us or now_us)
 
 
-def _dead(cur: MessageState | None, env: envelope_pb2.Envelope, at_us: int, reason: str) -> MessageState | None:
+def _dead(cur: MessageState | None, env: envelope_pb2.Envelope, at_us: int, reason: str,
+          delivered: MessageState | None = None) -> MessageState | None:
+    """Dead-lettered, unless final already; `delivered`: its first delivery, not written yet."""
     if cur is not None and cur.final:
         return None
-    return (cur or MessageState.first(env, QUEUED)).dead(at_us, reason)
+    return (cur or delivered or MessageState.first(env, QUEUED)).dead(at_us, reason)
 
 
 def _answers(sequences: list[int], by_seq: dict[int, tuple[AckOutcome, envelope_pb2.Envelope | None]]
@@ -680,7 +682,8 @@ class InboxLog:
         """Dead-letter one message unless its state is already final; tell
         its sender. Returns (record, notice)."""
         msgs = self.conn.msgs
-        die = functools.partial(_dead, env=env, at_us=at_us, reason=reason)
+        delivered = self._unmarked.pop((recipient, env.sequence), None)  # not written now: dead instead
+        die = functools.partial(_dead, env=env, at_us=at_us, reason=reason, delivered=delivered)
         written = await kv.cas(msgs, kv.state_key(recipient, env.sequence), die, kv.MESSAGE_STATE)
         if written is None:
             return None, None
@@ -766,12 +769,12 @@ class InboxLog:
 
     # -- queries ----------------------------------------------------------------------
     async def by_inbox(self, recipient: str, seq: int) -> MessageRecord | None:
-        unmarked = self._unmarked.get((recipient, seq))
-        if unmarked is not None:
-            return unmarked.record()
         found = await kv.get(self.conn.msgs, kv.state_key(recipient, seq), kv.MESSAGE_STATE)
         if found is not None:
             return None if found.value.state == REJECTED else found.value.record()
+        unmarked = self._unmarked.get((recipient, seq))
+        if unmarked is not None:  # delivered here, its state not written yet
+            return unmarked.record()
         env = await self.messages.envelope_at(recipient, seq)
         if env is None:
             return None

@@ -58,7 +58,31 @@ class InboxMessages:
             envelope = envelope_pb2.Envelope.FromString(msg.data)
             envelope.sequence = int(msg.headers["Nats-Sequence"])
             envelopes.append(envelope)
+        if self.conn.config.nats_replicas > 1 and len(envelopes) < batch:
+            # Any replica answers a direct get, and one a while behind its leader (restarted, catching up)
+            # answers from what it has: the leader says what the subject holds, and what that replica did
+            # not have is read from the leader.
+            reached = envelopes[-1].sequence if envelopes else seq - 1
+            last = await self._last_on_leader(recipient)
+            while last > reached and len(envelopes) < batch:
+                try:
+                    msg = await self.conn.js.get_msg(self.conn.inbox_stream, seq=reached + 1,
+                                                     subject=self.subject(recipient), next=True)
+                except NotFoundError:
+                    break
+                envelopes.append(_envelope(msg))
+                reached = msg.seq
+            more = max(more, int(last > reached))
         return envelopes, more
+
+    async def _last_on_leader(self, recipient: str) -> int:
+        """The sequence of the last message on the recipient's subject, as the stream's leader has it (0:
+        none)."""
+        try:
+            msg = await self.conn.js.get_msg(self.conn.inbox_stream, subject=self.subject(recipient))
+        except NotFoundError:
+            return 0
+        return int(msg.seq)
 
     async def envelope_at(self, recipient: str, seq: int) -> envelope_pb2.Envelope | None:
         env = await self.next(recipient, seq)

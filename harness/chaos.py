@@ -1,0 +1,516 @@
+"""A chaos soak in the manner of Jepsen (issue 14, docs/jetstream.md "Chaos soak"): agents exchanging
+messages through two mesh processes on a three-node NATS cluster (every stream on three nodes, every
+write fsynced) while mesh processes, agent hosts and NATS nodes are killed with SIGKILL and started
+again every few seconds; then checked from the stored record.
+
+Half the agents send, each its messages one after the other (message ids `m-<n>`, to one of the other
+half, a function of the seed, the sender and n, so a host started again picks up exactly where it was),
+retrying each with the same id until a receipt says what became of it; before every RUN_EVERY-th it
+spawns a child with a run that the child ends at once (its result announced to the sender's inbox).
+(Senders only receive announces: an agent that consumed what it is sent would continue that causal
+chain in what it sends next, and the loop guard refuses a chain past 32 hops.) Hosts consume everything delivered
+to their agents. The agent hosts (their own processes, `--role host`) write what they sent and what
+their acks won to a log; the mesh's event record says what was stored and consumed.
+
+The check, after the faults stop and every accepted message had time to be consumed:
+- lost: messages whose receipt said ACCEPTED (or DUPLICATE) with no CONSUMED or DEAD_LETTERED event
+  (dead letters are counted on their own: a message delivered too many times, each time a stream
+  broke, goes to the dead letters with a notice to its sender);
+- consumed twice: messages with more than one CONSUMED event;
+- reordered: per sender and recipient, CONSUMED events (in the record's order) out of send order;
+- announces: per run created, exactly one announce consumed by its requester.
+
+    .venv/bin/python -m harness.chaos --seed 1 --agents 100 --messages 100000 --duration 1800
+    .venv/bin/python -m harness.chaos --seed 7 --agents 20 --messages 2000      # the short version
+
+The report (JSON) is printed and written to <work dir>/report.json; the exit status is 1 when any check
+fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import collections
+import functools
+import hashlib
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN = "chaos-admin-token"
+RUN_EVERY = 25
+"""An agent spawns a child with a run before every RUN_EVERY-th message."""
+ACK_TRIES = 50
+"""Tries of an ack that failed for want of the store (0.2 s apart)."""
+RUN_TASK = "chaos job"
+FAULTS = ("mesh", "host", "nats")
+
+
+@dataclass
+class Plan:
+    seed: int = 1
+    agents: int = 100
+    messages: int = 100_000
+    hosts: int = 4
+    duration_s: float = 1800.0
+    """The faults stop after this long even when the senders are not done."""
+    fault_every_s: float = 5.0
+    faults: tuple[str, ...] = FAULTS
+    """What may be killed."""
+    drain_s: float = 180.0
+    """How long the consumers get, after the faults, to consume what was accepted."""
+    work_dir: Path | None = None
+
+
+@dataclass
+class Report:
+    seed: int
+    agents: int
+    messages_planned: int
+    accepted: int = 0
+    refused: int = 0
+    consumed: int = 0
+    dead_lettered: int = 0
+    """Accepted, then dead-lettered (too many delivery attempts: each redelivery after a stream broke counts
+    one), each with its DEAD_LETTERED event and a notice to its sender: accounted for, not consumed."""
+    lost: int = 0
+    """Accepted, and neither consumed nor dead-lettered."""
+    consumed_twice: int = 0
+    reordered: int = 0
+    runs: int = 0
+    announces_missing: int = 0
+    announces_twice: int = 0
+    faults: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.consumed_twice or self.reordered or self.announces_missing
+                    or self.announces_twice) and self.accepted > 0
+
+
+# -- processes ---------------------------------------------------------------------------
+class Proc:
+    """A child process started again with the same arguments after a kill, its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, ready: str = ""):
+        self.name, self.argv, self.log_path, self.ready = name, argv, log, ready
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.refused = 0
+        """Starts that failed since the last look (restart)."""
+
+    def start(self, timeout: float = 60.0) -> None:
+        log = self.log_path.open("ab")
+        start = self.log_path.stat().st_size
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        log.close()
+        if not self.ready:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.log_path.open("rb") as seen:
+                seen.seek(start)
+                if self.ready.encode() in seen.read():
+                    return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not start: {self.log_path.read_text()[-2000:]}")
+
+    def restart(self, attempts: int = 30) -> None:
+        """Start again as a supervisor would: a mesh process refuses to start while NATS has no leader for
+        its streams (a node was just killed), and exits; it is started again a second later."""
+        for attempt in range(attempts):
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                self.refused += 1
+                self.kill()
+                time.sleep(1.0)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _free_port() -> int:
+    from harness.nats import free_port
+
+    return free_port()
+
+
+# -- the orchestrator ------------------------------------------------------------------------
+def soak(plan: Plan) -> Report:
+    from harness.nats import NatsCluster, wait_for_jetstream
+
+    started = time.monotonic()
+    work = plan.work_dir or Path(tempfile.mkdtemp(prefix="inboxmesh-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(plan.seed)
+    faults: collections.Counter[str] = collections.Counter()
+    cluster = NatsCluster(work / "nats").start()
+    meshes: list[Proc] = []
+    hosts: list[Proc] = []
+    try:
+        asyncio.run(wait_for_jetstream(cluster.urls, timeout=60, replicas=3))
+        ports = [_free_port(), _free_port()]
+        for i, port in enumerate(ports):
+            mesh = Proc(f"mesh{i}", [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up",
+                                     "--port", str(port), "--no-demo", "--data-dir", str(work / f"mesh{i}"),
+                                     "--admin-token", ADMIN, "--max-active-children", str(plan.agents + 64),
+                                     *cluster.mesh_args()],
+                        work / f"mesh{i}.log", ready="inboxmesh listening on")
+            mesh.start()
+            meshes.append(mesh)
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        state = asyncio.run(_register(addresses[0], plan))
+        state_path = work / "state.json"
+        state_path.write_text(json.dumps(state))
+        for i in range(plan.hosts):
+            order = addresses[i % 2:] + addresses[:i % 2]  # half the hosts on each mesh process first
+            host = Proc(f"host{i}", [sys.executable, "-m", "harness.chaos", "--role", "host", "--state",
+                                     str(state_path), "--index", str(i), "--hosts", str(plan.hosts),
+                                     "--target", "ipv4:" + ",".join(order), "--work-dir", str(work)],
+                        work / f"host{i}.out")
+            host.start()
+            hosts.append(host)
+        deadline = started + plan.duration_s
+        next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * plan.fault_every_s
+        while time.monotonic() < deadline and not all((work / f"host{i}.done").exists() for i in range(plan.hosts)):
+            time.sleep(0.2)
+            _supervise(hosts, work, faults)
+            if time.monotonic() < next_fault:
+                continue
+            next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * plan.fault_every_s
+            kind = rng.choice(plan.faults)
+            faults[kind] += 1
+            if kind == "mesh":
+                victim = rng.choice(meshes)
+                victim.kill()
+                time.sleep(rng.uniform(0.2, 2.0))
+                victim.restart()
+                faults["mesh starts refused"] += victim.refused
+                victim.refused = 0
+            elif kind == "host":
+                victim = rng.choice(hosts)
+                victim.kill()
+                time.sleep(rng.uniform(0.2, 2.0))
+                victim.start()
+            else:
+                node = rng.choice(cluster.nodes)  # one at a time: the other two keep the quorum
+                node.kill()
+                time.sleep(rng.uniform(0.5, 3.0))
+                node.start()
+        # no more faults: the senders finish, then the consumers take what is left
+        finish = time.monotonic() + plan.drain_s
+        while time.monotonic() < finish and not all((work / f"host{i}.done").exists() for i in range(plan.hosts)):
+            time.sleep(0.5)
+            _supervise(hosts, work, faults)
+        asyncio.run(_drain(addresses[0], work, plan.hosts, finish))
+        report = asyncio.run(_check(addresses[0], work, plan))
+        report.faults = dict(faults)
+        report.seconds = round(time.monotonic() - started, 1)
+        (work / "report.json").write_text(json.dumps(asdict(report), indent=2))
+        return report
+    finally:
+        for host in hosts:
+            host.terminate()
+        for mesh in meshes:
+            mesh.terminate()
+        cluster.kill()
+
+
+def _supervise(hosts: list[Proc], work: Path, faults: collections.Counter[str]) -> None:
+    """A host that ended by itself (a bug, an error it did not expect) is started again, as by a supervisor,
+    and counted."""
+    for i, host in enumerate(hosts):
+        if host.proc is not None and host.proc.poll() is not None and not (work / f"host{i}.done").exists():
+            faults["host exits"] += 1
+            host.start()
+
+
+async def _register(address: str, plan: Plan) -> dict[str, Any]:
+    from inboxmesh.client.mesh import MeshClient
+
+    async with MeshClient(address, admin_token=ADMIN, timeout=30) as client:
+        lead = await client.register("chaos-lead")
+        agents = []
+        for i in range(plan.agents):
+            agent = await lead.spawn(f"agent{i}", inbox_capacity=100_000)
+            agents.append({"id": agent.agent_id, "info": base64.b64encode(agent.info.SerializeToString()).decode(),
+                           "credential": agent.credential})
+    return {"seed": plan.seed, "agents": agents, "per_agent": max(1, plan.messages // len(agents[0::2])),
+            "salt": secrets.token_hex(16)}
+
+
+def _log_lines(work: Path, hosts: int) -> list[list[str]]:
+    lines = []
+    for i in range(hosts):
+        path = work / f"host{i}.log"
+        if path.exists():
+            lines += [line.split() for line in path.read_text().splitlines() if line.endswith(" .")]
+    return lines
+
+
+async def _drain(address: str, work: Path, hosts: int, until: float) -> None:
+    """Until the hosts' acks have consumed every accepted message and the announce of every run they
+    spawned (or time is up), sweeping the runs meanwhile so that announces waiting for a retry go now."""
+    from inboxmesh.client.mesh import MeshClient
+    from services.store.base import ANNOUNCE_ID_PREFIX
+
+    async with MeshClient(address, admin_token=ADMIN, timeout=30) as client:
+        while time.monotonic() < until:
+            lines = _log_lines(work, hosts)
+            wanted = {(line[1], f"m-{line[2]}") for line in lines if line[0] == "r"}
+            wanted |= {("", ANNOUNCE_ID_PREFIX + line[3]) for line in lines if line[0] == "s"}
+            got = {(line[3], line[4]) for line in lines if line[0] == "c"}
+            got |= {("", line[4]) for line in lines if line[0] == "c" and line[4].startswith(ANNOUNCE_ID_PREFIX)}
+            if wanted <= got:
+                return
+            await client.sweep_runs()
+            await asyncio.sleep(1.0)
+
+
+async def _check(address: str, work: Path, plan: Plan) -> Report:
+    from harness.evidence import Record
+    from inboxmesh.client.mesh import MeshClient
+    from inboxmesh.events.v1 import events_pb2 as ev
+    from inboxmesh.registry.v1 import registry_pb2 as reg
+    from services.store.base import ANNOUNCE_ID_PREFIX
+
+    state = json.loads((work / "state.json").read_text())
+    async with MeshClient(address, admin_token=ADMIN, timeout=60) as client:
+        record = await Record.read(client)
+        handles = {a["id"]: client.agent(reg.Agent.FromString(base64.b64decode(a["info"])), a["credential"])
+                   for a in state["agents"]}
+        lines = _log_lines(work, plan.hosts)
+        accepted_now = {(line[1], f"m-{line[2]}") for line in lines if line[0] == "r"}
+        consumed_now = {(e.sender, e.message_id) for e in record.events
+                        if e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED}
+        states = []
+        dead_now = {(e.sender, e.message_id) for e in record.events
+                    if e.kind == ev.EVENT_KIND_MESSAGE_DEAD_LETTERED}
+        for sender, message_id in sorted(accepted_now - consumed_now - dead_now)[:5]:  # the first lost ones
+            status = await handles[sender].status(message_id)
+            states.append(f"{sender} {message_id}: state {status.state}, {status.delivery_attempts} attempts")
+    lines = _log_lines(work, plan.hosts)
+    accepted = {(line[1], f"m-{line[2]}"): line[3] for line in lines if line[0] == "r"}
+    refused = {(line[1], f"m-{line[2]}") for line in lines if line[0] == "x"}
+    consumed: collections.Counter[tuple[str, str]] = collections.Counter()
+    order: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+    announces: collections.Counter[str] = collections.Counter()
+    runs: set[str] = set()
+    for event in record.events:
+        if event.kind == ev.EVENT_KIND_MESSAGE_CONSUMED:
+            if event.message_id.startswith(ANNOUNCE_ID_PREFIX):
+                announces[event.message_id[len(ANNOUNCE_ID_PREFIX):]] += 1
+            elif event.message_id.startswith("m-"):
+                consumed[(event.sender, event.message_id)] += 1
+                order[(event.sender, event.recipient)].append(int(event.message_id[2:]))
+        elif event.kind == ev.EVENT_KIND_RUN_CREATED and event.detail == RUN_TASK:
+            runs.add(event.message_id)  # (the agents themselves are children of the lead, with runs never ended)
+    dead = {(e.sender, e.message_id) for e in record.events if e.kind == ev.EVENT_KIND_MESSAGE_DEAD_LETTERED}
+    dead_accepted = (accepted.keys() & dead) - consumed.keys()
+    lost = sorted(f"{s} {m}" for s, m in accepted.keys() - consumed.keys() - dead)
+    twice = sorted(f"{s} {m}" for (s, m), n in consumed.items() if n > 1)
+    reordered = sorted(f"{pair[0]}->{pair[1]}" for pair, ns in order.items()
+                       if any(b <= a for a, b in zip(ns, ns[1:])))
+    missing = sorted(r for r in runs if announces[r] == 0)
+    announced_twice = sorted(r for r, n in announces.items() if n > 1)
+    return Report(seed=plan.seed, agents=plan.agents, messages_planned=plan.messages, accepted=len(accepted),
+                  refused=len(refused), consumed=sum(consumed.values()), dead_lettered=len(dead_accepted),
+                  lost=len(lost), consumed_twice=len(twice),
+                  reordered=len(reordered), runs=len(runs), announces_missing=len(missing),
+                  announces_twice=len(announced_twice),
+                  examples={"lost": lost[:5], "lost_states": states, "consumed_twice": twice[:5],
+                            "reordered": reordered[:5],
+                            "announces_missing": missing[:5], "announces_twice": announced_twice[:5]})
+
+
+# -- an agent host ------------------------------------------------------------------------------
+class HostLog:
+    """What a host did, one line each, fsynced (a host is killed at any moment; a line is whole or
+    absent): `r agent n recipient seq .` a receipt ACCEPTED or DUPLICATE, `x agent n recipient status .`
+    one that refused it, `c agent seq sender message_id .` a message the host's ack consumed,
+    `s agent k run_id .` a run spawned."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = path.open("a")
+
+    def write(self, *fields: object) -> None:
+        self._file.write(" ".join(str(f) for f in fields) + " .\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def done_upto(self) -> dict[str, int]:
+        """Per agent, the next message number to send (after the last one with an outcome)."""
+        upto: dict[str, int] = {}
+        for line in self.path.read_text().splitlines():
+            parts = line.split()
+            if line.endswith(" .") and parts[0] in ("r", "x"):
+                upto[parts[1]] = max(upto.get(parts[1], 0), int(parts[2]) + 1)
+        return upto
+
+
+def _request_id(salt: str, agent_id: str, n: int) -> str:
+    """The spawn's request_id (the secret its child's credential comes from), the same when a host started
+    again spawns the child of message n again."""
+    return hashlib.sha256(f"{salt}:{agent_id}:{n}".encode()).hexdigest()
+
+
+def _recipient(seed: int, sender: str, n: int, receivers: list[str]) -> str:
+    return random.Random(f"{seed}:{sender}:{n}").choice(receivers)
+
+
+async def host(state: dict[str, Any], index: int, hosts: int, target: str, work: Path) -> None:
+    from inboxmesh.client import errors
+    from inboxmesh.client.mesh import MeshClient
+    from inboxmesh.client.stream import InboxStream
+    from inboxmesh.inbox.v1 import inbox_pb2
+    from inboxmesh.registry.v1 import registry_pb2 as reg
+
+    receivers = [a["id"] for a in state["agents"][1::2]]
+    senders = {a["id"] for a in state["agents"][0::2]}
+    mine = state["agents"][index::hosts]
+    log = HostLog(work / f"host{index}.log")
+    upto = log.done_upto()
+    seed, per_agent = state["seed"], state["per_agent"]
+
+    async def retried(call: Any) -> Any:
+        while True:
+            try:
+                return await call()
+            except (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted):
+                await asyncio.sleep(0.2)
+
+    async with MeshClient(target, timeout=10) as client:
+        handles = {}
+        for agent in mine:
+            handles[agent["id"]] = client.agent(reg.Agent.FromString(base64.b64decode(agent["info"])),
+                                                agent["credential"])
+        stream = InboxStream(list(handles.values()), max_in_flight=256)
+
+        taken: dict[str, set[tuple[str, str]]] = collections.defaultdict(set)
+        """Per agent, the (sender, message id) its acks won (logged): a message consumed by an ack of this
+        host whose answer was lost is told from one consumed elsewhere (InboxStream.consume_many)."""
+
+        async def consume() -> None:
+            async for item in stream:
+                if not item.messages:
+                    continue
+                by_agent: dict[str, list[Any]] = collections.defaultdict(list)
+                for message in item.messages:
+                    by_agent[message.recipient].append(message)
+                for _ in range(ACK_TRIES):
+                    # An ack that failed on a stream still open is tried again (those messages stay out on
+                    # it) for a while; then the loop goes on, which lets the stream open again if it broke
+                    # (it is opened again only as it is read), and they come again with all not acked.
+                    if not by_agent:
+                        break
+                    try:
+                        done = await stream.consume_many(by_agent, taken=taken)
+                    except (errors.Unavailable, errors.DeadlineExceeded):
+                        await asyncio.sleep(0.2)
+                        continue
+                    except errors.MeshError:
+                        break
+                    for agent_id, won in done.messages.items():
+                        for message in won:
+                            taken[agent_id].add((message.sender, message.message_id))
+                            log.write("c", agent_id, message.sequence, message.sender, message.message_id)
+                        by_agent.pop(agent_id, None)
+                    if done.refused:  # refused outright (the agent closed, say): nothing to retry
+                        break
+
+        async def send(agent_id: str) -> None:
+            handle = handles[agent_id]
+            for n in range(upto.get(agent_id, 0), per_agent):
+                if n % RUN_EVERY == RUN_EVERY - 1:
+                    run = reg.RunSpec(task=RUN_TASK, task_message_id=f"task-{n}", run_timeout_s=20,
+                                      cleanup=reg.RUN_CLEANUP_DELETE)
+                    try:
+                        child = await retried(functools.partial(handle.spawn, f"job{n}", run=run,
+                                                                request_id=_request_id(state["salt"], agent_id, n)))
+                    except errors.FailedPrecondition:  # spawned before this host was killed, ended, closed
+                        child = None
+                    if child is not None:
+                        log.write("s", agent_id, n, child.run_id)
+                        worker = client.agent(child.info, child.credential)
+                        try:
+                            await retried(functools.partial(worker.end_run, "done"))
+                        except errors.MeshError:
+                            pass  # ended or closed already (a retry after a kill): its announce comes anyway
+                recipient = _recipient(seed, agent_id, n, receivers)
+                sending = functools.partial(handle.send, recipient, f"chaos {n}", message_id=f"m-{n}")
+                while True:
+                    receipt = await retried(sending)
+                    if receipt.status in (inbox_pb2.RECEIPT_STATUS_ACCEPTED, inbox_pb2.RECEIPT_STATUS_DUPLICATE):
+                        log.write("r", agent_id, n, recipient, receipt.sequence)
+                        break
+                    if receipt.status == inbox_pb2.RECEIPT_STATUS_INBOX_FULL:
+                        await asyncio.sleep(0.5)
+                        continue
+                    log.write("x", agent_id, n, recipient, inbox_pb2.ReceiptStatus.Name(receipt.status))
+                    break
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.gather(*(send(agent_id) for agent_id in handles if agent_id in senders))
+        (work / f"host{index}.done").write_text("done\n")
+        await consumer  # until the orchestrator stops this host
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--agents", type=int, default=100)
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=1800.0, help="seconds of faults at most")
+    parser.add_argument("--fault-every", type=float, default=5.0, help="seconds between faults, on average")
+    parser.add_argument("--drain", type=float, default=180.0)
+    parser.add_argument("--faults", default=",".join(FAULTS), help="what may be killed: mesh, host, nats")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--role", choices=["host"], help=argparse.SUPPRESS)
+    parser.add_argument("--state", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "host":
+        asyncio.run(host(json.loads(args.state.read_text()), args.index, args.hosts, args.target, args.work_dir))
+        return
+    report = soak(Plan(seed=args.seed, agents=args.agents, messages=args.messages, hosts=args.hosts,
+                       duration_s=args.duration, fault_every_s=args.fault_every, drain_s=args.drain,
+                       faults=tuple(args.faults.split(",")),
+                       work_dir=args.work_dir))
+    print(json.dumps(asdict(report), indent=2))
+    sys.exit(0 if report.ok else 1)
+
+
+if __name__ == "__main__":
+    main()
