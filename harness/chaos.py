@@ -306,37 +306,34 @@ async def _check(address: str, work: Path, plan: Plan) -> Report:
     state = json.loads((work / "state.json").read_text())
     async with MeshClient(address, admin_token=ADMIN, timeout=60) as client:
         record = await Record.read(client)
+        lines = _log_lines(work, plan.hosts)
+        accepted = {(line[1], f"m-{line[2]}"): line[3] for line in lines if line[0] == "r"}
+        refused = {(line[1], f"m-{line[2]}") for line in lines if line[0] == "x"}
+        consumed: collections.Counter[tuple[str, str]] = collections.Counter()
+        order: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+        announces: collections.Counter[str] = collections.Counter()
+        runs: set[str] = set()
+        dead: set[tuple[str, str]] = set()
+        for event in record.events:
+            if event.kind == ev.EVENT_KIND_MESSAGE_CONSUMED:
+                if event.message_id.startswith(ANNOUNCE_ID_PREFIX):
+                    announces[event.message_id[len(ANNOUNCE_ID_PREFIX):]] += 1
+                elif event.message_id.startswith("m-"):
+                    consumed[(event.sender, event.message_id)] += 1
+                    order[(event.sender, event.recipient)].append(int(event.message_id[2:]))
+            elif event.kind == ev.EVENT_KIND_MESSAGE_DEAD_LETTERED:
+                dead.add((event.sender, event.message_id))
+            elif event.kind == ev.EVENT_KIND_RUN_CREATED and event.detail == RUN_TASK:
+                runs.add(event.message_id)  # (the agents themselves are children of the lead, with runs never ended)
+        unaccounted = accepted.keys() - consumed.keys() - dead
         handles = {a["id"]: client.agent(reg.Agent.FromString(base64.b64decode(a["info"])), a["credential"])
                    for a in state["agents"]}
-        lines = _log_lines(work, plan.hosts)
-        accepted_now = {(line[1], f"m-{line[2]}") for line in lines if line[0] == "r"}
-        consumed_now = {(e.sender, e.message_id) for e in record.events
-                        if e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED}
         states = []
-        dead_now = {(e.sender, e.message_id) for e in record.events
-                    if e.kind == ev.EVENT_KIND_MESSAGE_DEAD_LETTERED}
-        for sender, message_id in sorted(accepted_now - consumed_now - dead_now)[:5]:  # the first lost ones
+        for sender, message_id in sorted(unaccounted)[:5]:  # what became of the first lost ones
             status = await handles[sender].status(message_id)
             states.append(f"{sender} {message_id}: state {status.state}, {status.delivery_attempts} attempts")
-    lines = _log_lines(work, plan.hosts)
-    accepted = {(line[1], f"m-{line[2]}"): line[3] for line in lines if line[0] == "r"}
-    refused = {(line[1], f"m-{line[2]}") for line in lines if line[0] == "x"}
-    consumed: collections.Counter[tuple[str, str]] = collections.Counter()
-    order: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
-    announces: collections.Counter[str] = collections.Counter()
-    runs: set[str] = set()
-    for event in record.events:
-        if event.kind == ev.EVENT_KIND_MESSAGE_CONSUMED:
-            if event.message_id.startswith(ANNOUNCE_ID_PREFIX):
-                announces[event.message_id[len(ANNOUNCE_ID_PREFIX):]] += 1
-            elif event.message_id.startswith("m-"):
-                consumed[(event.sender, event.message_id)] += 1
-                order[(event.sender, event.recipient)].append(int(event.message_id[2:]))
-        elif event.kind == ev.EVENT_KIND_RUN_CREATED and event.detail == RUN_TASK:
-            runs.add(event.message_id)  # (the agents themselves are children of the lead, with runs never ended)
-    dead = {(e.sender, e.message_id) for e in record.events if e.kind == ev.EVENT_KIND_MESSAGE_DEAD_LETTERED}
     dead_accepted = (accepted.keys() & dead) - consumed.keys()
-    lost = sorted(f"{s} {m}" for s, m in accepted.keys() - consumed.keys() - dead)
+    lost = sorted(f"{s} {m}" for s, m in unaccounted)
     twice = sorted(f"{s} {m}" for (s, m), n in consumed.items() if n > 1)
     reordered = sorted(f"{pair[0]}->{pair[1]}" for pair, ns in order.items()
                        if any(b <= a for a, b in zip(ns, ns[1:])))

@@ -206,6 +206,19 @@ class JetStreamConnection:
             for token in tokens:
                 self._replies.pop(token, None)
 
+    async def publish_each(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> list[Any]:
+        """Publish the messages (subject, payload, headers) one at a time, pipelined, in order: for each, its
+        PubAck or the error JetStream answered (one timeout for all: then a NATS TimeoutError)."""
+        futures = [await self.js.publish_async(subject, payload, headers=headers or None)
+                   for subject, payload, headers in messages]
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
+                                               self.config.nats_timeout_s))
+        except TimeoutError:
+            for future in futures:
+                future.cancel()
+            raise nats.errors.TimeoutError from None
+
     async def publish_batch(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> list[int]:
         """Publish the messages (subject, payload, headers) into one stream as one atomic batch: stored all
         together, one after the other, or none of them (then an APIError names why; BATCH_REFUSED: a

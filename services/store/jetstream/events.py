@@ -9,7 +9,6 @@ import asyncio
 import logging
 from typing import NamedTuple
 
-import nats.errors
 from nats.js.errors import APIError
 
 from inboxmesh.client.tracing import trace_id_of
@@ -131,14 +130,10 @@ class EventLog:
                 return [Recorded(seq, False) for seq in await self.conn.publish_batch(messages)]
             except APIError as exc:  # nothing of the batch was stored: one at a time says which are copies
                 log.debug("events batch refused (%s): one at a time", exc)
-        futures = [await self.conn.js.publish_async(subject, payload, headers=headers or None)
-                   for subject, payload, headers in messages]
-        try:
-            acks = await asyncio.wait_for(asyncio.gather(*futures), self.conn.config.nats_timeout_s)
-        except TimeoutError:
-            for future in futures:
-                future.cancel()
-            raise nats.errors.TimeoutError from None
+        acks = await self.conn.publish_each(messages)
+        failure = next((ack for ack in acks if isinstance(ack, BaseException)), None)
+        if failure is not None:
+            raise failure
         return [Recorded(ack.seq, bool(ack.duplicate)) for ack in acks]
 
     async def emit(self, rows: list[EventRow]) -> list[int]:

@@ -9,7 +9,6 @@ import json
 import logging
 from typing import Any, NamedTuple
 
-import nats.errors
 from nats.js.errors import APIError, NotFoundError
 
 from inboxmesh.common.v1 import envelope_pb2
@@ -152,15 +151,7 @@ class InboxMessages:
                 return [Published(ACCEPTED, "", seq, settled=False) for seq in seqs]
             except APIError as exc:  # none stored: a retry among them (a duplicate), the inbox at its limit
                 log.debug("inbox batch refused (%s): one at a time", exc)
-        futures = [await self.conn.js.publish_async(subject, payload, headers=headers)
-                   for subject, payload, headers in messages]
-        try:
-            acks = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
-                                          self.conn.config.nats_timeout_s)
-        except TimeoutError:
-            for future in futures:
-                future.cancel()
-            raise nats.errors.TimeoutError from None
+        acks = await self.conn.publish_each(messages)
         found: list[Published] = []
         for env, ack in zip(envelopes, acks):
             if isinstance(ack, APIError) and ack.err_code == FULL_CODE:
