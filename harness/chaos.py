@@ -53,7 +53,7 @@ ADMIN = "chaos-admin-token"
 RUN_EVERY = 25
 """An agent spawns a child with a run before every RUN_EVERY-th message."""
 ACK_TRIES = 50
-"""Tries of an ack that failed for want of the store (0.2 s apart)."""
+"""Tries of an ack that failed (the stream lost, no answer in time), 0.2 s apart."""
 RUN_TASK = "chaos job"
 FAULTS = ("mesh", "host", "nats")
 
@@ -425,8 +425,9 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
                 for message in item.messages:
                     by_agent[message.recipient].append(message)
                 for _ in range(ACK_TRIES):
-                    # An ack that failed on a stream still open is tried again (those messages stay out on
-                    # it) for a while; then the loop goes on, which lets the stream open again if it broke
+                    # InboxStream writes an ack the store could not take again by itself while the stream
+                    # lasts; one that failed otherwise (the stream lost, not answered in time) is tried again
+                    # here for a while; then the loop goes on, which lets the stream open again if it broke
                     # (it is opened again only as it is read), and they come again with all not acked.
                     if not by_agent:
                         break

@@ -3,15 +3,19 @@ free port, found through what it prints, stopped by its PID."""
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 _LISTENING = re.compile(r"inboxmesh listening on (\S+)")
+_KEPT_LINES = 500
+"""The last lines of a mesh process's output kept for a failing test to show (MeshProcess.output)."""
 
 
 class MeshProcess:
@@ -23,6 +27,9 @@ class MeshProcess:
                      "--no-demo", "--data-dir", str(data_dir), "--admin-token", admin_token, *extra]
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.lines: collections.deque[str] = collections.deque(maxlen=_KEPT_LINES)
+        """Its last lines of output. Read all along by a thread: a pipe nobody reads fills up (64 KiB) and
+        then blocks the process at its next log line, which froze a mesh whose NATS was down a while."""
 
     def start(self, timeout: float = 30.0) -> str:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -38,9 +45,22 @@ class MeshProcess:
             match = _LISTENING.search(line)
             if match:
                 self.address = match.group(1)
+                self.lines.extend(seen)
+                threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True).start()
                 return self.address
         self.kill()
         raise RuntimeError(f"mesh process did not start: {''.join(seen)}")
+
+    def _drain(self, stdout) -> None:
+        try:
+            for line in stdout:
+                self.lines.append(line)
+        except (OSError, ValueError):  # closed by __exit__
+            pass
+
+    def output(self) -> str:
+        """Its last lines of output (for a failing test's message)."""
+        return "".join(self.lines)
 
     def wait(self, timeout: float) -> int:
         """The process's exit code, waiting up to timeout for it to exit."""

@@ -15,6 +15,7 @@ import pytest
 from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
 from inboxmesh.client import errors
 from inboxmesh.client.mesh import MeshClient
+from inboxmesh.client.stream import InboxStream
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
@@ -390,3 +391,69 @@ async def test_a_close_whose_replica_died_midway_is_finished_by_another(tmp_path
 async def _run_ended(admin: MeshClient, lead, child):
     run = await admin.agent(lead.info, lead.credential).get_run(child_id=child.agent_id)
     return run if run.status != runs.RUN_STATUS_RUNNING else None
+
+
+async def test_a_nats_outage_keeps_consume_streams_open_and_counts_no_attempt(tmp_path):
+    """While NATS is down (kill -9, then started again), a Consume stream stays open: the messages it
+    delivered stay in flight on it, an ack made meanwhile is answered UNAVAILABLE and written again by
+    InboxStream until NATS is back, and then wins. Nothing is delivered twice, no attempt is counted for
+    the outage, and messages sent after it come on the same stream. (The mesh used to end the stream at
+    the first failed read or ack: the host subscribed again and got every unacked message once more, one
+    attempt more each, until a store that came and went dead-lettered them.) Heartbeats every 0.5 s: each
+    re-reads the feed (the safety net), so reads fail during the outage too."""
+    node = NatsNode(tmp_path / "nats").start()
+    try:
+        with MeshProcess(tmp_path / "r1", *node.mesh_args(), "--heartbeat-interval", "0.5") as r1:
+            sender, target = await _pair(r1.address)
+            async with MeshClient(r1.address, timeout=5.0) as client:
+                me = client.agent(target.info, target.credential)
+                stream = InboxStream([me])
+                got: list = []
+                items = stream.__aiter__()
+
+                async def take(count: int) -> list:
+                    batch: list = []
+                    while len(batch) < count:
+                        item = await asyncio.wait_for(anext(items), 30)
+                        batch += item.messages
+                    return batch
+
+                try:
+                    for i in range(10):
+                        receipt = await client.agent(sender.info, sender.credential).send(
+                            target.agent_id, f"before {i}", message_id=f"b-{i}")
+                        assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED
+                    before = await take(10)
+                    node.kill()
+                    acking = asyncio.create_task(stream.consume(target.agent_id, before))
+                    # longer than a NATS request's deadline (5 s): the ack is answered UNAVAILABLE meanwhile
+                    await asyncio.sleep(8)
+                    assert not acking.done(), "the ack waits for NATS (it is not failed, the stream not lost)"
+                    node.start()
+                    won = await asyncio.wait_for(acking, 60)
+                    assert [m.message_id for m in won] == [m.message_id for m in before], "the ack won them all"
+                    got += before
+                    for i in range(5):
+                        receipt = await client.agent(sender.info, sender.credential).send(
+                            target.agent_id, f"after {i}", message_id=f"a-{i}")
+                        assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED
+                    after = await take(5)
+                    assert len(await stream.consume(target.agent_id, after)) == 5
+                    got += after
+                finally:
+                    stream.stop()
+                assert stream.reconnects == 0, "the stream stayed open through the outage"
+                assert [m.message_id for m in got] == [f"b-{i}" for i in range(10)] + [f"a-{i}" for i in range(5)]
+                assert {m.delivery_attempt for m in got} == {1}, "each delivered once, as its first attempt"
+            async with MeshClient(r1.address, admin_token=ADMIN_TOKEN) as admin:
+                async def recorded() -> list | None:
+                    # an ack the outage interrupted is recorded by the keeper's roll-forward (a second behind)
+                    consumed = await _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_CONSUMED)
+                    return consumed if len(consumed) >= len(got) else None
+
+                consumed = await eventually(recorded, timeout=30, message="a CONSUMED event for each message")
+                assert sorted(e.message_id for e in consumed) == sorted(m.message_id for m in got), "each once"
+                delivered = await _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_DELIVERED)
+                assert len(delivered) == 15, "one DELIVERED event per message: none delivered again"
+    finally:
+        node.kill()

@@ -130,6 +130,19 @@ def won(mine: list[envelope_pb2.Envelope], results: Iterable[inbox_pb2.AckResult
     return [m for m in mine if m.sequence in consumed and (m.sender, m.message_id) not in taken]
 
 
+def claimed(answer: list[inbox_pb2.AckResult] | inbox_pb2.AckManyResponse
+            ) -> list[inbox_pb2.AckResult] | inbox_pb2.AckManyResponse:
+    """The answer to an ack written again after the mesh could not process an earlier attempt of it: what
+    it finds ALREADY_CONSUMED that attempt consumed (only the agent's own stream acks its inbox, and the
+    attempt named the same sequences), so it is CONSUMED by this ack (changed in place)."""
+    lists = [answer] if isinstance(answer, list) else [list(acked.results) for acked in answer.acks]
+    for results in lists:
+        for result in results:
+            if result.status == inbox_pb2.ACK_STATUS_ALREADY_CONSUMED:
+                result.status = inbox_pb2.ACK_STATUS_CONSUMED
+    return answer
+
+
 def ack_error(acked: inbox_pb2.AckResponse) -> errors.MeshError:
     """The MeshError for an ack the mesh refused on a Consume stream, as the
     unary Ack would have raised it."""

@@ -8,6 +8,11 @@ only the messages whose ack this host won, so a host that injects exactly
 what `consume` returns never takes a message into an agent's context twice.
 An ack the mesh refuses (it named the wrong agent, no or too many sequences)
 fails that `consume` alone with the matching MeshError; the stream goes on.
+An ack the mesh could not process now (UNAVAILABLE: its store did not answer)
+is written again on the same stream, with backoff, for as long as the stream
+lasts: the deliveries stay in flight meanwhile, and a message the failed
+attempt consumed after all comes back ALREADY_CONSUMED, which counts as won
+by this ack (inboxmesh.client.acking.claimed).
 
 When the last of its agents is closed, superseded or detached the stream
 half-closes its side, so that no ack of it races the end of the call: the
@@ -34,9 +39,9 @@ import collections
 import contextlib
 import logging
 import random
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -48,6 +53,7 @@ from inboxmesh.client.acking import (
     ack_chunks,
     ack_error,
     addressed_to,
+    claimed,
     consume,
     refusal,
     won,
@@ -356,21 +362,38 @@ class InboxStream:
         (the messages then come again and can be acked again), and the
         MeshError of the refusal when the mesh refused this ack (the stream
         goes on)."""
-        request_id = self._answers.next_id()
-        return await self._request_answer(request_id, inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest(
+        return await self._request_answer(lambda request_id: inbox_pb2.ConsumeRequest(ack=inbox_pb2.AckRequest(
             agent_id=agent_id, sequences=sequences, request_id=request_id, turn=turn)))
 
-    async def _request_answer(self, request_id: int, request: inbox_pb2.ConsumeRequest):
-        """Write an ack or ack_many request and wait for the answer with its request_id."""
-        if self._call is None:
-            raise errors.Unavailable("the inbox stream is not connected", reason=Reason.STREAM_LOST)
-        future = self._answers.expect(request_id)
-        try:
-            await self._write_stream(request, "ack")
-        except errors.Unavailable:  # not connected (reconnecting), or the call is lost or over
-            self._answers.forget(request_id, future)
-            raise
-        return await asyncio.wait_for(future, self.ack_timeout)
+    async def _request_answer(self, request_of: Callable[[int], inbox_pb2.ConsumeRequest]) -> Any:
+        """Write an ack or ack_many request (made for its request_id by `request_of`) and wait for the answer
+        with its request_id. Written again, with backoff, while the mesh answers that it could not process
+        it now (Unavailable, but for a lost stream); the answer to such a retry counts what it finds
+        consumed already as consumed by this ack (claimed)."""
+        delay = self.min_backoff
+        retried = False
+        while True:
+            if self._call is None:
+                raise errors.Unavailable("the inbox stream is not connected", reason=Reason.STREAM_LOST)
+            request_id = self._answers.next_id()
+            future = self._answers.expect(request_id)
+            try:
+                await self._write_stream(request_of(request_id), "ack")
+            except errors.Unavailable:  # not connected (reconnecting), or the call is lost or over
+                self._answers.forget(request_id, future)
+                raise
+            try:
+                answer = await asyncio.wait_for(future, self.ack_timeout)
+            except errors.Unavailable as exc:
+                if exc.reason == Reason.STREAM_LOST or self._stopped:
+                    raise
+                log.info("ack not processed by the mesh (%s: %s); writing it again in %.2f s", exc.reason,
+                         exc.message, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, self.max_backoff)
+                retried = True
+                continue
+            return claimed(answer) if retried else answer
 
     async def ack_many(self, acks: Mapping[str, list[int]], turns: Mapping[str, int] | None = None
                        ) -> dict[str, list[inbox_pb2.AckResult] | errors.MeshError]:
@@ -380,10 +403,9 @@ class InboxStream:
         turns = turns or {}
 
         async def one(agent_ids: list[str]) -> dict[str, list[inbox_pb2.AckResult] | errors.MeshError]:
-            request_id = self._answers.next_id()
             entries = [inbox_pb2.AckRequest(agent_id=a, sequences=acks[a], turn=turns.get(a, 0)) for a in agent_ids]
             try:
-                answer = await self._request_answer(request_id, inbox_pb2.ConsumeRequest(
+                answer = await self._request_answer(lambda request_id: inbox_pb2.ConsumeRequest(
                     ack_many=inbox_pb2.AckManyRequest(acks=entries, request_id=request_id)))
             except errors.Unavailable:
                 raise

@@ -31,7 +31,12 @@ _SHOWN_ID = 64
 REFUSALS = (errors.InvalidArgument, errors.PermissionDenied, errors.FailedPrecondition, errors.NotFound,
             errors.ResourceExhausted, errors.Unauthenticated)
 """Errors that say a request on a Consume stream was wrong: answered on the stream for that request alone.
-Others (the mesh could not process it) end the stream, and the host subscribes again."""
+Others (the mesh could not process it) end the stream, and the host subscribes again; but for acks, below."""
+ACK_ANSWERED = (*REFUSALS, errors.Unavailable)
+"""What an ack or ack_many is answered with on the stream, the stream going on: its refusals, and
+Unavailable (the store did not answer, too much contention): the host retries the ack on the same stream
+(inboxmesh.client.stream.InboxStream does), whose deliveries stay in flight. Ending the stream would have
+every unacked message delivered again, one more attempt each."""
 _ENDS = (pb.SUBSCRIPTION_EVENT_KIND_CLOSED, pb.SUBSCRIPTION_EVENT_KIND_SUPERSEDED)
 
 
@@ -90,16 +95,18 @@ class ConsumeSession:
         try:
             agent_id, caller = self.ack_caller(request)
             outcomes = await self._service.ack(caller, agent_id, list(request.sequences), request.turn)
-        except REFUSALS as exc:  # this ack was wrong; the stream and its other agents carry on
-            log.info("Consume on %r: ack %d refused: %s (%s)", self._subscription, request.request_id, exc.reason,
-                     exc.message)
+        except ACK_ANSWERED as exc:  # this ack was wrong, or not processed now; the stream carries on
+            log.info("Consume on %r: ack %d not taken: %s (%s)", self._subscription, request.request_id,
+                     exc.reason, exc.message)
             return AckAnswer(agent_id, refusal=exc)
         return AckAnswer(agent_id, outcomes)
 
     async def ack_many(self, request: pb.AckManyRequest) -> list[AckAnswer]:
         """Every entry checked as `ack` checks one (a refused entry is answered alone, nothing of it
         recorded), and the others acked in one store write (InboxStore.ack_many: one commit on SQLite,
-        on JetStream the requests of all entries together). Raises a refusal of the request as a whole."""
+        on JetStream the requests of all entries together). Raises a refusal of the request as a whole
+        (ACK_ANSWERED: also Unavailable, when the store did not process it; some entries may be recorded, and
+        a retry answers those ALREADY_CONSUMED)."""
         if not request.acks:
             raise errors.InvalidArgument("the ack_many holds no acks", reason=Reason.MISSING_FIELD,
                                          metadata={"field": "acks"})

@@ -33,6 +33,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 
 from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.client.tracing import context_of, message_attributes, tracer
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -58,6 +59,9 @@ CLOSE_PAGES = 8
 """Store calls for closes per heartbeat at most; more closes wait for the next beat."""
 _SHOWN_AGENTS = 8
 """Agent ids a log line or repr lists before it gives only the count."""
+STORE_RETRY_S = (0.05, 2.0)
+"""A subscription whose store read failed (the store unavailable) reads again after the first of these,
+doubling up to the second, for as long as the failures last: the stream stays open meanwhile."""
 _sub_ids = itertools.count(1)
 
 
@@ -86,6 +90,8 @@ class Subscription:
         self.wake = asyncio.Event()
         self.heartbeat_due = False
         self.stopped = False
+        self.store_retry_s = 0.0
+        """The wait before the next store read while the store fails (0: it does not)."""
         for feed in feeds:
             self.make_ready(feed)
 
@@ -132,13 +138,29 @@ class Subscription:
                         hub.finished(self, feed)
                     yield _event(feed.agent_id, kind, detail)
                     continue
-                taken = await self._take(feed)
+                try:
+                    taken = await self._take(feed)
+                except errors.Unavailable as exc:
+                    if exc.reason != Reason.STORE_UNAVAILABLE:
+                        raise
+                    self._store_failed(feed, exc)
+                    break  # this round ends here; the feed is read again after the wait
+                if self.store_retry_s:
+                    log.info("delivery on %r: the store answers again", self)
+                    self.store_retry_s = 0.0
                 if taken:
                     batch.append((feed, taken))
                 self.make_ready(feed)  # when it has more: its next share comes in a later round
             if batch:
                 for response in self._deliveries(batch):
                     yield response
+            if self.store_retry_s:
+                await self._rest()
+                if self.heartbeat_due:
+                    self.heartbeat_due = False
+                    yield pb.SubscribeResponse(heartbeat=pb.Heartbeat(at_us=now_us()))
+                continue
+            if batch:
                 continue
             if self.ready:
                 continue
@@ -149,6 +171,30 @@ class Subscription:
                 self.heartbeat_due = False
                 yield pb.SubscribeResponse(heartbeat=pb.Heartbeat(at_us=now_us()))
 
+    def _store_failed(self, feed: Feed, exc: errors.Unavailable) -> None:
+        """A store read for the feed failed: the stream stays open (what it delivered stays in flight, and
+        acks are still taken), and the feed is read again after a wait that doubles while failures last.
+        Ending the stream instead would have the host subscribe again and get every unacked message again,
+        each time one more delivery attempt: a store that comes and goes would dead-letter them."""
+        low, high = STORE_RETRY_S
+        if not self.store_retry_s:
+            log.warning("delivery on %r paused, reading again shortly: %s", self, exc.message)
+        self.store_retry_s = min(high, max(low, 2 * self.store_retry_s))
+        feed.needs_store = True
+        if not feed.queued:  # first in line when the wait is over
+            feed.queued = True
+            self.ready.appendleft(feed)
+
+    async def _rest(self) -> None:
+        """Wait before reading the store again (cut short when the mesh shuts down or the stream stops)."""
+        self.wake.clear()
+        waits = [asyncio.ensure_future(self.hub.shut.wait()), asyncio.ensure_future(self.wake.wait())]
+        try:
+            await asyncio.wait(waits, timeout=self.store_retry_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
     async def _take(self, feed: Feed) -> list[envelope_pb2.Envelope]:
         """The feed's share of this round: from the store when it needs it, else from memory."""
         if feed.room <= 0:
@@ -158,7 +204,13 @@ class Subscription:
             return await self._read_store(feed, share)
         fresh = feed.take_fresh(now_us(), share)
         if fresh:
-            await self.hub.store.mark_delivered(feed.agent_id, fresh, now_us())
+            try:
+                await self.hub.store.mark_delivered(feed.agent_id, fresh, now_us())
+            except errors.Unavailable:  # not delivered after all: the feed reads them from the store later
+                feed.cursor = fresh[0].sequence - 1
+                feed.in_flight.difference_update(e.sequence for e in fresh)
+                feed.needs_store = True
+                raise
         return fresh
 
     async def _read_store(self, feed: Feed, limit: int) -> list[envelope_pb2.Envelope]:

@@ -20,7 +20,7 @@ from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from services.auth_policy import authenticated
 from services.directory import Caller
 from services.grpc_common import streaming, unary
-from services.inbox.consume import REFUSALS, AckAnswer, ConsumeSession
+from services.inbox.consume import ACK_ANSWERED, REFUSALS, AckAnswer, ConsumeSession
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.inbox.service import InboxService, StreamSenders
 from services.store.base import AckOutcome, MessageRecord, SendOutcome
@@ -193,7 +193,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                     return
                 try:
                     answers = await session.ack_many(acks)
-                except REFUSALS as exc:
+                except ACK_ANSWERED as exc:
                     await write(pb.SubscribeResponse(acked_many=pb.AckManyResponse(request_id=acks.request_id,
                                                                                    error=error_pb(exc))))
                     return

@@ -47,6 +47,8 @@ EVENT_DEDUP_WINDOW_S = 300.0
 REPLAY_HORIZON_US = int((EVENT_DEDUP_WINDOW_S - 30) * 1_000_000)
 """An event older than this (by its time) is not published again, by the keeper or as a delivery's
 copy of a message's stored events: the duplicate window might no longer drop the copy."""
+_ERROR_REPEAT_S = 60.0
+"""The same NATS client error is logged again after this long at most (_on_error)."""
 NATS_FAILURES: tuple[type[BaseException], ...] = (nats.errors.Error, TimeoutError, APIError, OSError)
 """What a NATS request raises when NATS is down, slow or refuses (disconnected, timed out, no JetStream
 leader, an error answer)."""
@@ -103,6 +105,8 @@ class JetStreamConnection:
         self._replies: dict[str, Callable[[Any], None]] = {}
         """Per reply token, what takes the answers of a request in flight (_on_reply)."""
         self._tokens = itertools.count(1)
+        self._last_error = ""
+        self._last_error_at = 0.0
         self.origin = secrets.token_hex(8)
         """Names this connection's own appends (header ORIGIN_HEADER), so that it can tell them from other
         processes' in the notices it follows: every path here that appends wakes the delivery hub itself,
@@ -116,7 +120,9 @@ class JetStreamConnection:
                                          reason=Reason.BAD_CONFIG)
         try:
             self.nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=-1,
-                                         reconnect_time_wait=0.2, name="inboxmesh")
+                                         reconnect_time_wait=0.2, name="inboxmesh", error_cb=self._on_error,
+                                         disconnected_cb=self._on_disconnected,
+                                         reconnected_cb=self._on_reconnected)
         except Exception as exc:
             raise errors.Unavailable(f"cannot reach NATS at {', '.join(urls)}: {exc}",
                                      reason=Reason.NATS_DOWN) from None
@@ -169,6 +175,23 @@ class JetStreamConnection:
             await self.js.add_stream(config)
         except BadRequestError:
             await self.js.update_stream(config)
+
+    async def _on_error(self, exc: Exception) -> None:
+        """nats-py's asynchronous errors, one line each: while a server is down the client meets one per
+        reconnect attempt (every 0.2 s), and its default logs each with a whole traceback. Repeats of the
+        last error are logged once a minute at most."""
+        text = f"{type(exc).__name__}: {exc}"
+        now = asyncio.get_running_loop().time()
+        if text != self._last_error or now - self._last_error_at >= _ERROR_REPEAT_S:
+            self._last_error, self._last_error_at = text, now
+            log.warning("NATS: %s", text)
+
+    async def _on_disconnected(self) -> None:
+        log.warning("NATS connection lost; reconnecting (store calls fail with STORE_UNAVAILABLE meanwhile)")
+
+    async def _on_reconnected(self) -> None:
+        self._last_error = ""
+        log.warning("NATS connection back (%s)", self.nc.connected_url.netloc if self.nc else "?")
 
     async def close(self) -> None:
         """Drain the connection (what is in flight is sent). Safe to call twice."""
