@@ -17,7 +17,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from services.store import base
 from services.store.base import ACCEPTED, RECEIPT_NAME, CommitListener, EventQuery, EventRecord, EventRow
 from services.store.jetstream import kv
-from services.store.jetstream.connection import BATCH_MAX, JetStreamConnection
+from services.store.jetstream.connection import BATCH_MAX, JetStreamConnection, atomic
 
 log = logging.getLogger(__name__)
 _NOTICE_PREFIX = base.RESERVED_ID_PREFIX + "notice:"
@@ -101,7 +101,7 @@ class EventLog:
         """Publish event rows in order and tell this process's listeners of the new ones; for each, its id
         and whether it was a copy of a recorded one. A message event carries its identity (dedup_id) as
         Nats-Msg-Id, so a copy (the event keeper's, a delivery's of its message's sent and stored events)
-        is dropped. The rows go as atomic batches (JetStreamConnection.publish_batch), one message at a
+        is dropped. Many rows go as atomic batches (JetStreamConnection.publish_batch), one message at a
         time when JetStream refuses a batch for a copy in it; `copies`: the rows may be copies, one at a
         time at once."""
         if not rows:
@@ -125,7 +125,7 @@ class EventLog:
         return recorded
 
     async def _store(self, messages: list[tuple[str, bytes, dict[str, str]]], copies: bool) -> list[Recorded]:
-        if len(messages) > 1 and not copies:
+        if atomic(len(messages)) and not copies:
             try:
                 return [Recorded(seq, False) for seq in await self.conn.publish_batch(messages)]
             except APIError as exc:  # nothing of the batch was stored: one at a time says which are copies

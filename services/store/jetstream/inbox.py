@@ -51,7 +51,7 @@ from services.store.base import (
     SendOutcome,
 )
 from services.store.jetstream import kv
-from services.store.jetstream.connection import NATS_FAILURES, ORIGIN_HEADER, REPLAY_HORIZON_US, JetStreamConnection
+from services.store.jetstream.connection import NATS_FAILURES, REPLAY_HORIZON_US, JetStreamConnection
 from services.store.jetstream.events import EventLog, dead_event, message_event, stored_events
 from services.store.jetstream.kv import REJECTED, CasResult, MessageState
 from services.store.jetstream.messages import InboxMessages
@@ -152,12 +152,11 @@ class InboxLog:
         delivery here need not publish copies of them."""
 
     async def start(self) -> None:
-        """Follow appends of every process (the core NATS notices messages.InboxMessages._told sends)."""
+        """Follow the appends of the other processes (the core NATS notices messages.InboxMessages._told
+        sends; this connection does not get its own, `no_echo`: its appends woke its delivery hub already)."""
         await self.conn.nc.subscribe(self.conn.appended_subject("*"), cb=self._on_published)
 
     async def _on_published(self, msg: Any) -> None:
-        if msg.headers and msg.headers.get(ORIGIN_HEADER) == self.conn.origin:
-            return  # this process appended it and told the delivery hub already
         token = msg.subject.rsplit(".", 1)[-1]
         self._tell(token)
         # once more a moment later: with replicas, a follower a moment behind its leader may answer the read

@@ -24,7 +24,7 @@ from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, AgentRecord, MessageRecord
-from services.store.jetstream.connection import BATCH_MAX
+from services.store.jetstream.connection import atomic
 
 T = TypeVar("T")
 _SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -122,8 +122,8 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
     before it may have been made)."""
     messages = [(conn.kv_subject(bucket, key), value, {"Nats-Expected-Last-Subject-Sequence": str(revision)})
                 for key, value, revision in writes]
-    if 1 < len(messages) <= BATCH_MAX and bucket == "msgs":
-        try:  # as one atomic batch, the usual case (every entry as expected)
+    if atomic(len(messages)) and bucket == "msgs":
+        try:  # as one atomic batch when there are many (and every entry is as expected)
             return await conn.publish_batch(messages)
         except APIError as exc:  # none written: somebody wrote one of them first; one at a time says which
             if exc.err_code not in _WRONG_LAST:

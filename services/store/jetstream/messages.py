@@ -14,7 +14,7 @@ from nats.js.errors import APIError, NotFoundError
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED
 from services.store.jetstream import kv
-from services.store.jetstream.connection import BATCH_MAX, ORIGIN_HEADER, JetStreamConnection
+from services.store.jetstream.connection import JetStreamConnection, atomic
 from services.store.jetstream.kv import REJECTED, MessageState
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,8 @@ class InboxMessages:
         subject = self.subject(recipient)
         messages = [(subject, env.SerializeToString(), {"Nats-Msg-Id": kv.msg_id_header(env.sender, env.message_id)})
                     for env in envelopes]
-        if 1 < len(messages) <= BATCH_MAX:
-            try:  # as one atomic batch, the usual case
+        if atomic(len(messages)):
+            try:  # as one atomic batch when there are many
                 seqs = await self.conn.publish_batch(messages)
                 await self._told(recipient)
                 return [Published(ACCEPTED, "", seq, settled=False) for seq in seqs]
@@ -168,11 +168,10 @@ class InboxMessages:
 
     async def _told(self, recipient: str) -> None:
         """Tell the other mesh processes that the recipient's inbox has new messages, stored now: a core
-        NATS notice (appended_subject) naming this connection, whose own delivery hub is woken by the
-        append itself. (The stream's own publishes are no such notice: those of an atomic batch reach a
-        subscriber before the batch is stored.)"""
-        await self.conn.nc.publish(self.conn.appended_subject(kv.token(recipient)), b"",
-                                   headers={ORIGIN_HEADER: self.conn.origin})
+        NATS notice (appended_subject). This process's own delivery hub is woken by the append itself, and
+        its connection does not get its own notices back (`no_echo`). (The stream's own publishes are no
+        such notice: those of an atomic batch reach a subscriber before the batch is stored.)"""
+        await self.conn.nc.publish(self.conn.appended_subject(kv.token(recipient)), b"")
 
     async def settle(self, recipient: str, published: list[Published], capacity: int) -> list[Published]:
         """Settle capacity and a close that raced the messages publish_many put on the subject, once for
