@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -147,31 +148,40 @@ async def setup_agents(address: str) -> tuple:
 
 
 def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store: str = "sqlite",
-        replicas: int = 1) -> dict:
+        replicas: int = 1, nats_nodes: int = 1) -> dict:
     """One measurement. With the jetstream store a nats-server (file
-    storage) runs beside the mesh; with two replicas the sender talks to the
-    first mesh process and the receiver to the second."""
+    storage) runs beside the mesh, or a cluster of `nats_nodes` with every
+    stream on all of them; with two replicas the sender talks to the first
+    mesh process and the receiver to the second."""
     env = python_env()
     me = [sys.executable, str(Path(__file__).resolve())]
     cli = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning"]
     with tempfile.TemporaryDirectory(prefix="meshbench") as data:
         children = []
-        nats_node = None
+        nats_node: Any = None
         extra = []
         if via_ioa:
             network = Child("ioa-server", [*cli, "ioa-server", "--port", "0"], env)
             children.append(network)
             extra = ["--ioa-network", network.expect("ioa network listening on "), "--node-id", "bench"]
         if store == "jetstream":
-            from harness.nats import NatsNode
+            from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
 
-            nats_node = NatsNode(Path(data) / "nats").start()
+            if nats_nodes > 1:
+                nats_node = NatsCluster(Path(data) / "nats", size=nats_nodes).start()
+                asyncio.run(wait_for_jetstream(nats_node.urls, replicas=nats_nodes))
+            else:
+                nats_node = NatsNode(Path(data) / "nats").start()
             extra += nats_node.mesh_args()
-        meshes = [Child(f"mesh{i}", [*cli, "up", "--port", "0", "--no-demo", "--data-dir", f"{data}/m{i}",
-                                     "--synchronous", synchronous, *extra], env) for i in range(replicas)]
-        children += meshes
+        meshes = []
+        addresses = []
         try:
-            addresses = [m.expect("inboxmesh listening on ").split()[0] for m in meshes]
+            for i in range(replicas):  # one after the other: the first creates the streams and buckets
+                mesh = Child(f"mesh{i}", [*cli, "up", "--port", "0", "--no-demo", "--data-dir", f"{data}/m{i}",
+                                          "--synchronous", synchronous, *extra], env)
+                meshes.append(mesh)
+                children.append(mesh)
+                addresses.append(mesh.expect("inboxmesh listening on ").split()[0])
             sender, receiver = asyncio.run(setup_agents(addresses[0]))
             target = f"ioa:bench/{receiver.agent_id}" if via_ioa else receiver.agent_id
             recv = Child("receiver", [*me, "--role", "receiver", "--address", addresses[-1], "--agent",
@@ -197,7 +207,7 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
             consumed_ns = json.loads(recv.expect("consumed ", others=children))
             name = "inboxmesh-ioa" if via_ioa else "inboxmesh"
             if store == "jetstream":
-                name += f"-jetstream-{replicas}r"
+                name += f"-jetstream-{replicas}r" + (f"-{nats_nodes}n" if nats_nodes > 1 else "")
             return summarize(name, c, sent_ns, consumed_ns, cpu)
         finally:
             for child in reversed(children):
@@ -207,11 +217,14 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
 
 
 def _cpu_of(node) -> float:
-    """CPU seconds used so far by a nats-server process."""
+    """CPU seconds used so far by a nats-server process (all of a cluster's)."""
     if node is None:
         return 0.0
-    fields = Path(f"/proc/{node.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for one in getattr(node, "nodes", [node]):
+        fields = Path(f"/proc/{one.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def main() -> None:
@@ -228,6 +241,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1,
                         help="mesh processes on the jetstream store (the sender uses the first, the receiver the"
                              " last)")
+    parser.add_argument("--nats-nodes", type=int, default=1,
+                        help="jetstream: a cluster of this many nats-servers, every stream on all of them")
     parser.add_argument("--events-address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -241,7 +256,8 @@ def main() -> None:
     elif args.role == "receiver":
         asyncio.run(run_receiver(args.address, args.agent, args.credential))
     else:
-        emit(run(args.messages, args.concurrency, args.synchronous, args.via_ioa, args.store, args.replicas))
+        emit(run(args.messages, args.concurrency, args.synchronous, args.via_ioa, args.store, args.replicas,
+                 args.nats_nodes))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The mesh workload (bench/mesh_bench.py) on each store: embedded SQLite,
 JetStream with one mesh process, JetStream with two (sender on one,
-receiver on the other), interleaved, three rounds, medians; written into
-docs/benchmarks.md between the store markers.
+receiver on the other), and the two on a three-node NATS cluster (every
+stream on all three nodes, each fsyncing every write; all on the same 2
+cores), interleaved, three rounds, medians; written into docs/benchmarks.md
+between the store markers.
 
     .venv/bin/python bench/store_run.py            # (bash scripts/bench.sh runs it too)
 """
@@ -25,6 +27,7 @@ SETUPS = [
     ("sqlite", ("--store", "sqlite")),
     ("jetstream, 1 mesh process", ("--store", "jetstream")),
     ("jetstream, 2 mesh processes", ("--store", "jetstream", "--replicas", "2")),
+    ("jetstream, 2 mesh processes, 3 NATS nodes", ("--store", "jetstream", "--replicas", "2", "--nats-nodes", "3")),
 ]
 MESSAGES = {1: 300, 64: 2000}
 
@@ -41,7 +44,7 @@ def main() -> None:
             for name, extra in SETUPS:
                 result = run_one("mesh_bench.py", Path(sys.executable), MESSAGES[concurrency], concurrency, extra)
                 raw.setdefault((name, concurrency), []).append(result)
-                print(f"round {round_no} {name:<28} c={concurrency:<3} {result['msgs_per_s']:>8,.0f} msgs/s "
+                print(f"round {round_no} {name:<44} c={concurrency:<3} {result['msgs_per_s']:>8,.0f} msgs/s "
                       f"p50 {result['p50_ms']:.2f} ms cpu {result['cpu_us_per_msg']:,.0f} us/msg", flush=True)
     lines = ["| store | in flight | msgs/s | p50 ms | p99 ms | CPU us/msg (all processes, NATS included) |"
              " vs one JetStream process |", "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -129,3 +129,21 @@ async def test_a_run_read_while_nats_is_down_is_unavailable_not_missing(node, st
     with pytest.raises(errors.Unavailable) as caught:
         await store.get_run(run_id=run.run_id)
     assert caught.value.reason == Reason.STORE_UNAVAILABLE, caught.value
+
+
+async def test_pipelined_publishes_get_each_refusal_as_an_answer(store):
+    """JetStreamConnection.publish_each answers each publish with its PubAck or the APIError JetStream
+    answered: an inbox at its limit (10077) beside a message it took. It used nats-py's publish_async,
+    whose reply handler raises an error answer into the connection's error callback and leaves the
+    publish's future unresolved: the whole call waited for its deadline and failed (TimeoutError), and
+    under two replicas every copy of an event another process was storing (10158) cost 5 s."""
+    conn = store.conn
+    subject = f"{conn.ns}.inbox.full-{uuid.uuid4().hex[:8]}"
+    js = conn.js
+    info = await js.stream_info(conn.inbox_stream)
+    info.config.max_msgs_per_subject = 1  # what a capacity of one does to its subject
+    await js.update_stream(info.config)
+    acks = await conn.publish_each([(subject, b"first", {}), (subject, b"second", {})])
+    assert not isinstance(acks[0], BaseException) and acks[0].seq > 0, "the first is stored"
+    assert isinstance(acks[1], nats.js.errors.APIError) and acks[1].err_code == 10077, \
+        "the second is refused, and says why"

@@ -21,7 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import nats
 import nats.errors
-from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, KeyValueConfig, PubAck, StorageType, StreamConfig
 from nats.js.errors import APIError, BadRequestError
 
 from inboxmesh.client import errors
@@ -47,6 +47,9 @@ batches of 8 make 1,700-2,400 against 2,900-4,000, and batches of 32 make 5,300-
 def atomic(count: int) -> bool:
     """Whether `count` messages for one stream go as one atomic batch (BATCH_MIN to BATCH_MAX)."""
     return BATCH_MIN <= count <= BATCH_MAX
+IN_PROCESS = 10158
+"""JetStream: a message with this Nats-Msg-Id is being stored right now (another process publishes the same
+message or event): it is stored once, as a duplicate would be."""
 BATCH_REFUSED = (10201, 10077)
 """Why JetStream refuses a whole atomic batch where one message at a time would store the others: a
 message id it has stored already (a retry, an event's copy), an inbox over its limit."""
@@ -77,6 +80,23 @@ def nats_errors() -> Iterator[None]:
             f"NATS JetStream did not answer ({type(exc).__name__}: {exc}); retry with the same"
             " message ids (a send may have been stored; a retry is then a duplicate)",
             reason=Reason.STORE_UNAVAILABLE) from None
+
+
+def _pub_ack(msg: Any) -> Any:
+    """A publish's answer: its PubAck, or the APIError JetStream answered (returned, not raised)."""
+    status = msg.headers.get("Status") if msg.headers else None
+    if status:  # no JetStream behind the subject (503), or another status instead of an answer
+        return APIError(code=int(status) if status.isdigit() else None,
+                        description=f"no answer from JetStream (status {status})")
+    try:
+        reply = json.loads(msg.data)
+    except ValueError:
+        return APIError(description=f"an answer that is not JSON: {msg.data[:100]!r}")
+    error = reply.get("error")
+    if error is not None:
+        return APIError(code=error.get("code"), err_code=error.get("err_code"),
+                        description=str(error.get("description", ""))[:200])
+    return PubAck.from_response(reply)
 
 
 def _settle(future: asyncio.Future[Any], msg: Any) -> None:
@@ -242,16 +262,14 @@ class JetStreamConnection:
 
     async def publish_each(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> list[Any]:
         """Publish the messages (subject, payload, headers) one at a time, pipelined, in order: for each, its
-        PubAck or the error JetStream answered (one timeout for all: then a NATS TimeoutError)."""
-        futures = [await self.js.publish_async(subject, payload, headers=headers or None)
-                   for subject, payload, headers in messages]
-        try:
-            return list(await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
-                                               self.config.nats_timeout_s))
-        except TimeoutError:
-            for future in futures:
-                future.cancel()
-            raise nats.errors.TimeoutError from None
+        PubAck or the error JetStream answered, as an APIError (one timeout for all: then a NATS
+        TimeoutError). On request_many, not nats-py's publish_async: that leaves the future of a publish
+        JetStream answers with an error unresolved (its reply handler raises the error into the
+        connection's error callback instead), so every refusal (an inbox full, a message id in process
+        elsewhere) waited out the whole timeout."""
+        answers = await self.request_many([(subject, payload, headers or None)
+                                           for subject, payload, headers in messages])
+        return [_pub_ack(answer) for answer in answers]
 
     async def publish_batch(self, messages: list[tuple[str, bytes, dict[str, str]]]) -> list[int]:
         """Publish the messages (subject, payload, headers) into one stream as one atomic batch: stored all

@@ -17,7 +17,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from services.store import base
 from services.store.base import ACCEPTED, RECEIPT_NAME, CommitListener, EventQuery, EventRecord, EventRow
 from services.store.jetstream import kv
-from services.store.jetstream.connection import BATCH_MAX, JetStreamConnection, atomic
+from services.store.jetstream.connection import BATCH_MAX, IN_PROCESS, JetStreamConnection, atomic
 
 log = logging.getLogger(__name__)
 _NOTICE_PREFIX = base.RESERVED_ID_PREFIX + "notice:"
@@ -131,10 +131,15 @@ class EventLog:
             except APIError as exc:  # nothing of the batch was stored: one at a time says which are copies
                 log.debug("events batch refused (%s): one at a time", exc)
         acks = await self.conn.publish_each(messages)
-        failure = next((ack for ack in acks if isinstance(ack, BaseException)), None)
-        if failure is not None:
-            raise failure
-        return [Recorded(ack.seq, bool(ack.duplicate)) for ack in acks]
+        recorded = []
+        for ack in acks:
+            if isinstance(ack, APIError) and ack.err_code == IN_PROCESS:
+                recorded.append(Recorded(0, True))  # another process is storing this very event: a copy
+            elif isinstance(ack, BaseException):
+                raise ack
+            else:
+                recorded.append(Recorded(ack.seq, bool(ack.duplicate)))
+        return recorded
 
     async def emit(self, rows: list[EventRow]) -> list[int]:
         """Publish event rows, in order; ids (stream sequences) once stored."""

@@ -14,7 +14,7 @@ from nats.js.errors import APIError, NotFoundError
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED
 from services.store.jetstream import kv
-from services.store.jetstream.connection import JetStreamConnection, atomic
+from services.store.jetstream.connection import IN_PROCESS, JetStreamConnection, atomic
 from services.store.jetstream.kv import REJECTED, MessageState
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,8 @@ class InboxMessages:
         for env, ack in zip(envelopes, acks):
             if isinstance(ack, APIError) and ack.err_code == FULL_CODE:
                 found.append(Published(INBOX_FULL, _full(recipient, capacity, capacity), 0))
+            elif isinstance(ack, APIError) and ack.err_code == IN_PROCESS:  # being stored right now (a retry)
+                found.append(await self.publish(recipient, env, capacity))  # settled as a duplicate is
             elif isinstance(ack, BaseException):
                 raise ack  # NATS failed: some may be stored; the client retries them by id
             elif ack.duplicate:
