@@ -400,7 +400,10 @@ async def test_a_nats_outage_keeps_consume_streams_open_and_counts_no_attempt(tm
     the outage, and messages sent after it come on the same stream. (The mesh used to end the stream at
     the first failed read or ack: the host subscribed again and got every unacked message once more, one
     attempt more each, until a store that came and went dead-lettered them.) Heartbeats every 0.5 s: each
-    re-reads the feed (the safety net), so reads fail during the outage too."""
+    re-reads the feed (the safety net), so reads fail during the outage too. The ack the outage cut short
+    may have stored the consumptions without their events: the ack written again records them before it
+    answers, so they precede the events of what was consumed after (the keeper, a second behind, would
+    have put them after)."""
     node = NatsNode(tmp_path / "nats").start()
     try:
         with MeshProcess(tmp_path / "r1", *node.mesh_args(), "--heartbeat-interval", "0.5") as r1:
@@ -452,7 +455,8 @@ async def test_a_nats_outage_keeps_consume_streams_open_and_counts_no_attempt(tm
                     return consumed if len(consumed) >= len(got) else None
 
                 consumed = await eventually(recorded, timeout=30, message="a CONSUMED event for each message")
-                assert sorted(e.message_id for e in consumed) == sorted(m.message_id for m in got), "each once"
+                assert [e.message_id for e in sorted(consumed, key=lambda e: e.event_id)] == \
+                    [m.message_id for m in got], "each once, in the order consumed (the record in causal order)"
                 delivered = await _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_DELIVERED)
                 assert len(delivered) == 15, "one DELIVERED event per message: none delivered again"
     finally:

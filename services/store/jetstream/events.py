@@ -15,9 +15,20 @@ from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.store import base
-from services.store.base import ACCEPTED, RECEIPT_NAME, CommitListener, EventQuery, EventRecord, EventRow
+from services.store.base import (
+    ACCEPTED,
+    CONSUMED,
+    DEAD_LETTERED,
+    DELIVERED,
+    RECEIPT_NAME,
+    CommitListener,
+    EventQuery,
+    EventRecord,
+    EventRow,
+)
 from services.store.jetstream import kv
 from services.store.jetstream.connection import BATCH_MAX, IN_PROCESS, JetStreamConnection, atomic
+from services.store.jetstream.kv import MessageState
 
 log = logging.getLogger(__name__)
 _NOTICE_PREFIX = base.RESERVED_ID_PREFIX + "notice:"
@@ -79,6 +90,29 @@ def message_event(kind: int, at_us: int, recipient: str, env: envelope_pb2.Envel
 def dead_event(at_us: int, recipient: str, env: envelope_pb2.Envelope, reason: str) -> EventRow:
     return EventRow(at_us, _DEAD, recipient, message_id=env.message_id, sender=env.sender, recipient=recipient,
                     seq=env.sequence, detail=reason, trace_id=trace_id_of(env.trace.traceparent))
+
+
+def implied_events(state: MessageState, seq: int) -> list[EventRow]:
+    """The events a message state entry (of the message at `seq`) stands for:
+    sent and stored, each delivery attempt, then consumed or dead-lettered,
+    as the process that wrote it would have recorded them."""
+    if state.state not in (DELIVERED, CONSUMED, DEAD_LETTERED) or state.envelope is None:
+        return []
+    env = state.envelope_pb()
+    env.sequence = seq
+    recipient = env.recipient
+    env.stored_at_us = env.stored_at_us or state.stored_at_us
+    rows = stored_events(env, recipient, seq)
+    delivered_at = state.delivered_at_us or state.stored_at_us
+    for attempt in range(1, state.attempts + 1):
+        rows.append(message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, delivered_at, recipient, env,
+                                  detail=f"attempt={attempt}"))
+    if state.state == CONSUMED:
+        rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, state.consumed_at_us, recipient, env,
+                                  turn=state.turn))
+    elif state.state == DEAD_LETTERED:
+        rows.append(dead_event(state.dead_at_us, recipient, env, state.dead_reason))
+    return rows
 
 
 class Recorded(NamedTuple):

@@ -52,7 +52,7 @@ from services.store.base import (
 )
 from services.store.jetstream import kv
 from services.store.jetstream.connection import NATS_FAILURES, REPLAY_HORIZON_US, JetStreamConnection
-from services.store.jetstream.events import EventLog, dead_event, message_event, stored_events
+from services.store.jetstream.events import EventLog, dead_event, implied_events, message_event, stored_events
 from services.store.jetstream.kv import REJECTED, CasResult, MessageState
 from services.store.jetstream.messages import InboxMessages
 
@@ -654,10 +654,11 @@ class InboxLog:
             found, remembered = remembered or await kv.get(msgs, key, kv.MESSAGE_STATE), None
             if found is not None:
                 state = found.value
-                if state.state == CONSUMED:
-                    return AckOutcome(seq, state.message_id, inbox_pb2.ACK_STATUS_ALREADY_CONSUMED), None
-                if state.state == DEAD_LETTERED:
-                    return AckOutcome(seq, state.message_id, inbox_pb2.ACK_STATUS_DEAD_LETTERED), None
+                if state.state in (CONSUMED, DEAD_LETTERED):
+                    await self._recorded_final(state, seq, at_us)
+                    status = (inbox_pb2.ACK_STATUS_ALREADY_CONSUMED if state.state == CONSUMED
+                              else inbox_pb2.ACK_STATUS_DEAD_LETTERED)
+                    return AckOutcome(seq, state.message_id, status), None
                 if state.state == REJECTED:
                     return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None
                 new = state.consumed(at_us, turn)
@@ -674,6 +675,17 @@ class InboxLog:
                     continue
             return AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env
         raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason=Reason.CONTENTION)
+
+    async def _recorded_final(self, state: MessageState, seq: int, now_us: int) -> None:
+        """Before an ack is answered that the message was final already: copies of the events its state
+        stands for (events.implied_events), dropped as copies where recorded. The write that made it final
+        may not have recorded them (its process died, or NATS failed it after the state was written, as
+        when an ack is answered UNAVAILABLE and written again): the keeper records them a second or more
+        later, after the events of what the agent consumed meanwhile, out of causal order. Not for a
+        state older than the duplicate window allows (a copy would be recorded twice)."""
+        final_at = state.consumed_at_us if state.state == CONSUMED else state.dead_at_us
+        if final_at >= now_us - REPLAY_HORIZON_US:
+            await self.events.publish(implied_events(state, seq), copies=True)
 
     # -- dead letters ---------------------------------------------------------------
     async def dead_letter(self, recipient: str, env: envelope_pb2.Envelope, reason: str,

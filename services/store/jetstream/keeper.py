@@ -49,8 +49,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from inboxmesh.events.v1 import events_pb2 as ev
-from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, EventRow, RunRecord
+from services.store.base import EventRow, RunRecord
 from services.store.jetstream import kv
 from services.store.jetstream.agents import Agents
 from services.store.jetstream.connection import (
@@ -59,7 +58,7 @@ from services.store.jetstream.connection import (
     REPLAY_HORIZON_US,
     JetStreamConnection,
 )
-from services.store.jetstream.events import READ_BATCH, EventLog, dead_event, dedup_id, message_event, stored_events
+from services.store.jetstream.events import READ_BATCH, EventLog, dedup_id, implied_events
 from services.store.jetstream.kv import CasResult, MessageState
 from services.store.jetstream.runs import Runs
 
@@ -75,29 +74,6 @@ publish it again meanwhile)."""
 _SEEN_BATCHES = 64
 """Batched reads of the events stream per tick at most (the rest the next tick: meanwhile the keeper
 publishes copies, which the duplicate window drops)."""
-
-
-def implied_events(state: MessageState, seq: int) -> list[EventRow]:
-    """The events a message state entry (of the message at `seq`) stands for:
-    sent and stored, each delivery attempt, then consumed or dead-lettered,
-    as the process that wrote it would have recorded them."""
-    if state.state not in (DELIVERED, CONSUMED, DEAD_LETTERED) or state.envelope is None:
-        return []
-    env = state.envelope_pb()
-    env.sequence = seq
-    recipient = env.recipient
-    env.stored_at_us = env.stored_at_us or state.stored_at_us
-    rows = stored_events(env, recipient, seq)
-    delivered_at = state.delivered_at_us or state.stored_at_us
-    for attempt in range(1, state.attempts + 1):
-        rows.append(message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, delivered_at, recipient, env,
-                                  detail=f"attempt={attempt}"))
-    if state.state == CONSUMED:
-        rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, state.consumed_at_us, recipient, env,
-                                  turn=state.turn))
-    elif state.state == DEAD_LETTERED:
-        rows.append(dead_event(state.dead_at_us, recipient, env, state.dead_reason))
-    return rows
 
 
 @dataclass(frozen=True)
