@@ -61,7 +61,7 @@ REPLAY_HORIZON_US = int((EVENT_DEDUP_WINDOW_S - 30) * 1_000_000)
 """An event older than this (by its time) is not published again, by the keeper or as a delivery's
 copy of a message's stored events: the duplicate window might no longer drop the copy."""
 _ERROR_REPEAT_S = 60.0
-"""The same NATS client error is logged again after this long at most (_on_error)."""
+"""A NATS client error of one kind is logged again after this long at the soonest (_on_error)."""
 NATS_FAILURES: tuple[type[BaseException], ...] = (nats.errors.Error, TimeoutError, APIError, OSError)
 """What a NATS request raises when NATS is down, slow or refuses (disconnected, timed out, no JetStream
 leader, an error answer)."""
@@ -97,6 +97,12 @@ def _pub_ack(msg: Any) -> Any:
         return APIError(code=error.get("code"), err_code=error.get("err_code"),
                         description=str(error.get("description", ""))[:200])
     return PubAck.from_response(reply)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a future's outcome as seen (asyncio logs an exception nobody retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _settle(future: asyncio.Future[Any], msg: Any) -> None:
@@ -135,8 +141,8 @@ class JetStreamConnection:
         self._replies: dict[str, Callable[[Any], None]] = {}
         """Per reply token, what takes the answers of a request in flight (_on_reply)."""
         self._tokens = itertools.count(1)
-        self._last_error = ""
-        self._last_error_at = 0.0
+        self._logged_errors: dict[str, float] = {}
+        """When an error of each kind was last logged (_on_error)."""
         self.origin = secrets.token_hex(8)
         """Names this connection (its atomic batches' ids)."""
 
@@ -207,13 +213,13 @@ class JetStreamConnection:
 
     async def _on_error(self, exc: Exception) -> None:
         """nats-py's asynchronous errors, one line each: while a server is down the client meets one per
-        reconnect attempt (every 0.2 s), and its default logs each with a whole traceback. Repeats of the
-        last error are logged once a minute at most."""
-        text = f"{type(exc).__name__}: {exc}"
+        reconnect attempt (every 0.2 s, per server), and its default logs each with a whole traceback.
+        Another error of the same kind is logged once a minute at most."""
+        kind = type(exc).__name__
         now = asyncio.get_running_loop().time()
-        if text != self._last_error or now - self._last_error_at >= _ERROR_REPEAT_S:
-            self._last_error, self._last_error_at = text, now
-            log.warning("NATS: %s", text)
+        if now - self._logged_errors.get(kind, -_ERROR_REPEAT_S) >= _ERROR_REPEAT_S:
+            self._logged_errors[kind] = now
+            log.warning("NATS: %s: %s", kind, exc)
 
     async def _on_disconnected(self) -> None:
         if self.nc is None:  # closed by close()
@@ -221,7 +227,7 @@ class JetStreamConnection:
         log.warning("NATS connection lost; reconnecting (store calls fail with STORE_UNAVAILABLE meanwhile)")
 
     async def _on_reconnected(self) -> None:
-        self._last_error = ""
+        self._logged_errors.clear()
         log.warning("NATS connection back (%s)", self.nc.connected_url.netloc if self.nc else "?")
 
     async def close(self) -> None:
@@ -252,8 +258,10 @@ class JetStreamConnection:
                 tokens.append(token)
                 futures.append(future)
                 await self.nc.publish(subject, payload, reply=f"{self._reply_prefix}.{token}", headers=headers)
+            answers = asyncio.gather(*futures)
+            answers.add_done_callback(_retrieved)  # cancelled by the timeout: nothing to report twice
             try:
-                return list(await asyncio.wait_for(asyncio.gather(*futures), self.config.nats_timeout_s))
+                return list(await asyncio.wait_for(answers, self.config.nats_timeout_s))
             except TimeoutError:
                 raise nats.errors.TimeoutError from None
         finally:
