@@ -47,6 +47,8 @@ batches of 8 make 1,700-2,400 against 2,900-4,000, and batches of 32 make 5,300-
 def atomic(count: int) -> bool:
     """Whether `count` messages for one stream go as one atomic batch (BATCH_MIN to BATCH_MAX)."""
     return BATCH_MIN <= count <= BATCH_MAX
+
+
 IN_PROCESS = 10158
 """JetStream: a message with this Nats-Msg-Id is being stored right now (another process publishes the same
 message or event): it is stored once, as a duplicate would be."""

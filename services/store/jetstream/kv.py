@@ -116,7 +116,7 @@ _WRONG_LAST = (10071, 10164)
 
 
 async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]]) -> list[int]:
-    """Conditional writes of several keys of a bucket at once, pipelined (JetStreamConnection.request_many):
+    """Conditional writes of several keys of a bucket at once, pipelined (JetStreamConnection.publish_each):
     each (key, value, revision) written only if the entry is still at `revision` (0: only if absent). For
     each, the new revision, or 0 when somebody else wrote first. Any other failure is raised (the writes
     before it may have been made)."""
@@ -128,22 +128,14 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
         except APIError as exc:  # none written: somebody wrote one of them first; one at a time says which
             if exc.err_code not in _WRONG_LAST:
                 raise
-    answers = await conn.request_many(messages)
     revisions = []
-    for answer in answers:
-        reply = json.loads(answer.data) if answer.data else {}
-        error = reply.get("error")
-        if error is None and "seq" in reply:
-            revisions.append(int(reply["seq"]))
-        elif error is not None and error.get("err_code") in _WRONG_LAST:
+    for ack in await conn.publish_each(messages):  # each a PubAck or the APIError JetStream answered
+        if isinstance(ack, APIError) and ack.err_code in _WRONG_LAST:
             revisions.append(0)
-        elif error is not None:
-            raise APIError(code=error.get("code"), err_code=error.get("err_code"),
-                           description=str(error.get("description", ""))[:200])
-        else:  # a status instead of an answer (503: no JetStream responded)
-            status = answer.headers.get("Status", "") if answer.headers else ""
-            raise APIError(code=int(status) if status.isdigit() else None,
-                           description=f"no answer from JetStream (status {status or 'none'})")
+        elif isinstance(ack, BaseException):
+            raise ack
+        else:
+            revisions.append(int(ack.seq))
     return revisions
 
 
