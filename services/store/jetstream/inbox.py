@@ -543,6 +543,8 @@ class InboxLog:
         found = await kv.get(self.conn.msgs, key, kv.MESSAGE_STATE)
         state = found.value if found else None
         if state is not None and state.final:
+            if state.state in (CONSUMED, DEAD_LETTERED):  # its process may have died before its events
+                await self._recorded_final(state, env.sequence, now_us)
             await self.messages.delete(env.sequence)
             return None
         attempts = state.attempts if state else 0
