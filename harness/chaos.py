@@ -12,13 +12,21 @@ chain in what it sends next, and the loop guard refuses a chain past 32 hops.) H
 to their agents. The agent hosts (their own processes, `--role host`) write what they sent and what
 their acks won to a log; the mesh's event record says what was stored and consumed.
 
+Across an IOA network as well: mesh process 0 is node `near` of an IOA network (`inboxmesh ioa-server`, its
+own process), and a third mesh (`far`, on its own SQLite store) has agents of its own that send to the
+same receivers at `ioa:near/<agent>` the same way, from their own host process. The network process is
+killed and started again among the faults ("ioa"), and so is mesh process 0, so both relays reconnect
+(the network gives a reconnecting node its recent messages again) while messages cross.
+
 The check, after the faults stop and every accepted message had time to be consumed:
-- lost: messages whose receipt said ACCEPTED (or DUPLICATE) with no CONSUMED or DEAD_LETTERED event
-  (dead letters are counted on their own: a message delivered too many times, each time a stream
-  broke, goes to the dead letters with a notice to its sender);
+- lost: messages (local or from the far mesh) whose receipt said ACCEPTED (or DUPLICATE) with no
+  CONSUMED or DEAD_LETTERED event (dead letters are counted on their own: a message delivered too many
+  times, each time a stream broke, goes to the dead letters with a notice to its sender);
 - consumed twice: messages with more than one CONSUMED event;
 - reordered: per sender and recipient, CONSUMED events (in the record's order) out of send order;
 - announces: per run created, exactly one announce consumed by its requester.
+(A far agent waits for each receipt before its next send, so per-pair order holds across the network
+too; issue 15 is about order when an IOA sender pipelines.)
 
     .venv/bin/python -m harness.chaos --seed 1 --agents 100 --messages 100000 --duration 1800
     .venv/bin/python -m harness.chaos --seed 7 --agents 20 --messages 2000      # the short version
@@ -55,7 +63,9 @@ RUN_EVERY = 25
 ACK_TRIES = 50
 """Tries of an ack that failed (the stream lost, no answer in time), 0.2 s apart."""
 RUN_TASK = "chaos job"
-FAULTS = ("mesh", "host", "nats")
+FAULTS = ("mesh", "host", "nats", "ioa")
+NEAR, FAR = "near", "far"
+"""The IOA node ids of mesh process 0 and of the far mesh."""
 
 
 @dataclass
@@ -64,6 +74,8 @@ class Plan:
     agents: int = 100
     messages: int = 100_000
     hosts: int = 4
+    far_agents: int = 10
+    """Agents of the far mesh, all senders (0: no IOA network, no far mesh)."""
     duration_s: float = 1800.0
     """The faults stop after this long even when the senders are not done."""
     fault_every_s: float = 5.0
@@ -80,6 +92,8 @@ class Report:
     agents: int
     messages_planned: int
     accepted: int = 0
+    accepted_over_ioa: int = 0
+    """Of them, sent by the far mesh's agents across the IOA network."""
     refused: int = 0
     consumed: int = 0
     dead_lettered: int = 0
@@ -176,41 +190,58 @@ def soak(plan: Plan) -> Report:
     cluster = NatsCluster(work / "nats").start()
     meshes: list[Proc] = []
     hosts: list[Proc] = []
+    network: Proc | None = None
     try:
         asyncio.run(wait_for_jetstream(cluster.urls, timeout=60, replicas=3))
+        ioa: list[str] = []
+        if plan.far_agents:
+            ioa_port = _free_port()
+            network = Proc("ioa", [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning",
+                                   "ioa-server", "--port", str(ioa_port)],
+                           work / "ioa.log", ready="ioa network listening on")
+            network.start()
+            ioa = ["--ioa-network", f"127.0.0.1:{ioa_port}"]
         ports = [_free_port(), _free_port()]
         for i, port in enumerate(ports):
-            mesh = Proc(f"mesh{i}", [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up",
-                                     "--port", str(port), "--no-demo", "--data-dir", str(work / f"mesh{i}"),
-                                     "--admin-token", ADMIN, "--max-active-children", str(plan.agents + 64),
-                                     *cluster.mesh_args()],
+            mesh = Proc(f"mesh{i}", _mesh_argv(port, work / f"mesh{i}", plan, *cluster.mesh_args(),
+                                               *(ioa + ["--node-id", NEAR] if ioa and i == 0 else [])),
                         work / f"mesh{i}.log", ready="inboxmesh listening on")
             mesh.start()
             meshes.append(mesh)
         addresses = [f"127.0.0.1:{p}" for p in ports]
-        state = asyncio.run(_register(addresses[0], plan))
+        far_address = ""
+        if ioa:
+            far_port = _free_port()
+            far = Proc("far", _mesh_argv(far_port, work / "far", plan, *ioa, "--node-id", FAR),
+                       work / "far.log", ready="inboxmesh listening on")
+            far.start()
+            meshes.append(far)  # stopped with the others; not among the faults (the network and mesh 0 are)
+            far_address = f"127.0.0.1:{far_port}"
+        state = asyncio.run(_register(addresses[0], far_address, plan))
         state_path = work / "state.json"
         state_path.write_text(json.dumps(state))
-        for i in range(plan.hosts):
+        for i in range(_host_count(plan)):
+            far_host = i == plan.hosts
             order = addresses[i % 2:] + addresses[:i % 2]  # half the hosts on each mesh process first
             host = Proc(f"host{i}", [sys.executable, "-m", "harness.chaos", "--role", "host", "--state",
                                      str(state_path), "--index", str(i), "--hosts", str(plan.hosts),
-                                     "--target", "ipv4:" + ",".join(order), "--work-dir", str(work)],
+                                     "--target", far_address if far_host else "ipv4:" + ",".join(order),
+                                     "--work-dir", str(work)],
                         work / f"host{i}.out")
             host.start()
             hosts.append(host)
         deadline = started + plan.duration_s
         next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * plan.fault_every_s
-        while time.monotonic() < deadline and not all((work / f"host{i}.done").exists() for i in range(plan.hosts)):
+        while time.monotonic() < deadline and not _all_done(work, plan):
             time.sleep(0.2)
             _supervise(hosts, work, faults)
             if time.monotonic() < next_fault:
                 continue
             next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * plan.fault_every_s
-            kind = rng.choice(plan.faults)
+            kind = rng.choice([f for f in plan.faults if f != "ioa" or network is not None])
             faults[kind] += 1
             if kind == "mesh":
-                victim = rng.choice(meshes)
+                victim = rng.choice(meshes[:2])
                 victim.kill()
                 time.sleep(rng.uniform(0.2, 2.0))
                 victim.restart()
@@ -221,6 +252,11 @@ def soak(plan: Plan) -> Report:
                 victim.kill()
                 time.sleep(rng.uniform(0.2, 2.0))
                 victim.start()
+            elif kind == "ioa":
+                assert network is not None  # (drawn only when there is one)
+                network.kill()  # both relays lose their connection, and reconnect once it is back
+                time.sleep(rng.uniform(0.2, 2.0))
+                network.start()
             else:
                 node = rng.choice(cluster.nodes)  # one at a time: the other two keep the quorum
                 node.kill()
@@ -228,10 +264,10 @@ def soak(plan: Plan) -> Report:
                 node.start()
         # no more faults: the senders finish, then the consumers take what is left
         finish = time.monotonic() + plan.drain_s
-        while time.monotonic() < finish and not all((work / f"host{i}.done").exists() for i in range(plan.hosts)):
+        while time.monotonic() < finish and not _all_done(work, plan):
             time.sleep(0.5)
             _supervise(hosts, work, faults)
-        asyncio.run(_drain(addresses[0], work, plan.hosts, finish))
+        asyncio.run(_drain(addresses[0], work, plan, finish))
         report = asyncio.run(_check(addresses[0], work, plan))
         report.faults = dict(faults)
         report.seconds = round(time.monotonic() - started, 1)
@@ -242,7 +278,24 @@ def soak(plan: Plan) -> Report:
             host.terminate()
         for mesh in meshes:
             mesh.terminate()
+        if network is not None:
+            network.terminate()
         cluster.kill()
+
+
+def _mesh_argv(port: int, data_dir: Path, plan: Plan, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up", "--port", str(port),
+            "--no-demo", "--data-dir", str(data_dir), "--admin-token", ADMIN,
+            "--max-active-children", str(plan.agents + 64), *extra]
+
+
+def _host_count(plan: Plan) -> int:
+    """The hosts of the near agents, and one more for the far mesh's agents when there are any."""
+    return plan.hosts + (1 if plan.far_agents else 0)
+
+
+def _all_done(work: Path, plan: Plan) -> bool:
+    return all((work / f"host{i}.done").exists() for i in range(_host_count(plan)))
 
 
 def _supervise(hosts: list[Proc], work: Path, faults: collections.Counter[str]) -> None:
@@ -254,39 +307,65 @@ def _supervise(hosts: list[Proc], work: Path, faults: collections.Counter[str]) 
             host.start()
 
 
-async def _register(address: str, plan: Plan) -> dict[str, Any]:
+async def _register(address: str, far_address: str, plan: Plan) -> dict[str, Any]:
     from inboxmesh.client.mesh import MeshClient
 
-    async with MeshClient(address, admin_token=ADMIN, timeout=30) as client:
-        lead = await client.register("chaos-lead")
-        agents = []
-        for i in range(plan.agents):
-            agent = await lead.spawn(f"agent{i}", inbox_capacity=100_000)
-            agents.append({"id": agent.agent_id, "info": base64.b64encode(agent.info.SerializeToString()).decode(),
-                           "credential": agent.credential})
-    return {"seed": plan.seed, "agents": agents, "per_agent": max(1, plan.messages // len(agents[0::2])),
-            "salt": secrets.token_hex(16)}
+    async def agents_of(at: str, lead_name: str, prefix: str, count: int) -> list[dict[str, str]]:
+        async with MeshClient(at, admin_token=ADMIN, timeout=30) as client:
+            lead = await client.register(lead_name)
+            agents = []
+            for i in range(count):
+                agent = await lead.spawn(f"{prefix}{i}", inbox_capacity=100_000)
+                agents.append({"id": agent.agent_id, "credential": agent.credential,
+                               "info": base64.b64encode(agent.info.SerializeToString()).decode()})
+            return agents
+
+    near = await agents_of(address, "chaos-lead", "agent", plan.agents)
+    far = await agents_of(far_address, "chaos-far", "far", plan.far_agents) if far_address else []
+    return {"seed": plan.seed, "agents": near, "far_agents": far,
+            "per_agent": max(1, plan.messages // (len(near[0::2]) + len(far))), "salt": secrets.token_hex(16)}
 
 
-def _log_lines(work: Path, hosts: int) -> list[list[str]]:
+def _as_seen(state: dict[str, Any], sender: str, n: str) -> tuple[str, str]:
+    """(sender, message id) of message n of `sender` as the near mesh's record shows it: a far agent's is
+    `ioa:far/<agent>` with the IOA message id `far:<agent>:m-<n>` (docs/ioa.md, "Addresses")."""
+    if sender in state["far_ids"]:
+        return f"ioa:{FAR}/{sender}", f"{FAR}:{sender}:m-{n}"
+    return sender, f"m-{n}"
+
+
+def _number(message_id: str) -> int | None:
+    """n of a soak message's id (`m-<n>`, or `far:<agent>:m-<n>` from across the network), else None."""
+    local = message_id.rpartition(":")[2] if message_id.startswith(FAR + ":") else message_id
+    return int(local[2:]) if local.startswith("m-") and local[2:].isdigit() else None
+
+
+def _load_state(work: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads((work / "state.json").read_text())
+    state["far_ids"] = {a["id"] for a in state.get("far_agents", [])}
+    return state
+
+
+def _log_lines(work: Path, plan: Plan) -> list[list[str]]:
     lines = []
-    for i in range(hosts):
+    for i in range(_host_count(plan)):
         path = work / f"host{i}.log"
         if path.exists():
             lines += [line.split() for line in path.read_text().splitlines() if line.endswith(" .")]
     return lines
 
 
-async def _drain(address: str, work: Path, hosts: int, until: float) -> None:
+async def _drain(address: str, work: Path, plan: Plan, until: float) -> None:
     """Until the hosts' acks have consumed every accepted message and the announce of every run they
     spawned (or time is up), sweeping the runs meanwhile so that announces waiting for a retry go now."""
     from inboxmesh.client.mesh import MeshClient
     from services.store.base import ANNOUNCE_ID_PREFIX
 
+    state = _load_state(work)
     async with MeshClient(address, admin_token=ADMIN, timeout=30) as client:
         while time.monotonic() < until:
-            lines = _log_lines(work, hosts)
-            wanted = {(line[1], f"m-{line[2]}") for line in lines if line[0] == "r"}
+            lines = _log_lines(work, plan)
+            wanted = {_as_seen(state, line[1], line[2]) for line in lines if line[0] == "r"}
             wanted |= {("", ANNOUNCE_ID_PREFIX + line[3]) for line in lines if line[0] == "s"}
             got = {(line[3], line[4]) for line in lines if line[0] == "c"}
             got |= {("", line[4]) for line in lines if line[0] == "c" and line[4].startswith(ANNOUNCE_ID_PREFIX)}
@@ -303,12 +382,12 @@ async def _check(address: str, work: Path, plan: Plan) -> Report:
     from inboxmesh.registry.v1 import registry_pb2 as reg
     from services.store.base import ANNOUNCE_ID_PREFIX
 
-    state = json.loads((work / "state.json").read_text())
+    state = _load_state(work)
     async with MeshClient(address, admin_token=ADMIN, timeout=60) as client:
         record = await Record.read(client)
-        lines = _log_lines(work, plan.hosts)
-        accepted = {(line[1], f"m-{line[2]}"): line[3] for line in lines if line[0] == "r"}
-        refused = {(line[1], f"m-{line[2]}") for line in lines if line[0] == "x"}
+        lines = _log_lines(work, plan)
+        accepted = {_as_seen(state, line[1], line[2]): line[3] for line in lines if line[0] == "r"}
+        refused = {_as_seen(state, line[1], line[2]) for line in lines if line[0] == "x"}
         consumed: collections.Counter[tuple[str, str]] = collections.Counter()
         order: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
         announces: collections.Counter[str] = collections.Counter()
@@ -318,9 +397,9 @@ async def _check(address: str, work: Path, plan: Plan) -> Report:
             if event.kind == ev.EVENT_KIND_MESSAGE_CONSUMED:
                 if event.message_id.startswith(ANNOUNCE_ID_PREFIX):
                     announces[event.message_id[len(ANNOUNCE_ID_PREFIX):]] += 1
-                elif event.message_id.startswith("m-"):
+                elif (n := _number(event.message_id)) is not None:
                     consumed[(event.sender, event.message_id)] += 1
-                    order[(event.sender, event.recipient)].append(int(event.message_id[2:]))
+                    order[(event.sender, event.recipient)].append(n)
             elif event.kind == ev.EVENT_KIND_MESSAGE_DEAD_LETTERED:
                 dead.add((event.sender, event.message_id))
             elif event.kind == ev.EVENT_KIND_RUN_CREATED and event.detail == RUN_TASK:
@@ -329,7 +408,7 @@ async def _check(address: str, work: Path, plan: Plan) -> Report:
         handles = {a["id"]: client.agent(reg.Agent.FromString(base64.b64decode(a["info"])), a["credential"])
                    for a in state["agents"]}
         states = []
-        for sender, message_id in sorted(unaccounted)[:5]:  # what became of the first lost ones
+        for sender, message_id in sorted(m for m in unaccounted if m[0] in handles)[:5]:  # the first lost ones
             status = await handles[sender].status(message_id)
             states.append(f"{sender} {message_id}: state {status.state}, {status.delivery_attempts} attempts")
     dead_accepted = (accepted.keys() & dead) - consumed.keys()
@@ -340,6 +419,7 @@ async def _check(address: str, work: Path, plan: Plan) -> Report:
     missing = sorted(r for r in runs if announces[r] == 0)
     announced_twice = sorted(r for r, n in announces.items() if n > 1)
     return Report(seed=plan.seed, agents=plan.agents, messages_planned=plan.messages, accepted=len(accepted),
+                  accepted_over_ioa=sum(1 for sender, _ in accepted if sender.startswith("ioa:")),
                   refused=len(refused), consumed=sum(consumed.values()), dead_lettered=len(dead_accepted),
                   lost=len(lost), consumed_twice=len(twice),
                   reordered=len(reordered), runs=len(runs), announces_missing=len(missing),
@@ -393,8 +473,9 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
     from inboxmesh.registry.v1 import registry_pb2 as reg
 
     receivers = [a["id"] for a in state["agents"][1::2]]
-    senders = {a["id"] for a in state["agents"][0::2]}
-    mine = state["agents"][index::hosts]
+    far = index == hosts  # the far mesh's host: all its agents send, across the network, and spawn no runs
+    mine = state["far_agents"] if far else state["agents"][index::hosts]
+    senders = {a["id"] for a in mine} if far else {a["id"] for a in state["agents"][0::2]}
     log = HostLog(work / f"host{index}.log")
     upto = log.done_upto()
     seed, per_agent = state["seed"], state["per_agent"]
@@ -449,7 +530,7 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
         async def send(agent_id: str) -> None:
             handle = handles[agent_id]
             for n in range(upto.get(agent_id, 0), per_agent):
-                if n % RUN_EVERY == RUN_EVERY - 1:
+                if n % RUN_EVERY == RUN_EVERY - 1 and not far:
                     run = reg.RunSpec(task=RUN_TASK, task_message_id=f"task-{n}", run_timeout_s=20,
                                       cleanup=reg.RUN_CLEANUP_DELETE)
                     try:
@@ -465,7 +546,8 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
                         except errors.MeshError:
                             pass  # ended or closed already (a retry after a kill): its announce comes anyway
                 recipient = _recipient(seed, agent_id, n, receivers)
-                sending = functools.partial(handle.send, recipient, f"chaos {n}", message_id=f"m-{n}")
+                sending = functools.partial(handle.send, f"ioa:{NEAR}/{recipient}" if far else recipient,
+                                            f"chaos {n}", message_id=f"m-{n}")
                 while True:
                     receipt = await retried(sending)
                     if receipt.status in (inbox_pb2.RECEIPT_STATUS_ACCEPTED, inbox_pb2.RECEIPT_STATUS_DUPLICATE):
@@ -489,10 +571,12 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=100)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--far-agents", type=int, default=10,
+                        help="agents of a far mesh that send across an IOA network (0: none)")
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of faults at most")
     parser.add_argument("--fault-every", type=float, default=5.0, help="seconds between faults, on average")
     parser.add_argument("--drain", type=float, default=180.0)
-    parser.add_argument("--faults", default=",".join(FAULTS), help="what may be killed: mesh, host, nats")
+    parser.add_argument("--faults", default=",".join(FAULTS), help="what may be killed: mesh, host, nats, ioa")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--role", choices=["host"], help=argparse.SUPPRESS)
     parser.add_argument("--state", type=Path, help=argparse.SUPPRESS)
@@ -503,6 +587,7 @@ def main() -> None:
         asyncio.run(host(json.loads(args.state.read_text()), args.index, args.hosts, args.target, args.work_dir))
         return
     report = soak(Plan(seed=args.seed, agents=args.agents, messages=args.messages, hosts=args.hosts,
+                       far_agents=args.far_agents,
                        duration_s=args.duration, fault_every_s=args.fault_every, drain_s=args.drain,
                        faults=tuple(args.faults.split(",")),
                        work_dir=args.work_dir))

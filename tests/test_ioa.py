@@ -176,6 +176,49 @@ async def test_a_relay_that_goes_away_loses_nothing_that_was_accepted(network, t
             await node.mesh.stop(grace=0.2)
 
 
+async def test_a_node_the_restarted_network_does_not_know_yet_is_unavailable_not_unknown(tmp_path):
+    """A network that restarted knows a node again only once it has reconnected: a send meanwhile to a node
+    the relay has heard from is UNAVAILABLE (retry), not the final UNKNOWN_TARGET; the retry is accepted
+    once the node is back. A node the relay never heard from is still UNKNOWN_TARGET (the chaos soak's far
+    senders lost every message to this before)."""
+    first = NetworkServer(NetworkConfig(history=20))
+    port = await first.start()
+    second = NetworkServer(NetworkConfig(history=20, port=port))
+    alpha = await start_node(first, tmp_path, "alpha")
+    beta = await start_node(first, tmp_path, "beta")
+    try:
+        _, a = await _team(alpha, "a")
+        _, b = await _team(beta, "b")
+        assert (await a.send(beta.address(b), "before")).status == pb.RECEIPT_STATUS_ACCEPTED  # beta's receipt
+        b_agent, b_credential = b.info, b.credential
+        await beta.stop()
+        reconnects = alpha.relay.reconnects
+        await first.stop(grace=0.1)
+        await second.start()
+        await eventually(lambda: alpha.relay.reconnects > reconnects and alpha.relay.connected.is_set(),
+                         message="alpha connected to the restarted network")
+        with pytest.raises(errors.Unavailable) as raised:
+            await a.send(beta.address(b), "meanwhile", message_id="meanwhile")
+        assert raised.value.reason == errors.Reason.IOA_PUBLISH_STATUS_UNKNOWN_NODE, raised.value
+        assert "retry" in raised.value.message
+        never = await a.send("ioa:nowhere/x", "to nobody")
+        assert never.status == pb.RECEIPT_STATUS_UNKNOWN_TARGET and "no IOA node 'nowhere'" in never.detail
+        beta = await start_node(second, tmp_path, "beta")
+        retried = await a.send(beta.address(b), "meanwhile", message_id="meanwhile")
+        assert retried.status == pb.RECEIPT_STATUS_ACCEPTED and retried.sequence == 2
+        sub = Collector(beta.client.agent(b_agent, b_credential), auto_ack=True)
+        try:
+            got = await sub.wait_for(2)
+        finally:
+            await sub.stop()
+        assert [m.content.text for m in got] == ["before", "meanwhile"]
+    finally:
+        for node in (alpha, beta):
+            await node.stop()
+        await first.stop(grace=0.1)
+        await second.stop(grace=0.1)
+
+
 async def test_spaces_are_read_explicitly_and_siblings_see_each_other(nodes):
     alpha, beta = nodes
     _, a, b = await _team(alpha, "a", "b")

@@ -82,6 +82,10 @@ OFFLINE_GRACE_S = 0.5
 node the network says is not connected, before it answers UNAVAILABLE (nothing delivered, safe to retry):
 a relay whose connection dropped is back well within this."""
 OFFLINE_RETRY_S = 0.05
+KNOWN_NODES = 10_000
+"""Nodes this relay remembers having heard from (a receipt, a message) since it started; beyond that, no
+more are added. One of them that the network does not know now is taken for a node not connected yet, not
+for one that does not exist: a network that restarted knows a node again only once it has reconnected."""
 """Pause between publishes to a node the network said is not connected."""
 RECEIPT_MEMORY = 10_000
 """Receipts a receiving relay keeps (the latest, per sender and IOA id) with the attempt they answered: a
@@ -137,6 +141,8 @@ class IoaRelay:
         self._inbound: asyncio.Queue = asyncio.Queue(maxsize=config.inbound_queue)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._known_nodes: set[str] = set()
+        """Nodes heard from (KNOWN_NODES)."""
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -301,6 +307,11 @@ class IoaRelay:
                 outcomes[index] = self._outcome_of(env, answer)
             elif answer.status == net.PUBLISH_STATUS_UNKNOWN_NODE:
                 node = env.recipient.removeprefix(PREFIX).split("/")[0]
+                if self._may_return(node):
+                    raise errors.Unavailable(
+                        f"the IOA network does not know node {node!r} now, and this relay has heard from it: a"
+                        " network that restarted knows a node once it reconnects; nothing was delivered, retry"
+                        " with the same message_id", reason=Reason.IOA_PUBLISH_STATUS_UNKNOWN_NODE)
                 outcomes[index] = SendOutcome(env.message_id, env.recipient, UNKNOWN_TARGET,
                                               detail=f"no IOA node {node!r}")
             else:
@@ -341,7 +352,9 @@ class IoaRelay:
                         raise
                     raise exc from None
                 continue
-            if result.status == net.PUBLISH_STATUS_NODE_OFFLINE and (reached or loop.time() < patience):
+            offline = result.status == net.PUBLISH_STATUS_NODE_OFFLINE or (
+                result.status == net.PUBLISH_STATUS_UNKNOWN_NODE and self._may_return(message.direct.node))
+            if offline and (reached or loop.time() < patience):
                 if loop.time() >= deadline:
                     raise TimeoutError
                 await asyncio.sleep(OFFLINE_RETRY_S)  # a relay reconnecting, or one that is gone (the deadline)
@@ -367,6 +380,14 @@ class IoaRelay:
                                detail=f"hop_count {env.hop_count} reached the limit of {self._max_hops}")
         return None
 
+    def _may_return(self, node: str) -> bool:
+        """Whether a node the network says it does not know is rather one not connected yet (KNOWN_NODES)."""
+        return node in self._known_nodes
+
+    def _heard_from(self, node: str) -> None:
+        if len(self._known_nodes) < KNOWN_NODES:
+            self._known_nodes.add(node)
+
     @staticmethod
     def _outcome_of(env: env_pb.Envelope, receipt: dict) -> SendOutcome:
         status = _RECEIPT_STATUS.get(receipt.get("status", ""), inbox_pb2.RECEIPT_STATUS_UNSPECIFIED)
@@ -388,6 +409,7 @@ class IoaRelay:
 
     # -- inbound ------------------------------------------------------------
     async def _arrived(self, message: net.IoaMessage) -> None:
+        self._heard_from(getattr(message, "from").node)
         if message.media_type == RECEIPTS_MEDIA_TYPE:
             self._receipts_arrived(message)
             return
