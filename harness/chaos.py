@@ -60,8 +60,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ADMIN = "chaos-admin-token"
 RUN_EVERY = 25
 """An agent spawns a child with a run before every RUN_EVERY-th message."""
-ACK_TRIES = 50
-"""Tries of an ack that failed (the stream lost, no answer in time), 0.2 s apart."""
 RUN_TASK = "chaos job"
 FAULTS = ("mesh", "host", "nats", "ioa")
 NEAR, FAR = "near", "far"
@@ -240,6 +238,8 @@ def soak(plan: Plan) -> Report:
             next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * plan.fault_every_s
             kind = rng.choice([f for f in plan.faults if f != "ioa" or network is not None])
             faults[kind] += 1
+            with (work / "faults.log").open("a") as timeline:  # when each fault came, to read beside the logs
+                timeline.write(f"{time.monotonic() - started:.1f} {kind}\n")
             if kind == "mesh":
                 victim = rng.choice(meshes[:2])
                 victim.kill()
@@ -356,20 +356,28 @@ def _log_lines(work: Path, plan: Plan) -> list[list[str]]:
 
 
 async def _drain(address: str, work: Path, plan: Plan, until: float) -> None:
-    """Until the hosts' acks have consumed every accepted message and the announce of every run they
-    spawned (or time is up), sweeping the runs meanwhile so that announces waiting for a retry go now."""
+    """Until the record shows every accepted message consumed (or dead-lettered) and the announce of every
+    run spawned consumed (or time is up), sweeping the runs meanwhile so that announces waiting for a retry
+    go now. (The record, not the hosts' logs: a host killed after its ack was stored and before it wrote
+    its line never logs that message, which is not delivered again.)"""
     from inboxmesh.client.mesh import MeshClient
+    from inboxmesh.events.v1 import events_pb2 as ev
     from services.store.base import ANNOUNCE_ID_PREFIX
 
     state = _load_state(work)
+    done: set[tuple[str, str]] = set()
+    after = 0
     async with MeshClient(address, admin_token=ADMIN, timeout=30) as client:
         while time.monotonic() < until:
+            while len(page := await client.admin_events(after=after, limit=1000)) > 0:
+                after = page[-1].event_id
+                done |= {("" if e.message_id.startswith(ANNOUNCE_ID_PREFIX) else e.sender, e.message_id)
+                         for e in page if e.kind in (ev.EVENT_KIND_MESSAGE_CONSUMED,
+                                                     ev.EVENT_KIND_MESSAGE_DEAD_LETTERED)}
             lines = _log_lines(work, plan)
             wanted = {_as_seen(state, line[1], line[2]) for line in lines if line[0] == "r"}
             wanted |= {("", ANNOUNCE_ID_PREFIX + line[3]) for line in lines if line[0] == "s"}
-            got = {(line[3], line[4]) for line in lines if line[0] == "c"}
-            got |= {("", line[4]) for line in lines if line[0] == "c" and line[4].startswith(ANNOUNCE_ID_PREFIX)}
-            if wanted <= got:
+            if wanted <= done:
                 return
             await client.sweep_runs()
             await asyncio.sleep(1.0)
@@ -498,34 +506,49 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
         """Per agent, the (sender, message id) its acks won (logged): a message consumed by an ack of this
         host whose answer was lost is told from one consumed elsewhere (InboxStream.consume_many)."""
 
-        async def consume() -> None:
+        delivered: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+        async def read() -> None:
+            # only reading the stream opens it again after it broke: acks are written by ack() meanwhile
             async for item in stream:
-                if not item.messages:
+                if item.messages:
+                    delivered.put_nowait(item.messages)
+
+        async def ack() -> None:
+            # Everything delivered so far in one ack, each agent's messages in sequence order; an ack whose
+            # outcome is not known (the stream lost, no answer in time) is written again, with what came
+            # since, until answered: an ack the mesh stored before its answer was lost reads ALREADY_CONSUMED
+            # then, and counts as this host's (`taken` tells it from one consumed elsewhere). Copies delivered
+            # again after a reconnect join the same ack.
+            by_agent: dict[str, dict[int, Any]] = collections.defaultdict(dict)
+            while True:
+                batches = [await delivered.get()] if not by_agent else []
+                while not delivered.empty():
+                    batches.append(delivered.get_nowait())
+                for batch in batches:
+                    for message in batch:
+                        by_agent[message.recipient][message.sequence] = message
+                try:
+                    done = await stream.consume_many({a: [m[s] for s in sorted(m)] for a, m in by_agent.items()},
+                                                     taken=taken)
+                except (errors.Unavailable, errors.DeadlineExceeded):
+                    await asyncio.sleep(0.2)
                     continue
-                by_agent: dict[str, list[Any]] = collections.defaultdict(list)
-                for message in item.messages:
-                    by_agent[message.recipient].append(message)
-                for _ in range(ACK_TRIES):
-                    # InboxStream writes an ack the store could not take again by itself while the stream
-                    # lasts; one that failed otherwise (the stream lost, not answered in time) is tried again
-                    # here for a while; then the loop goes on, which lets the stream open again if it broke
-                    # (it is opened again only as it is read), and they come again with all not acked.
-                    if not by_agent:
-                        break
-                    try:
-                        done = await stream.consume_many(by_agent, taken=taken)
-                    except (errors.Unavailable, errors.DeadlineExceeded):
-                        await asyncio.sleep(0.2)
-                        continue
-                    except errors.MeshError:
-                        break
-                    for agent_id, won in done.messages.items():
-                        for message in won:
-                            taken[agent_id].add((message.sender, message.message_id))
-                            log.write("c", agent_id, message.sequence, message.sender, message.message_id)
-                        by_agent.pop(agent_id, None)
-                    if done.refused:  # refused outright (the agent closed, say): nothing to retry
-                        break
+                except errors.MeshError:
+                    by_agent.clear()  # refused outright: delivered again if it still stands
+                    continue
+                for agent_id, won in done.messages.items():
+                    for message in won:
+                        taken[agent_id].add((message.sender, message.message_id))
+                        log.write("c", agent_id, message.sequence, message.sender, message.message_id)
+                by_agent.clear()  # (an agent refused, closed say: nothing to write again)
+
+        async def consume() -> None:
+            acker = asyncio.create_task(ack())
+            try:
+                await read()
+            finally:
+                acker.cancel()
 
         async def send(agent_id: str) -> None:
             handle = handles[agent_id]

@@ -1,6 +1,7 @@
 """The short version of the chaos soak (harness/chaos.py, docs/jetstream.md "Chaos soak"): agents on two
-mesh processes over a three-node NATS cluster, with mesh processes, agent hosts and NATS nodes killed
-with SIGKILL every few seconds, checked from the stored record."""
+mesh processes over a three-node NATS cluster, and agents of a far mesh sending to them across an IOA
+network, with mesh processes, agent hosts, NATS nodes and the IOA network killed with SIGKILL every few
+seconds, checked from the stored record."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ pytestmark = pytest.mark.skipif(STORE != "jetstream", reason="the soak runs its 
 
 @pytest.mark.timeout(600)
 def test_a_soak_with_processes_and_nats_nodes_killed_loses_duplicates_and_reorders_nothing(tmp_path):
-    report = soak(Plan(seed=11, agents=20, messages=1000, hosts=4, fault_every_s=3.0, duration_s=300,
-                       drain_s=90, work_dir=tmp_path / "soak"))
+    report = soak(Plan(seed=11, agents=20, messages=1000, hosts=4, far_agents=10, fault_every_s=3.0,
+                       duration_s=300, drain_s=90, work_dir=tmp_path / "soak"))
     assert report.accepted == 1000, "every message was accepted in the end (retried by id through the faults)"
-    assert sum(n for kind, n in report.faults.items() if kind in ("mesh", "host", "nats")) >= 3, report.faults
+    assert report.accepted_over_ioa == 500, "the far agents' half crossed the IOA network"
+    assert sum(n for kind, n in report.faults.items() if kind in ("mesh", "host", "nats", "ioa")) >= 3, report.faults
     assert (report.lost, report.consumed_twice, report.reordered) == (0, 0, 0), report.examples
     assert report.consumed + report.dead_lettered == report.accepted
-    assert report.runs == 40 and (report.announces_missing, report.announces_twice) == (0, 0), report.examples
+    assert report.runs == 20 and (report.announces_missing, report.announces_twice) == (0, 0), report.examples
