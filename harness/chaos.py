@@ -44,6 +44,7 @@ import collections
 import functools
 import hashlib
 import json
+import logging
 import os
 import random
 import secrets
@@ -220,7 +221,8 @@ def soak(plan: Plan) -> Report:
         state_path.write_text(json.dumps(state))
         for i in range(_host_count(plan)):
             far_host = i == plan.hosts
-            order = addresses[i % 2:] + addresses[:i % 2]  # half the hosts on each mesh process first
+            first = (i // 2) % 2  # (host 2k sends, 2k+1 receives) half the senders and receivers on each first
+            order = addresses[first:] + addresses[:first]
             host = Proc(f"host{i}", [sys.executable, "-m", "harness.chaos", "--role", "host", "--state",
                                      str(state_path), "--index", str(i), "--hosts", str(plan.hosts),
                                      "--target", far_address if far_host else "ipv4:" + ",".join(order),
@@ -238,10 +240,10 @@ def soak(plan: Plan) -> Report:
             next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * plan.fault_every_s
             kind = rng.choice([f for f in plan.faults if f != "ioa" or network is not None])
             faults[kind] += 1
-            with (work / "faults.log").open("a") as timeline:  # when each fault came, to read beside the logs
-                timeline.write(f"{time.monotonic() - started:.1f} {kind}\n")
+            at = time.monotonic() - started
             if kind == "mesh":
                 victim = rng.choice(meshes[:2])
+                _timeline(work, at, victim.name)
                 victim.kill()
                 time.sleep(rng.uniform(0.2, 2.0))
                 victim.restart()
@@ -249,16 +251,19 @@ def soak(plan: Plan) -> Report:
                 victim.refused = 0
             elif kind == "host":
                 victim = rng.choice(hosts)
+                _timeline(work, at, victim.name)
                 victim.kill()
                 time.sleep(rng.uniform(0.2, 2.0))
                 victim.start()
             elif kind == "ioa":
                 assert network is not None  # (drawn only when there is one)
+                _timeline(work, at, network.name)
                 network.kill()  # both relays lose their connection, and reconnect once it is back
                 time.sleep(rng.uniform(0.2, 2.0))
                 network.start()
             else:
                 node = rng.choice(cluster.nodes)  # one at a time: the other two keep the quorum
+                _timeline(work, at, f"nats node {cluster.nodes.index(node)}")
                 node.kill()
                 time.sleep(rng.uniform(0.5, 3.0))
                 node.start()
@@ -287,6 +292,12 @@ def _mesh_argv(port: int, data_dir: Path, plan: Plan, *extra: str) -> list[str]:
     return [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up", "--port", str(port),
             "--no-demo", "--data-dir", str(data_dir), "--admin-token", ADMIN,
             "--max-active-children", str(plan.agents + 64), *extra]
+
+
+def _timeline(work: Path, at: float, victim: str) -> None:
+    """When each fault came and what it killed (faults.log), to read beside the logs."""
+    with (work / "faults.log").open("a") as timeline:
+        timeline.write(f"{at:.1f} {victim}\n")
 
 
 def _host_count(plan: Plan) -> int:
@@ -607,6 +618,9 @@ def main() -> None:
     parser.add_argument("--target", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "host":
+        # the stream's reconnects, timed, in host<i>.out beside faults.log
+        logging.basicConfig(format="%(asctime)s %(name)s %(message)s", level=logging.WARNING)
+        logging.getLogger("inboxmesh.client.stream").setLevel(logging.INFO)
         asyncio.run(host(json.loads(args.state.read_text()), args.index, args.hosts, args.target, args.work_dir))
         return
     report = soak(Plan(seed=args.seed, agents=args.agents, messages=args.messages, hosts=args.hosts,
