@@ -82,6 +82,8 @@ OFFLINE_GRACE_S = 0.5
 node the network says is not connected, before it answers UNAVAILABLE (nothing delivered, safe to retry):
 a relay whose connection dropped is back well within this."""
 OFFLINE_RETRY_S = 0.05
+LOST_LOG_REPEAT_S = 60.0
+"""While the relay is not connected, its failed attempts are logged once this long at most."""
 KNOWN_NODES = 10_000
 """Nodes this relay remembers having heard from (a receipt, a message) since it started; beyond that, no
 more are added. One of them that the network does not know now is taken for a node not connected yet, not
@@ -166,6 +168,7 @@ class IoaRelay:
 
     async def _connection(self) -> None:
         failures = 0
+        lost_logged = float("-inf")
         loop = asyncio.get_running_loop()
         while not self._stopping:
             call = self._network.Connect()
@@ -181,10 +184,12 @@ class IoaRelay:
                 async for frame in call:
                     which = frame.WhichOneof("frame")
                     if which == "welcome":
-                        failures = 0
                         self.connected.set()
-                        log.info("relay %s connected to %s (%d recent messages come again)", self.node_id,
-                                 self.config.network, frame.welcome.redelivering)
+                        log.log(logging.WARNING if failures else logging.INFO,
+                                "relay %s connected to %s%s (%d recent messages come again)", self.node_id,
+                                self.config.network, f" again after {failures} attempts" if failures else "",
+                                frame.welcome.redelivering)
+                        failures = 0
                         await self._send_parked()
                     elif which == "result":
                         future = self._published.pop(frame.result.publish_id, None)
@@ -195,8 +200,12 @@ class IoaRelay:
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
                 if self._stopping:
                     return
-                log.warning("relay %s lost the IOA network: %s", self.node_id,
-                            exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
+                now = loop.time()  # the loss, then once a minute while it lasts (an attempt every 2 s at most)
+                if failures == 0 or now - lost_logged >= LOST_LOG_REPEAT_S:
+                    lost_logged = now
+                    log.warning("relay %s lost the IOA network%s: %s", self.node_id,
+                                f" ({failures} attempts to connect failed)" if failures else "",
+                                exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
             finally:
                 self.connected.clear()
                 self._call = None
