@@ -28,7 +28,7 @@ The check, after the faults stop and every accepted message had time to be consu
 (A far agent waits for each receipt before its next send, so per-pair order holds across the network
 too; issue 15 is about order when an IOA sender pipelines.)
 
-    .venv/bin/python -m harness.chaos --seed 1 --agents 100 --messages 100000 --duration 1800
+    .venv/bin/python -m harness.chaos --seed 1 --agents 100 --messages 100000 --duration 1800 --drain 1800
     .venv/bin/python -m harness.chaos --seed 7 --agents 20 --messages 2000      # the short version
 
 The report (JSON) is printed and written to <work dir>/report.json; the exit status is 1 when any check

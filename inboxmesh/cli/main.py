@@ -67,6 +67,17 @@ def _event_line(e: ev_pb.Event) -> str:
 
 
 # -- up ---------------------------------------------------------------------
+def _dump_tasks() -> None:
+    """SIGUSR1: where each of the mesh's asyncio tasks waits, on stderr (a stalled call, in a running mesh)."""
+    tasks = asyncio.all_tasks()
+    lines = [f"inboxmesh: {len(tasks)} tasks"]
+    for task in tasks:
+        lines.append(f"task {task.get_name()}: {task.get_coro()!r}")
+        lines += [f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+                  for frame in task.get_stack(limit=12)]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
 async def _up(args) -> int:
     from inboxmesh.cli.demo import run_demo
     from services.server import Mesh
@@ -96,6 +107,7 @@ async def _up(args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
     try:
         if args.demo and "inbox" in config.services:
             await run_demo(mesh.address, say=lambda line: print(line, flush=True))
