@@ -3,6 +3,7 @@ services run as separate processes."""
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,26 @@ def test_cli_register_send_status_events_against_a_running_mesh(tmp_path):
         assert full.returncode == 3 and "UNKNOWN_TARGET" in full.stdout
         bad = _cli("send", "--as", "nonsense", "--to", child["agent_id"], "x", data_dir=tmp_path)
         assert bad.returncode == 2 and "MALFORMED_CREDENTIAL" in bad.stderr
+
+
+async def test_sigusr1_writes_where_each_task_waits_and_the_mesh_keeps_serving(tmp_path):
+    with MeshProcess(tmp_path) as proc:
+        async with MeshClient(proc.address, admin_token=ADMIN_TOKEN) as client:
+            lead = await client.register("lead")
+            child = await lead.spawn("child")
+            sub = Collector(child)  # a stream open while the tasks are written
+            try:
+                await eventually(lambda: _subscribed(lead, child.agent_id), 20)
+                proc.proc.send_signal(signal.SIGUSR1)
+                await eventually(lambda: "tasks" in proc.output() and "task " in proc.output(), 10,
+                                 message="the task dump")
+                assert (await lead.send(child.agent_id, "after the dump")).status == pb.RECEIPT_STATUS_ACCEPTED
+                (got,) = await sub.wait_for(1)
+                assert got.content.text == "after the dump"
+            finally:
+                await sub.stop()
+        assert proc.proc.poll() is None, "SIGUSR1 does not stop the mesh"
+        assert "/services/" in proc.output(), "the stacks name the mesh's own code"
 
 
 async def test_cli_tail_shows_messages_live(tmp_path):
