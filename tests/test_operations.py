@@ -125,6 +125,7 @@ async def test_sigusr1_writes_where_each_task_waits_and_the_mesh_keeps_serving(t
             sub = Collector(child)  # a stream open while the tasks are written
             try:
                 await eventually(lambda: _subscribed(lead, child.agent_id), 20)
+                assert proc.proc is not None
                 proc.proc.send_signal(signal.SIGUSR1)
                 await eventually(lambda: "tasks" in proc.output() and "task " in proc.output(), 10,
                                  message="the task dump")
@@ -133,7 +134,7 @@ async def test_sigusr1_writes_where_each_task_waits_and_the_mesh_keeps_serving(t
                 assert got.content.text == "after the dump"
             finally:
                 await sub.stop()
-        assert proc.proc.poll() is None, "SIGUSR1 does not stop the mesh"
+        assert proc.proc is not None and proc.proc.poll() is None, "SIGUSR1 does not stop the mesh"
         assert "/services/" in proc.output(), "the stacks name the mesh's own code"
 
 
