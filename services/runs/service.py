@@ -160,10 +160,16 @@ class RunService:
             if already:
                 log.info("run %s had already ended (%s); this end changed nothing", run.run_id,
                          pb.RunStatus.Name(ended.status))
+                if ended.announce_state == pb.ANNOUNCE_STATE_PENDING:  # its first end failed to announce it
+                    self._wake_later(self._config.announce_retry_s)
                 return ended, True
             log.info("run %s of %s ended: %s", run.run_id, run.child_id, pb.RunStatus.Name(status))
             crash_point("run-ended")
-            return await self.settle(run.run_id), False
+            try:
+                return await self.settle(run.run_id), False
+            except errors.Unavailable:
+                self._wake_later(self._config.announce_retry_s)  # the sweeper announces it once the store is back
+                raise
 
     async def settle(self, run_id: str) -> RunRecord:
         """Announce a pending run and clean it up; safe to call at any time,
@@ -229,8 +235,13 @@ class RunService:
                 if any((done.timed_out, done.announced, done.cleaned_up, done.archived)):
                     log.info("run sweeper: %d timed out, %d announced, %d cleaned up, %d archived",
                              len(done.timed_out), len(done.announced), len(done.cleaned_up), len(done.archived))
-            except errors.Unavailable:
-                return  # the store is closing
+            except errors.Unavailable as exc:
+                if exc.reason == Reason.STORE_CLOSED:
+                    return  # the store is closing
+                # the store failed this pass (on JetStream: NATS away, a stream electing its leader): soon again,
+                # as an announce that failed is retried (it may be stored and not yet recorded as announced)
+                log.warning("run sweeper: %s; trying again in %.0f s", exc.message, self._config.announce_retry_s)
+                self._wake_later(self._config.announce_retry_s)
             except Exception:
                 log.exception("run sweeper pass failed; trying again at the next interval")
             if self._stopping:
