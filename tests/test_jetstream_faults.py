@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import uuid
 
+import nats
+import nats.js.errors
 import pytest
 
 from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
@@ -20,7 +22,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.registry.v1 import registry_pb2 as reg
 from inboxmesh.runs.v1 import runs_pb2 as runs
-from services.config import MeshConfig
+from services.config import MeshConfig, RunsConfig
 from services.server import Mesh
 from services.store.jetstream import kv
 from tests.fixtures import ADMIN_TOKEN, eventually
@@ -325,6 +327,93 @@ async def test_a_consumption_whose_replica_died_before_its_event_still_gets_its_
                     assert [(e.message_id, e.sequence) for e in consumed] == [("gap-1", receipt.sequence)]
                     stored = await _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_STORED)
                     assert [e.message_id for e in stored] == ["gap-1"], "the STORED event is not repeated"
+
+
+async def test_a_send_whose_replica_died_before_its_idempotency_record_is_stored_once_after_a_nats_restart(
+        tmp_path):
+    """The replica publishes a message and is killed before it writes the message's idempotency record (a
+    crash point). The message is consumed, which deletes it from the stream, and nats-server restarts,
+    which forgets the Nats-Msg-Id of deleted messages: a retry of the send is still DUPLICATE of the one
+    stored, because the event keeper created the missing record when it read the consumption (the full
+    chaos soak stored two runs' announces twice this way)."""
+    with NatsNode(tmp_path / "nats") as node:
+        with replica(tmp_path, node, "r2") as r2:  # r2 starts first: it holds the keeper's lease
+            sender, target = await _pair(r2.address)
+            with replica(tmp_path, node, "r1", env={"INBOXMESH_CRASH_AT": "published-unrecorded"}) as r1:
+                async with MeshClient(r1.address, timeout=5) as client:
+                    with pytest.raises(errors.MeshError):
+                        await client.agent(sender.info, sender.credential).send(target.agent_id, "once",
+                                                                                message_id="once-1")
+                assert r1.proc is not None and r1.proc.wait(10) == 137, "r1 died after the publish"
+            async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
+                sub = Collector(admin.agent(target.info, target.credential), auto_ack=True)
+                try:
+                    (got,) = await sub.wait_for(1)
+                finally:
+                    await sub.stop()
+                assert got.message_id == "once-1"
+                conn = await nats.connect(node.url)
+                try:
+                    bucket = await conn.jetstream().key_value("im_msgs")
+                    await eventually(lambda: _has_key(bucket, kv.idem_key(sender.agent_id, "once-1")), timeout=30,
+                                     interval=0.2, message="the idempotency record the keeper creates")
+                finally:
+                    await conn.close()
+            node.kill()
+            node.start()
+            await wait_for_jetstream([node.url], timeout=30)
+            async with MeshClient(r2.address, timeout=10) as client:
+                again = await _retried(lambda: client.agent(sender.info, sender.credential).send(
+                    target.agent_id, "once", message_id="once-1"))
+            assert again.status == pb.RECEIPT_STATUS_DUPLICATE and again.sequence == got.sequence, again
+            async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
+                stored = await _events(admin, target.agent_id, ev.EVENT_KIND_MESSAGE_STORED)
+            assert [(e.message_id, e.sequence) for e in stored] == [("once-1", got.sequence)]
+
+
+async def _has_key(bucket, key: str) -> bool:
+    try:
+        return bool(await bucket.get(key))
+    except nats.js.errors.KeyNotFoundError:
+        return False
+
+
+async def _retried(call):
+    """The call, tried again while the mesh says the store is not back yet."""
+    for _ in range(100):
+        try:
+            return await call()
+        except errors.Unavailable:
+            await asyncio.sleep(0.2)
+    return await call()
+
+
+async def test_the_run_sweeper_outlives_a_nats_outage_and_then_times_out_and_announces_a_run(tmp_path):
+    """The run sweeper's passes fail while NATS is down (STORE_UNAVAILABLE); it goes on, and once NATS is
+    back it times out the run whose timeout passed meanwhile and announces it. (It used to end at its first
+    failed pass, as if the store were closing: announces it would have retried waited for a process to
+    start; in the full chaos soak such a wait ended in two announces stored twice.)"""
+    node = NatsNode(tmp_path / "nats").start()
+    try:
+        config = MeshConfig(port=0, store=node.store_config(path=tmp_path / "mesh.db"), admin_token=ADMIN_TOKEN,
+                            runs=RunsConfig(sweep_interval_s=0.3))
+        async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN, timeout=5) as client:
+            lead = await client.register("lead")
+            child = await lead.spawn("job", run=reg.RunSpec(task="a job", task_message_id="job-1",
+                                                            run_timeout_s=2))
+            node.kill()
+            # longer than a NATS request's deadline (5 s): the sweeper's pass fails, and the run's timeout passes
+            await asyncio.sleep(8)
+            node.start()
+            sub = Collector(lead, auto_ack=True)
+            try:
+                (announce,) = await sub.wait_for(1, timeout=60)
+            finally:
+                await sub.stop()
+            assert announce.sender == child.agent_id and announce.in_reply_to == "job-1"
+            assert announce.headers["inboxmesh-run-status"] == "timeout", announce
+    finally:
+        node.kill()
 
 
 async def test_a_spawn_whose_replica_died_midway_is_retried_into_one_child_with_its_run(tmp_path):

@@ -78,3 +78,33 @@ async def _publish_until_stored(js, data: bytes, msg_id: str, timeout: float = 6
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+async def test_a_restart_forgets_the_msg_id_of_a_deleted_message(tmp_path):
+    """nats-server rebuilds its duplicate tracking from the messages it stores when it restarts (or a
+    stream's leader changes): the Nats-Msg-Id of a message deleted since (a consumed one) is forgotten, and
+    publishing it again stores a new copy, within the duplicate window. The store's idempotency records
+    cover that case (the event keeper creates any its writer died before writing: docs/jetstream.md)."""
+    node = NatsNode(tmp_path).start()
+    try:
+        nc = await nats.connect(node.url)
+        js = nc.jetstream()
+        await js.add_stream(inbox_stream(capacity=10))
+        gone = await js.publish("t.inbox.a", b"1", headers={"Nats-Msg-Id": "gone"})
+        kept = await js.publish("t.inbox.a", b"2", headers={"Nats-Msg-Id": "kept"})
+        await js.delete_msg("FEATURES", gone.seq)
+        assert (await js.publish("t.inbox.a", b"1", headers={"Nats-Msg-Id": "gone"})).duplicate, \
+            "before a restart the id of a deleted message is still known"
+        await nc.close()
+        node.kill()
+        node.start()
+        await wait_for_jetstream([node.url], timeout=30)
+        nc = await nats.connect(node.url)
+        js = nc.jetstream()
+        again = await js.publish("t.inbox.a", b"1", headers={"Nats-Msg-Id": "gone"})
+        assert not again.duplicate and again.seq > kept.seq, "after it, the deleted message's id is forgotten"
+        assert (await js.publish("t.inbox.a", b"2", headers={"Nats-Msg-Id": "kept"})).duplicate, \
+            "a stored message's id is still known"
+        await nc.close()
+    finally:
+        node.kill()

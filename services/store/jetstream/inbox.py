@@ -310,6 +310,7 @@ class InboxLog:
             if p.seq:
                 published_at(rid, p.seq)
         stored = [(i, p) for i, p in zip(todo, published) if p.status in (ACCEPTED, DUPLICATE)]
+        crash_point("published-unrecorded")  # on the stream, their idempotency records not written yet
         # the idempotency records while capacity and a racing close are settled: the record of a message then
         # taken back names a rejected message, which _earlier does not count
         settled, created = await asyncio.gather(
@@ -379,6 +380,7 @@ class InboxLog:
         if status not in (ACCEPTED, DUPLICATE):
             return SendOutcome(env.message_id, rid, status, detail=detail)
         published(rid, seq)
+        crash_point("published-unrecorded")
         recorded = await kv.create(self.conn.msgs, kv.idem_key(sender_id, env.message_id),
                                    kv.Stored(rid, seq, at_us), kv.STORED)
         return await self._settled(sender_id, env, status, detail, seq, bool(recorded), at_us)
@@ -566,29 +568,43 @@ class InboxLog:
         changes (compare-and-set) of every distinct sequence of every entry at once; then, together, the
         deletes of what they consumed, all their CONSUMED events (one pipelined publish) and each
         recipient's new frontier. A sequence an entry names twice is answered for its first mention
-        and ALREADY_CONSUMED (or the same refusal) after, as one ack after the other would."""
+        and ALREADY_CONSUMED (or the same refusal) after, as one ack after the other would.
+
+        The events go in each recipient's inbox order: for a message final already, copies of the events its
+        state stands for (its process may have died, or NATS failed, before they were recorded), dropped
+        where recorded; for one consumed now, its CONSUMED event. After a sequence whose ack failed, none
+        of that recipient's (what this ack consumed after it is recorded by the retry, which finds it final,
+        or by the keeper): a CONSUMED event must not come before that of a message consumed earlier."""
         distinct = [list(dict.fromkeys(sequences)) for _, sequences, _ in entries]
         taken = await self._consume_many([(recipient, seq, turn) for (recipient, _, turn), seqs in
-                                          zip(entries, distinct) for seq in seqs], at_us)
+                                          zip(entries, distinct) for seq in sorted(seqs)], at_us)
         failure = next((t for t in taken if isinstance(t, BaseException)), None)
         results = iter(taken)
         answers: list[list[AckOutcome]] = []
         rows: list[EventRow] = []
         deletes: list[int] = []
         frontiers: dict[str, Frontier] = {}
+        copies = False
         for (recipient, sequences, turn), seqs in zip(entries, distinct):
             by_seq: dict[int, tuple[AckOutcome, envelope_pb2.Envelope | None]] = {}
             consumed = []
-            for seq in seqs:
+            failed = False
+            for seq in sorted(seqs):  # the record in inbox order: copies of what was final, then new
                 result = next(results)
                 if isinstance(result, BaseException):
+                    failed = True  # what follows is recorded by the retry (its copies), after this one
                     continue
-                by_seq[seq] = result
-                if (env := result[1]) is not None:
+                outcome, env, final = result
+                by_seq[seq] = (outcome, env)
+                if env is not None:
                     consumed.append(env)
                     deletes.append(seq)
-                    rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, at_us, recipient, env, seq=seq,
-                                              turn=turn))
+                    if not failed:
+                        rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, at_us, recipient, env, seq=seq,
+                                                  turn=turn))
+                elif final is not None and not failed and self._recent(final, at_us):
+                    rows += implied_events(final, seq)
+                    copies = True
             if failure is None:
                 answers.append(_answers(sequences, by_seq))
             frontier = Frontier.of(consumed)
@@ -598,7 +614,7 @@ class InboxLog:
             crash_point("consumed-unrecorded")  # the consumptions are stored, their events not yet
         # The frontiers only guard the agents' next sends, and a final message left on the stream (a
         # crash before its delete) is deleted by the next read of its inbox: all of them go together.
-        await asyncio.gather(self.events.emit(rows), self.messages.delete_many(deletes),
+        await asyncio.gather(self.events.publish(rows, copies=copies), self.messages.delete_many(deletes),
                              *(self.conn.msgs.put(frontier_key(recipient),
                                                   json.dumps([f.hop_count, f.trail]).encode())
                                for recipient, f in frontiers.items()))
@@ -611,9 +627,10 @@ class InboxLog:
         return None if found is None else Frontier(found.value[0], tuple(found.value[1]))
 
     async def _consume_many(self, acks: list[tuple[str, int, int]], at_us: int) -> list[Any]:
-        """The outcome of each (recipient, sequence, turn) ack, or the NATS failure it met. The usual case, a
-        message this process delivered and remembers, is written at once (pipelined compare-and-set
-        writes, one request each); the others, and any that lost a race, one by one (_consume)."""
+        """The outcome of each (recipient, sequence, turn) ack (as _consume's), or the NATS failure it met.
+        The usual case, a message this process delivered and remembers, is written at once (pipelined
+        compare-and-set writes, one request each); the others, and any that lost a race, one by one
+        (_consume)."""
         results: list[Any] = [None] * len(acks)
         fast: list[tuple[int, MessageState, int]] = []
         writing = {self._marking[(r, seq)] for r, seq, _ in acks if (r, seq) in self._marking}
@@ -638,7 +655,7 @@ class InboxLog:
             if revision:
                 env = new.envelope_pb()
                 results[k] = (AckOutcome(acks[k][1], env.message_id, inbox_pb2.ACK_STATUS_CONSUMED,
-                                         env.trace.traceparent, env), env)
+                                         env.trace.traceparent, env), env, None)
         slow = [k for k, result in enumerate(results) if result is None]
         for k, result in zip(slow, await asyncio.gather(*(self._consume(*acks[k][:2], at_us, acks[k][2])
                                                           for k in slow), return_exceptions=True)):
@@ -646,9 +663,10 @@ class InboxLog:
         return results
 
     async def _consume(self, recipient: str, seq: int, at_us: int,
-                       turn: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None]:
-        """The outcome of acking one message (its state entry set to consumed by compare-and-set), and
-        the envelope when this ack consumed it; ack_many deletes it from the stream."""
+                       turn: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None, MessageState | None]:
+        """The outcome of acking one message (its state entry set to consumed by compare-and-set), the
+        envelope when this ack consumed it (ack_many deletes it from the stream), and the state when the
+        message was final already (ack_many records copies of the events it stands for)."""
         msgs = self.conn.msgs
         key = kv.state_key(recipient, seq)
         remembered = self._delivered.pop((recipient, seq), None)
@@ -656,13 +674,12 @@ class InboxLog:
             found, remembered = remembered or await kv.get(msgs, key, kv.MESSAGE_STATE), None
             if found is not None:
                 state = found.value
-                if state.state in (CONSUMED, DEAD_LETTERED):
-                    await self._recorded_final(state, seq, at_us)
+                if state.state in (CONSUMED, DEAD_LETTERED):  # ack_many records copies of its events
                     status = (inbox_pb2.ACK_STATUS_ALREADY_CONSUMED if state.state == CONSUMED
                               else inbox_pb2.ACK_STATUS_DEAD_LETTERED)
-                    return AckOutcome(seq, state.message_id, status), None
+                    return AckOutcome(seq, state.message_id, status), None, state
                 if state.state == REJECTED:
-                    return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None
+                    return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None, None
                 new = state.consumed(at_us, turn)
                 if await kv.write(msgs, key, new.encode(), found.revision) is CasResult.LOST:
                     continue
@@ -670,12 +687,13 @@ class InboxLog:
             else:
                 fresh = await self.messages.envelope_at(recipient, seq)
                 if fresh is None:
-                    return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None
+                    return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None, None
                 env = fresh
                 if not await kv.create(msgs, key, MessageState.first(env, QUEUED).consumed(at_us, turn),
                                        kv.MESSAGE_STATE):
                     continue
-            return AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env
+            return (AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env,
+                    None)
         raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason=Reason.CONTENTION)
 
     async def _recorded_final(self, state: MessageState, seq: int, now_us: int) -> None:
@@ -685,9 +703,14 @@ class InboxLog:
         when an ack is answered UNAVAILABLE and written again): the keeper records them a second or more
         later, after the events of what the agent consumed meanwhile, out of causal order. Not for a
         state older than the duplicate window allows (a copy would be recorded twice)."""
-        final_at = state.consumed_at_us if state.state == CONSUMED else state.dead_at_us
-        if final_at >= now_us - REPLAY_HORIZON_US:
+        if self._recent(state, now_us):
             await self.events.publish(implied_events(state, seq), copies=True)
+
+    @staticmethod
+    def _recent(state: MessageState, now_us: int) -> bool:
+        """Whether a final state is recent enough for copies of its events (older ones would be recorded
+        twice: the duplicate window would not drop them)."""
+        return (state.consumed_at_us if state.state == CONSUMED else state.dead_at_us) >= now_us - REPLAY_HORIZON_US
 
     # -- dead letters ---------------------------------------------------------------
     async def dead_letter(self, recipient: str, env: envelope_pb2.Envelope, reason: str,
@@ -776,7 +799,12 @@ class InboxLog:
                                                  f" {requester.inbox_capacity}); retrying")
         if status == TARGET_CLOSED:
             return AnnounceStored(Announce.GONE, f"requester {run.requester_id} is closed")
-        await kv.create(self.conn.msgs, idem, kv.Stored(run.requester_id, seq, at_us), kv.STORED)
+        if not await kv.create(self.conn.msgs, idem, kv.Stored(run.requester_id, seq, at_us), kv.STORED):
+            # stored by an earlier attempt whose Nats-Msg-Id JetStream forgot (consumed, then a restart):
+            # this copy is taken back
+            earlier = await kv.get(self.conn.msgs, idem, kv.STORED)
+            if earlier is not None and earlier.value.seq != seq and await self.messages.reject(run.requester_id, seq):
+                return AnnounceStored(Announce.STORED, "duplicate: stored by an earlier attempt", earlier.value.seq)
         return AnnounceStored(Announce.STORED,
                               "accepted" if status == ACCEPTED else "duplicate: stored by an earlier attempt", seq)
 

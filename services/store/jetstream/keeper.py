@@ -27,7 +27,14 @@ one request per `events.READ_BATCH` events) and publishes only the implied
 events whose identity it has not read there in the last `SEEN_S`: where
 the writer finished, that is none, and the keeper costs one read per few
 hundred events instead of a publish per event (the duplicate window would
-drop the copies too, but each copy is a request for both sides). A write
+drop the copies too, but each copy is a request for both sides). It also keeps
+the idempotency records of final messages: nats-server forgets the
+`Nats-Msg-Id` of a deleted message when it restarts or a stream's leader
+changes (its duplicate tracking is rebuilt from the stored messages), so a
+consumed message whose idempotency record was never written (its process
+died between the publish and that write) would be stored again by a retry;
+for a consumed or dead-lettered message whose record it has not seen
+written, the keeper creates it (create-if-absent, as the writer would). A write
 older than the duplicate window (less a margin) when the keeper reaches it
 is not replayed, nor an implied event that old (a message stored minutes
 before it was consumed), since its copy could no longer be told from the
@@ -49,7 +56,8 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.store.base import EventRow, RunRecord
+from inboxmesh.common.v1 import envelope_pb2
+from services.store.base import CONSUMED, DEAD_LETTERED, EventRow, RunRecord
 from services.store.jetstream import kv
 from services.store.jetstream.agents import Agents
 from services.store.jetstream.connection import (
@@ -71,6 +79,9 @@ _KEY = "event-keeper"
 SEEN_S = 30.0
 """How long the identity of an event read from the events stream is remembered (the keeper does not
 publish it again meanwhile)."""
+IDEM_SEEN = 200_000
+"""Idempotency records seen written that the keeper remembers until their message is final (oldest
+forgotten first: a record forgotten is created again, which changes nothing)."""
 _SEEN_BATCHES = 64
 """Batched reads of the events stream per tick at most (the rest the next tick: meanwhile the keeper
 publishes copies, which the duplicate window drops)."""
@@ -138,7 +149,13 @@ class EventKeeper:
         """The events stream sequence `_read_recorded` reads from next (0: from the end, at the first tick)."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._sources = [_Source("msgs", "m.", self._message_written),
+        self._idem_seen: dict[tuple[str, int], None] = {}
+        """(recipient, seq) of the idempotency records written since this process follows the msgs bucket."""
+        self._idem_missing: list[tuple[str, bytes, int]] = []
+        """Idempotency records to create (key, value, 0) at the end of the batch being rolled forward."""
+        self.idem_restored = 0
+        """Idempotency records the keeper created (their writer died first)."""
+        self._sources = [_Source("msgs", "", self._message_written),  # states (m.), idempotency records (i.)
                          _Source("agents", "a.", self._agent_written),
                          _Source("runs", "r.", self._run_written)]
 
@@ -256,16 +273,41 @@ class EventKeeper:
             source.held.pop(0)
             done = meta.sequence.stream
             source.next_seq = done + 1
+        if self._idem_missing:
+            missing, self._idem_missing = self._idem_missing, []
+            self.idem_restored += sum(map(bool, await kv.write_many(self.conn, "msgs", missing)))
         rows = self._unrecorded(rows)
         if rows:
             self.restored += sum(not ack.duplicate for ack in await self.events.publish(rows, copies=True))
         return done
 
     async def _message_written(self, msg: Any) -> list[EventRow]:
+        key = msg.subject[len(self.conn.kv_subject("msgs", "")):]
         try:
-            return implied_events(MessageState.decode(msg.data), int(msg.subject.rpartition(".")[2]))
-        except (ValueError, TypeError, KeyError):
+            if key.startswith("i."):
+                stored = kv.STORED.decode(msg.data)
+                self._idem_seen[(stored.recipient, stored.seq)] = None
+                while len(self._idem_seen) > IDEM_SEEN:
+                    del self._idem_seen[next(iter(self._idem_seen))]
+                return []
+            if not key.startswith("m."):
+                return []
+            seq = int(key.rpartition(".")[2])
+            state = MessageState.decode(msg.data)
+            if state.state in (CONSUMED, DEAD_LETTERED) and state.envelope is not None:
+                self._final(state, seq)
+            return implied_events(state, seq)
+        except (ValueError, TypeError, KeyError, DecodeError):
             return []
+
+    def _final(self, state: MessageState, seq: int) -> None:
+        """A message is final (its copy on the stream is deleted): its idempotency record is created if this
+        process has not seen it written."""
+        env = envelope_pb2.Envelope.FromString(state.envelope or b"")
+        if self._idem_seen.pop((env.recipient, seq), 0) is None:
+            return
+        self._idem_missing.append((kv.idem_key(env.sender, env.message_id),
+                                   kv.STORED.encode(kv.Stored(env.recipient, seq, state.stored_at_us)), 0))
 
     async def _agent_written(self, msg: Any) -> list[EventRow]:
         try:
