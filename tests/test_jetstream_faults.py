@@ -198,7 +198,10 @@ async def test_another_replicas_append_wakes_a_stream_at_once_and_a_replicas_own
                 assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED
                 await eventually(lambda: len(stream.consumed) == 6, timeout=10, message="B's message on A's stream")
                 assert stream.consumed[-1].content.text == "through B"
-                assert noticed == [kv.token(kid.agent_id)], "only the append made elsewhere was noticed"
+                # a notice wakes the feed at once and once more 0.1 s later (a follower may answer a moment
+                # behind its leader): on a loaded machine the second may come before this line
+                assert noticed in ([kv.token(kid.agent_id)], [kv.token(kid.agent_id)] * 2), \
+                    "only the append made elsewhere was noticed"
             finally:
                 await stream.stop()
     finally:
