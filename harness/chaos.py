@@ -75,6 +75,8 @@ class Plan:
     hosts: int = 4
     far_agents: int = 10
     """Agents of the far mesh, all senders (0: no IOA network, no far mesh)."""
+    far_messages: int = 0
+    """Messages each far agent sends (0: as many as each local sender, out of `messages`)."""
     duration_s: float = 1800.0
     """The faults stop after this long even when the senders are not done."""
     fault_every_s: float = 5.0
@@ -333,8 +335,9 @@ async def _register(address: str, far_address: str, plan: Plan) -> dict[str, Any
 
     near = await agents_of(address, "chaos-lead", "agent", plan.agents)
     far = await agents_of(far_address, "chaos-far", "far", plan.far_agents) if far_address else []
-    return {"seed": plan.seed, "agents": near, "far_agents": far,
-            "per_agent": max(1, plan.messages // (len(near[0::2]) + len(far))), "salt": secrets.token_hex(16)}
+    per_agent = max(1, plan.messages // (len(near[0::2]) + (0 if plan.far_messages else len(far))))
+    return {"seed": plan.seed, "agents": near, "far_agents": far, "per_agent": per_agent,
+            "far_per_agent": plan.far_messages or per_agent, "salt": secrets.token_hex(16)}
 
 
 def _as_seen(state: dict[str, Any], sender: str, n: str) -> tuple[str, str]:
@@ -497,7 +500,7 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
     senders = {a["id"] for a in mine} if far else {a["id"] for a in state["agents"][0::2]}
     log = HostLog(work / f"host{index}.log")
     upto = log.done_upto()
-    seed, per_agent = state["seed"], state["per_agent"]
+    seed, per_agent = state["seed"], state["far_per_agent" if far else "per_agent"]
 
     async def retried(call: Any) -> Any:
         while True:
@@ -605,6 +608,8 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=100)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--far-messages", type=int, default=0,
+                        help="messages each far agent sends (default: as many as each local sender)")
     parser.add_argument("--far-agents", type=int, default=10,
                         help="agents of a far mesh that send across an IOA network (0: none)")
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of faults at most")
@@ -624,7 +629,7 @@ def main() -> None:
         asyncio.run(host(json.loads(args.state.read_text()), args.index, args.hosts, args.target, args.work_dir))
         return
     report = soak(Plan(seed=args.seed, agents=args.agents, messages=args.messages, hosts=args.hosts,
-                       far_agents=args.far_agents,
+                       far_agents=args.far_agents, far_messages=args.far_messages,
                        duration_s=args.duration, fault_every_s=args.fault_every, drain_s=args.drain,
                        faults=tuple(args.faults.split(",")),
                        work_dir=args.work_dir))
