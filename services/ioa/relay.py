@@ -82,13 +82,13 @@ OFFLINE_GRACE_S = 0.5
 node the network says is not connected, before it answers UNAVAILABLE (nothing delivered, safe to retry):
 a relay whose connection dropped is back well within this."""
 OFFLINE_RETRY_S = 0.05
+"""Pause between publishes to a node the network said is not connected."""
 LOST_LOG_REPEAT_S = 60.0
 """While the relay is not connected, its failed attempts are logged once this long at most."""
 KNOWN_NODES = 10_000
 """Nodes this relay remembers having heard from (a receipt, a message) since it started; beyond that, no
 more are added. One of them that the network does not know now is taken for a node not connected yet, not
 for one that does not exist: a network that restarted knows a node again only once it has reconnected."""
-"""Pause between publishes to a node the network said is not connected."""
 RECEIPT_MEMORY = 10_000
 """Receipts a receiving relay keeps (the latest, per sender and IOA id) with the attempt they answered: a
 copy of that attempt gets the same receipt and is not stored again. Older copies go to the store, which

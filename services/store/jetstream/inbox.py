@@ -801,10 +801,10 @@ class InboxLog:
             return AnnounceStored(Announce.GONE, f"requester {run.requester_id} is closed")
         if not await kv.create(self.conn.msgs, idem, kv.Stored(run.requester_id, seq, at_us), kv.STORED):
             # stored by an earlier attempt whose Nats-Msg-Id JetStream forgot (consumed, then a restart):
-            # this copy is taken back
-            earlier = await kv.get(self.conn.msgs, idem, kv.STORED)
-            if earlier is not None and earlier.value.seq != seq and await self.messages.reject(run.requester_id, seq):
-                return AnnounceStored(Announce.STORED, "duplicate: stored by an earlier attempt", earlier.value.seq)
+            # this copy is taken back, as a send's is (_settled)
+            earlier = await self._earlier(run.child_id, env)
+            if earlier is not None and earlier.sequence != seq and await self.messages.reject(run.requester_id, seq):
+                return AnnounceStored(Announce.STORED, "duplicate: stored by an earlier attempt", earlier.sequence)
         return AnnounceStored(Announce.STORED,
                               "accepted" if status == ACCEPTED else "duplicate: stored by an earlier attempt", seq)
 
