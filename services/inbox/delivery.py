@@ -235,7 +235,7 @@ class Subscription:
         if found.held_back:  # nothing more until an ack makes room (reading again now would find the same)
             if feed.woken == woken:  # no ack (nor append) came while reading
                 feed.needs_store, feed.held_back = False, True
-        elif len(found.messages) + len(found.dead_lettered) < limit and feed.woken == woken:
+        elif (found.drained or len(found.messages) + len(found.dead_lettered) < limit) and feed.woken == woken:
             feed.needs_store = False
             while feed.fresh and feed.fresh[0].sequence <= feed.cursor:
                 feed.fresh.popleft()

@@ -182,6 +182,9 @@ class DeliveryBatch:
     held_back: bool = False
     """Messages may be waiting beyond the recipient's capacity (see next_deliveries' `in_flight`): read
     again after the subscriber acks."""
+    drained: bool = False
+    """No message followed the ones returned when the inbox was read: a full batch need not be followed by
+    another read until something is appended (a store that does not know says False)."""
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,15 @@ class Agents:
         self.events = events
         self.inbox = inbox
         self.runs = runs
+        self.cache = inbox.agents
+        """Told of every record this process writes or reads (the sends and deliveries here read it)."""
 
     async def get(self, agent_id: str) -> AgentRecord | None:
-        return await kv.read_agent(self.conn.agents, agent_id)
+        """The record as the bucket holds it now."""
+        record = await kv.read_agent(self.conn.agents, agent_id)
+        if record is not None:
+            self.cache.learn(record)
+        return record
 
     async def _index_add(self, key: str, value: str) -> None:
         await kv.cas(self.conn.agents, key, lambda cur: None if cur and value in cur else [*(cur or []), value],
@@ -74,6 +80,7 @@ class Agents:
                 raise _parent_closed(record.parent_id)
         if not await kv.create(self.conn.agents, kv.agent_key(record.agent_id), record, kv.AGENT):
             raise errors.FailedPrecondition(f"agent {record.agent_id} exists", reason=Reason.AGENT_EXISTS)
+        self.cache.learn(record)
         await self._index_record(record)
         if record.parent_id:
             parent = await self.get(record.parent_id)
@@ -150,6 +157,7 @@ class Agents:
                                    functools.partial(_closing, at_us=at_us, detail=detail), kv.AGENT)
             if written is None:
                 continue  # closed by someone else meanwhile
+            self.cache.learn(written)
             closed.append(written)
             rows.append(_closed_row(agent.agent_id, detail, at_us))
         if closed:
@@ -173,4 +181,5 @@ class Agents:
         if written is None:
             raise errors.FailedPrecondition(f"agent {agent_id} is closed or unknown; no credential issued",
                                             reason=Reason.AGENT_CLOSED, metadata={"agent_id": agent_id})
+        self.cache.learn(written)
         return written

@@ -51,6 +51,7 @@ from services.store.base import (
     SendOutcome,
 )
 from services.store.jetstream import kv
+from services.store.jetstream.agent_cache import AgentCache
 from services.store.jetstream.connection import NATS_FAILURES, REPLAY_HORIZON_US, JetStreamConnection
 from services.store.jetstream.events import EventLog, dead_event, implied_events, message_event, stored_events
 from services.store.jetstream.kv import REJECTED, CasResult, MessageState
@@ -131,9 +132,11 @@ _RUNS_AT_ONCE = 64
 
 
 class InboxLog:
-    def __init__(self, conn: JetStreamConnection, events: EventLog):
+    def __init__(self, conn: JetStreamConnection, events: EventLog, agents: AgentCache):
         self.conn = conn
         self.events = events
+        self.agents = agents
+        """Agent records as last seen: read before a send and a delivery (agent_cache.py says why that is safe)."""
         self.messages = InboxMessages(conn)
         self.listeners: list[Callable[[str], None]] = []
         """Called with the recipient's subject token when another process appended to it."""
@@ -191,9 +194,9 @@ class InboxLog:
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
         external = sender_id.startswith(base.EXTERNAL_PREFIXES)
         recipients = list(dict.fromkeys(item.envelope.recipient for item in items))
-        # the sender and every target read at once (a run uses its target's; a message on its own reads again)
-        found = await asyncio.gather(*([] if external else [kv.read_agent(self.conn.agents, sender_id)]),
-                                     *(kv.read_agent(self.conn.agents, rid) for rid in recipients))
+        # the sender and every target as last seen (read when not held): checked again once published
+        found = await asyncio.gather(*([] if external else [self.agents.get(sender_id)]),
+                                     *(self.agents.get(rid) for rid in recipients))
         sender_open = external or (found[0] is not None and found[0].is_open)
         targets = dict(zip(recipients, found[0 if external else 1:]))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -305,7 +308,8 @@ class InboxLog:
             env.sequence = 0
             env.stored_at_us = at_us
             env.delivery_attempt = 0
-        published = await self.messages.publish_many(rid, [run[i].envelope for i in todo], target.inbox_capacity)
+        published = await self.messages.publish_many(rid, [run[i].envelope for i in todo], target.inbox_capacity,
+                                                    sender_id)
         for p in published:
             if p.seq:
                 published_at(rid, p.seq)
@@ -314,7 +318,7 @@ class InboxLog:
         # the idempotency records while capacity and a racing close are settled: the record of a message then
         # taken back names a rejected message, which _earlier does not count
         settled, created = await asyncio.gather(
-            self.messages.settle(rid, published, target.inbox_capacity),
+            self.messages.settle(rid, sender_id, published, target.inbox_capacity),
             kv.write_many(self.conn, "msgs", [(kv.idem_key(sender_id, run[i].envelope.message_id),
                                                kv.STORED.encode(kv.Stored(rid, p.seq, at_us)), 0)
                                               for i, p in stored]))
@@ -376,7 +380,7 @@ class InboxLog:
         env.sequence = 0
         env.stored_at_us = at_us
         env.delivery_attempt = 0
-        status, detail, seq, _ = await self.messages.publish(rid, env, capacity)
+        status, detail, seq, _ = await self.messages.publish(rid, env, capacity, sender_id)
         if status not in (ACCEPTED, DUPLICATE):
             return SendOutcome(env.message_id, rid, status, detail=detail)
         published(rid, seq)
@@ -390,7 +394,7 @@ class InboxLog:
         """Why this send is refused before it is stored (or None), and the
         target's inbox capacity."""
         env = item.envelope
-        target = await kv.read_agent(self.conn.agents, env.recipient) if sender_open else None
+        target = await self.agents.get(env.recipient) if sender_open else None
         refusal = self._refused(sender_id, sender_open, item, target)
         if refusal is not None or target is None:
             return refusal, 0
@@ -409,7 +413,7 @@ class InboxLog:
     async def next_deliveries(self, recipient: str, after_sequence: int, limit: int, max_attempts: int,
                               now_us: int, in_flight: int = 0) -> DeliveryBatch:
         # the recipient's record and the first messages at once (what capacity holds back is cut off after)
-        agent, read = await asyncio.gather(kv.read_agent(self.conn.agents, recipient),
+        agent, read = await asyncio.gather(self.agents.get(recipient),
                                            self.messages.read(recipient, after_sequence + 1, limit))
         ahead: tuple[list[envelope_pb2.Envelope], int] | None = read
         if agent is None or not agent.is_open:
@@ -431,6 +435,7 @@ class InboxLog:
         rows: list[EventRow] = []
         firsts_here: list[envelope_pb2.Envelope] = []
         seq = after_sequence + 1
+        more = 1
         while len(envelopes) + len(dead) < limit:
             want = limit - len(envelopes) - len(dead)
             if ahead is not None:
@@ -439,6 +444,7 @@ class InboxLog:
             else:
                 batch, more = await self.messages.read(recipient, seq, want)
             if not batch:
+                more = 0
                 break
             seq = batch[-1].sequence + 1
             firsts = await self._first_deliveries(recipient, batch, max_attempts, now_us)
@@ -467,7 +473,7 @@ class InboxLog:
         await self.events.publish(copies, copies=True)
         await self.events.emit(rows)  # before the subscriber can ack: consumed always follows delivered
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
-                             held_back=held_back and len(envelopes) + len(dead) >= limit)
+                             held_back=held_back and len(envelopes) + len(dead) >= limit, drained=more == 0)
 
     async def _first_deliveries(self, recipient: str, batch: list[envelope_pb2.Envelope], max_attempts: int,
                                 now_us: int) -> list[MessageState | None]:

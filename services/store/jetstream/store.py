@@ -47,6 +47,7 @@ from services.store.base import (
     SendOutcome,
     SpawnLimits,
 )
+from services.store.jetstream.agent_cache import AgentCache
 from services.store.jetstream.agents import Agents
 from services.store.jetstream.closes import CloseFollower
 from services.store.jetstream.connection import JetStreamConnection, nats_call
@@ -65,7 +66,8 @@ class JetStreamStore(base.Store):
         self.config = config
         self.conn = JetStreamConnection(config)
         self.events = EventLog(self.conn)
-        self.inbox = InboxLog(self.conn, self.events)
+        self.agent_cache = AgentCache(self.conn)
+        self.inbox = InboxLog(self.conn, self.events, self.agent_cache)
         self.runs = Runs(self.conn, self.events, self.inbox)
         self.agents = Agents(self.conn, self.events, self.inbox, self.runs)
         self.sessions = Sessions(self.conn, self.agents, self.runs)
@@ -76,12 +78,14 @@ class JetStreamStore(base.Store):
     @nats_call
     async def start(self) -> None:
         await self.conn.open()
+        self.agent_cache.start()
         await self.inbox.start()
         self.keeper.start()
 
     @nats_call
     async def close(self) -> None:
         await self.keeper.stop()
+        await self.agent_cache.stop()
         await self.inbox.flush_marks()
         await self.closes.drop()
         await self.events.drain()

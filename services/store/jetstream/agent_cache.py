@@ -1,0 +1,110 @@
+"""What this mesh process knows of the agent records (bucket agents, key `a.<agent_id>`), kept by a watch
+of the bucket, so that a send and a delivery need not read the target's and the sender's records from
+NATS first, one round trip before anything else can start.
+
+A copy may be behind the bucket (a record another process wrote a moment ago, a watch that NATS cut off
+and that is starting again), and is trusted only as far as that is safe:
+
+- an agent the copy does not hold is read from the bucket (then held);
+- a closed record is final: an agent never opens again, and its capacity never changes;
+- an open record may be out of date: whatever lets a message through on it is checked again against the
+  bucket after the message is published (InboxMessages.settle and publish read the target and the sender
+  again and take the message back when either is closed by then), as was done for a close that raced the
+  send before this copy existed.
+
+The copy holds at most AGENTS_HELD records (beyond that, records not held are read each time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from nats.js.api import DeliverPolicy
+
+from services.store.base import AgentRecord
+from services.store.jetstream import kv
+from services.store.jetstream.connection import NATS_FAILURES, JetStreamConnection
+
+log = logging.getLogger(__name__)
+AGENTS_HELD = 200_000
+"""Agent records the copy holds at most (about 0.5 KB each)."""
+_RETRY_S = 1.0
+"""How long the watch waits before it starts again after NATS refused it."""
+
+
+class AgentCache:
+    """Agent records as the watch of the agents bucket last saw them (or this process last wrote them)."""
+
+    def __init__(self, conn: JetStreamConnection):
+        self.conn = conn
+        self._records: dict[str, AgentRecord] = {}
+        self._sub: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self.reads = 0
+        """Records read from the bucket because the copy did not hold them."""
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name="agent-cache")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self._unsubscribe()
+
+    async def _watch(self) -> None:
+        """Subscribe to every record write of the bucket (its last one per agent first); nats-py's ordered
+        consumer starts again after a gap or a lost connection by itself; this task tries again while NATS
+        refuses to start it."""
+        while self._sub is None:
+            try:
+                self._sub = await self.conn.js.subscribe(
+                    self.conn.kv_subject("agents", "a.>"), stream=self.conn.kv_stream("agents"),
+                    cb=self._on_write, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+            except NATS_FAILURES as exc:
+                log.info("agent cache: watch not started (%r); trying again", exc)
+                await asyncio.sleep(_RETRY_S)
+
+    async def _unsubscribe(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except NATS_FAILURES as exc:  # the ordered consumer is ephemeral: NATS removes it anyway
+                log.debug("agent cache: unsubscribing failed: %r", exc)
+
+    async def _on_write(self, msg: Any) -> None:
+        if (msg.headers or {}).get("KV-Operation") or not msg.data:
+            return  # a delete or purge: records are never removed; nothing to learn
+        try:
+            record = kv.AGENT.decode(msg.data)
+        except (ValueError, TypeError, KeyError):
+            return
+        self.learn(record)
+
+    def learn(self, record: AgentRecord) -> None:
+        """Take a record written (seen by the watch, or written by this process). An older write seen
+        after a close does not open the agent again."""
+        held = self._records.get(record.agent_id)
+        if held is not None and not held.is_open:
+            return
+        if held is None and len(self._records) >= AGENTS_HELD:
+            return
+        self._records[record.agent_id] = record
+
+    async def get(self, agent_id: str) -> AgentRecord | None:
+        """The agent's record as the copy holds it, else as the bucket holds it now (None: no such agent)."""
+        held = self._records.get(agent_id)
+        if held is not None:
+            return held
+        self.reads += 1
+        record = await kv.read_agent(self.conn.agents, agent_id)
+        if record is not None:
+            self.learn(record)
+        return record
+
+    def held(self, agent_id: str) -> AgentRecord | None:
+        return self._records.get(agent_id)
