@@ -1,6 +1,7 @@
-"""A JetStream mesh process sends and delivers from its own copy of the agent records (agent_cache.py),
-kept by a watch of the agents bucket. The copy may be behind the bucket; a message let through on a
-stale copy is checked again once published, so a close made by another process is never overtaken."""
+"""A JetStream mesh process reads a send's targets and a delivery's recipient from its own copy of the agent
+records (agent_cache.py), kept by a watch of the agents bucket. The copy may be behind the bucket: a close
+made by another process is never overtaken all the same (the target is read again once the message is
+published, and the sender is always read from the bucket)."""
 
 import uuid
 from dataclasses import replace
@@ -37,7 +38,7 @@ async def test_the_watch_keeps_the_copy_in_step_with_what_another_process_writes
     reads = cache.reads
     as_a = on_a.agent(x.info, x.credential)
     assert (await as_a.send(lead.agent_id, "hello")).status == pb.RECEIPT_STATUS_ACCEPTED
-    assert cache.reads == reads, "a send through A reads neither agent from NATS first"
+    assert cache.reads == reads, "a send through A does not read its target from NATS first"
     await lead.close(x.agent_id, "done")
     await eventually(lambda: not cache.held(x.agent_id).is_open, message="A's copy learns of B's close")
 

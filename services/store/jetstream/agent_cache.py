@@ -1,16 +1,18 @@
 """What this mesh process knows of the agent records (bucket agents, key `a.<agent_id>`), kept by a watch
-of the bucket, so that a send and a delivery need not read the target's and the sender's records from
-NATS first, one round trip before anything else can start.
+of the bucket, so that a send need not read its targets' records from NATS before it publishes, nor a
+delivery its recipient's.
 
 A copy may be behind the bucket (a record another process wrote a moment ago, a watch that NATS cut off
 and that is starting again), and is trusted only as far as that is safe:
 
 - an agent the copy does not hold is read from the bucket (then held);
 - a closed record is final: an agent never opens again, and its capacity never changes;
-- an open record may be out of date: whatever lets a message through on it is checked again against the
-  bucket after the message is published (InboxMessages.settle and publish read the target and the sender
-  again and take the message back when either is closed by then), as was done for a close that raced the
-  send before this copy existed.
+- an open record may be out of date. A send's target read open from the copy is read again from the
+  bucket once the message is published (InboxMessages.settle and publish, as for a close that raced the
+  send before this copy existed) and the message taken back if it is closed by then; a delivery to an
+  agent closed meanwhile by another process is ended by that close (the hub follows closes,
+  closes.py). The sender of a send is never taken from the copy: a closed sender is refused before
+  anything is published, since a message taken back after its publish may have been delivered already.
 
 The copy holds at most AGENTS_HELD records (beyond that, records not held are read each time).
 """

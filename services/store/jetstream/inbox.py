@@ -194,8 +194,10 @@ class InboxLog:
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
         external = sender_id.startswith(base.EXTERNAL_PREFIXES)
         recipients = list(dict.fromkeys(item.envelope.recipient for item in items))
-        # the sender and every target as last seen (read when not held): checked again once published
-        found = await asyncio.gather(*([] if external else [self.agents.get(sender_id)]),
+        # the sender as the bucket holds it now (a close another process made a moment ago refuses this
+        # send, and nothing of it is ever delivered); every target as last seen, read when not held (a
+        # target closed since is settled after the publish: messages.settle)
+        found = await asyncio.gather(*([] if external else [kv.read_agent(self.conn.agents, sender_id)]),
                                      *(self.agents.get(rid) for rid in recipients))
         sender_open = external or (found[0] is not None and found[0].is_open)
         targets = dict(zip(recipients, found[0 if external else 1:]))
@@ -308,8 +310,7 @@ class InboxLog:
             env.sequence = 0
             env.stored_at_us = at_us
             env.delivery_attempt = 0
-        published = await self.messages.publish_many(rid, [run[i].envelope for i in todo], target.inbox_capacity,
-                                                    sender_id)
+        published = await self.messages.publish_many(rid, [run[i].envelope for i in todo], target.inbox_capacity)
         for p in published:
             if p.seq:
                 published_at(rid, p.seq)
@@ -318,7 +319,7 @@ class InboxLog:
         # the idempotency records while capacity and a racing close are settled: the record of a message then
         # taken back names a rejected message, which _earlier does not count
         settled, created = await asyncio.gather(
-            self.messages.settle(rid, sender_id, published, target.inbox_capacity),
+            self.messages.settle(rid, published, target.inbox_capacity),
             kv.write_many(self.conn, "msgs", [(kv.idem_key(sender_id, run[i].envelope.message_id),
                                                kv.STORED.encode(kv.Stored(rid, p.seq, at_us)), 0)
                                               for i, p in stored]))
@@ -380,7 +381,7 @@ class InboxLog:
         env.sequence = 0
         env.stored_at_us = at_us
         env.delivery_attempt = 0
-        status, detail, seq, _ = await self.messages.publish(rid, env, capacity, sender_id)
+        status, detail, seq, _ = await self.messages.publish(rid, env, capacity)
         if status not in (ACCEPTED, DUPLICATE):
             return SendOutcome(env.message_id, rid, status, detail=detail)
         published(rid, seq)

@@ -12,8 +12,7 @@ from typing import Any, NamedTuple
 from nats.js.errors import APIError, NotFoundError
 
 from inboxmesh.common.v1 import envelope_pb2
-from services.store import base
-from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, NOT_PERMITTED, TARGET_CLOSED, AgentRecord
+from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED
 from services.store.jetstream import kv
 from services.store.jetstream.connection import IN_PROCESS, JetStreamConnection, atomic
 from services.store.jetstream.kv import REJECTED, MessageState
@@ -25,7 +24,7 @@ FULL_CODE = 10077
 
 class Published(NamedTuple):
     status: int
-    """ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED or NOT_PERMITTED (the sender closed)."""
+    """ACCEPTED, DUPLICATE, INBOX_FULL or TARGET_CLOSED."""
     detail: str
     seq: int
     """The message's sequence (ACCEPTED, DUPLICATE), else 0."""
@@ -109,11 +108,8 @@ class InboxMessages:
         info = await self.conn.js.stream_info(self.conn.inbox_stream, subjects_filter=self.subject(recipient))
         return int((info.state.subjects or {}).get(self.subject(recipient), 0))
 
-    async def publish(self, recipient: str, envelope: envelope_pb2.Envelope, capacity: int,
-                      sender: str = "") -> Published:
-        """Put the envelope on the recipient's subject, then settle its capacity and a close that raced it
-        (of the target, and of `sender`: the agent that sends it, "" for a message the mesh makes itself,
-        a notice or an announce)."""
+    async def publish(self, recipient: str, envelope: envelope_pb2.Envelope, capacity: int) -> Published:
+        """Put the envelope on the recipient's subject, then settle its capacity and a close that raced it."""
         msg_id = kv.msg_id_header(envelope.sender, envelope.message_id)
         while True:
             try:
@@ -135,21 +131,13 @@ class InboxMessages:
             held = await self.unconsumed(recipient)
             if held > capacity and await self.reject(recipient, ack.seq):
                 return Published(INBOX_FULL, _full(recipient, held - 1, capacity), 0)
-        now_open, sender_now = await asyncio.gather(kv.read_agent(self.conn.agents, recipient),
-                                                    self._sender_now(sender))
-        closed = _closed(recipient, now_open, sender, sender_now)
-        if closed is not None and await self.reject(recipient, ack.seq):
-            return Published(*closed, 0)
+        now_open = await kv.read_agent(self.conn.agents, recipient)
+        if now_open is not None and not now_open.is_open and await self.reject(recipient, ack.seq):
+            return Published(TARGET_CLOSED, f"agent {recipient} is closed", 0)
         return Published(ACCEPTED, "", ack.seq)
 
-    async def _sender_now(self, sender: str) -> AgentRecord | None:
-        """The sender's record as the bucket holds it now (None for none, or a sender from outside the mesh)."""
-        if not sender or sender.startswith(base.EXTERNAL_PREFIXES):
-            return None
-        return await kv.read_agent(self.conn.agents, sender)
-
-    async def publish_many(self, recipient: str, envelopes: list[envelope_pb2.Envelope], capacity: int,
-                           sender: str) -> list[Published]:
+    async def publish_many(self, recipient: str, envelopes: list[envelope_pb2.Envelope],
+                           capacity: int) -> list[Published]:
         """Put the envelopes on the recipient's subject in their order, pipelined (one connection keeps
         the order of what it publishes). An envelope JetStream takes for a duplicate is settled on its
         own, as `publish` does; the others still need `settle`."""
@@ -169,11 +157,11 @@ class InboxMessages:
             if isinstance(ack, APIError) and ack.err_code == FULL_CODE:
                 found.append(Published(INBOX_FULL, _full(recipient, capacity, capacity), 0))
             elif isinstance(ack, APIError) and ack.err_code == IN_PROCESS:  # being stored right now (a retry)
-                found.append(await self.publish(recipient, env, capacity, sender))  # settled as a duplicate is
+                found.append(await self.publish(recipient, env, capacity))  # settled as a duplicate is
             elif isinstance(ack, BaseException):
                 raise ack  # NATS failed: some may be stored; the client retries them by id
             elif ack.duplicate:
-                found.append(await self.publish(recipient, env, capacity, sender))
+                found.append(await self.publish(recipient, env, capacity))
             else:
                 found.append(Published(ACCEPTED, "", ack.seq, settled=False))
         if any(not p.settled for p in found):
@@ -187,26 +175,22 @@ class InboxMessages:
         such notice: those of an atomic batch reach a subscriber before the batch is stored.)"""
         await self.conn.nc.publish(self.conn.appended_subject(kv.token(recipient)), b"")
 
-    async def settle(self, recipient: str, sender: str, published: list[Published],
-                     capacity: int) -> list[Published]:
+    async def settle(self, recipient: str, published: list[Published], capacity: int) -> list[Published]:
         """Settle capacity and a close that raced the messages publish_many put on the subject, once for
         all: over capacity, the newest of them are taken back, so what stays is the front of the run
-        (FIFO); the target or the sender closed meanwhile, all of them (but those a close dead-lettered
-        already)."""
+        (FIFO); the target closed meanwhile, all of them (but those a close dead-lettered already)."""
         found = [p._replace(settled=True) for p in published]
         fresh = [i for i, p in enumerate(published) if not p.settled]
         if not fresh:
             return found
         limited = capacity < self.conn.config.max_inbox_capacity
-        now_open, sender_now, held = await asyncio.gather(
-            kv.read_agent(self.conn.agents, recipient), self._sender_now(sender),
-            self.unconsumed(recipient) if limited else _nothing())
-        closed = _closed(recipient, now_open, sender, sender_now)
-        if closed is not None:
+        now_open, held = await asyncio.gather(kv.read_agent(self.conn.agents, recipient),
+                                              self.unconsumed(recipient) if limited else _nothing())
+        if now_open is not None and not now_open.is_open:
             taken = await asyncio.gather(*(self.reject(recipient, found[i].seq) for i in fresh))
             for i, back in zip(fresh, taken):
                 if back:
-                    found[i] = Published(*closed, 0)
+                    found[i] = Published(TARGET_CLOSED, f"agent {recipient} is closed", 0)
         elif held > capacity:
             for i in reversed(fresh[-(held - capacity):]):
                 if not await self.reject(recipient, found[i].seq):
@@ -232,16 +216,6 @@ def _envelope(msg: Any) -> envelope_pb2.Envelope:
     envelope = envelope_pb2.Envelope.FromString(msg.data)
     envelope.sequence = msg.seq
     return envelope
-
-
-def _closed(recipient: str, target: AgentRecord | None, sender: str,
-            sender_record: AgentRecord | None) -> tuple[int, str] | None:
-    """Why messages just published are taken back when the target or the sender is closed by now."""
-    if target is not None and not target.is_open:
-        return TARGET_CLOSED, f"agent {recipient} is closed"
-    if sender_record is not None and not sender_record.is_open:
-        return NOT_PERMITTED, f"sender {sender} is closed"
-    return None
 
 
 def _full(recipient: str, held: int, capacity: int) -> str:
