@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.prepare import PREPARE_COMMAND, scenario_local_model
+
+pytestmark = pytest.mark.store_independent
 
 ROOT = Path(__file__).resolve().parent.parent
 

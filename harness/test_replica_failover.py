@@ -21,7 +21,7 @@ from tests.fixtures import ADMIN_TOKEN, eventually
 from tests.processes import MeshProcess
 
 K = ev.EventKind
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.store_independent, pytest.mark.timeout(180)]
 
 
 async def test_the_exchange_survives_the_loss_of_the_hosts_replica(tmp_path):

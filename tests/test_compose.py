@@ -27,7 +27,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["nats", "registry", "inbox-1", "inbox-2", "ioa-network", "relay"]
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.store_independent, pytest.mark.timeout(240)]
 
 
 def load() -> dict:

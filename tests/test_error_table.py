@@ -6,9 +6,13 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from inboxmesh.client import errors
 from inboxmesh.client.status import STATUS_OF
 from inboxmesh.ioa.v1 import network_pb2 as net
+
+pytestmark = pytest.mark.store_independent
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "delivery-contract.md"

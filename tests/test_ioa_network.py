@@ -10,6 +10,8 @@ from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
 from services.ioa_network.server import NetworkConfig, NetworkServer
 
+pytestmark = pytest.mark.store_independent
+
 
 class NodeClient:
     def __init__(self, channel, node_id):

@@ -15,7 +15,7 @@ from services.server import Mesh
 from services.store.jetstream.store import JetStreamStore
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.store_independent, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, make_config
 from tests.streams import Collector
 
+pytestmark = pytest.mark.store_independent
+
 
 @pytest.fixture
 async def jetstream_mesh(tmp_path):

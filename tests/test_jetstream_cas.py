@@ -27,6 +27,8 @@ from services.store.jetstream import JetStreamStore
 from services.store.jetstream.kv import CasResult, write
 from tests.fixtures import eventually
 
+pytestmark = pytest.mark.store_independent
+
 
 @pytest.fixture
 def node(tmp_path) -> Iterator[NatsNode]:

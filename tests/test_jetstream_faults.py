@@ -29,7 +29,7 @@ from tests.fixtures import ADMIN_TOKEN, eventually
 from tests.processes import MeshProcess
 from tests.streams import Collector
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.store_independent, pytest.mark.timeout(180)]
 
 
 def replica(tmp_path, nats: NatsNode | NatsCluster, name: str, env: dict | None = None) -> MeshProcess:

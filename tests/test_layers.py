@@ -15,6 +15,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.store_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = re.compile(r"^inboxmesh\.[a-z]+\.v1(\.|$)")
 OURS = ("inboxmesh", "services", "agent_host", "harness", "bench", "tests")

@@ -23,7 +23,7 @@ from tests.fixtures import ADMIN_TOKEN
 from tests.processes import MeshProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.store_independent, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

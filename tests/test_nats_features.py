@@ -13,6 +13,8 @@ from nats.js.errors import APIError
 
 from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
 
+pytestmark = pytest.mark.store_independent
+
 INBOX_FULL_CODE = 10077
 """JetStream's err_code for "maximum messages per subject exceeded"."""
 

@@ -14,6 +14,8 @@ from agent_host.models.openai_chat import OpenAIChatModel
 from agent_host.settings import model_settings
 from agent_host.tools import schemas
 
+pytestmark = pytest.mark.store_independent
+
 
 def completion(message: dict, usage=(10, 5)) -> dict:
     return {"id": "c1", "object": "chat.completion", "created": 0, "model": "m",

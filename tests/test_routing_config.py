@@ -22,6 +22,8 @@ from services.routing import (
     parse_routing_config,
 )
 
+pytestmark = pytest.mark.store_independent
+
 YAML_CONFIG = """\
 session:
   dmScope: per-peer

@@ -8,6 +8,8 @@ import pytest
 from inboxmesh.client import errors
 from services.routing import PeerMatch, RoutingConfig, binding_tier, parse_routing_config, resolve_route
 
+pytestmark = pytest.mark.store_independent
+
 AGENTS = [{"id": "home", "default": True}, {"id": "work"}, {"id": "code"}, {"id": "ops"}, {"id": "fam"}]
 
 

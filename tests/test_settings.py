@@ -15,6 +15,8 @@ from inboxmesh.client.errors import Reason
 from services import settings
 from services.config import InboxLimits, MeshConfig, RunsConfig, StoreConfig
 
+pytestmark = pytest.mark.store_independent
+
 ROUTING = """\
 agents:
   defaults:

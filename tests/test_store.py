@@ -14,6 +14,8 @@ from services.config import StoreConfig
 from services.store.base import ACCEPTED, AGENT_OPEN, TARGET_CLOSED, AgentRecord, AppendItem, EventQuery, EventRow
 from services.store.sqlite import SqliteStore
 
+pytestmark = pytest.mark.store_independent
+
 
 @pytest.fixture
 async def store(tmp_path):

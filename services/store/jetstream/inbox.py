@@ -474,7 +474,10 @@ class InboxLog:
         await self.events.publish(copies, copies=True)
         await self.events.emit(rows)  # before the subscriber can ack: consumed always follows delivered
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
-                             held_back=held_back and len(envelopes) + len(dead) >= limit, drained=more == 0)
+                             held_back=held_back and len(envelopes) + len(dead) >= limit,
+                             # with replicas, a full batch's count of what follows is the answering replica's,
+                             # which may be behind its leader: not known to be drained then
+                             drained=more == 0 and self.conn.config.nats_replicas == 1)
 
     async def _first_deliveries(self, recipient: str, batch: list[envelope_pb2.Envelope], max_attempts: int,
                                 now_us: int) -> list[MessageState | None]:
