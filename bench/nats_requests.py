@@ -1,0 +1,94 @@
+"""NATS messages the JetStream store sends per message (requests included: they go through publish), by
+kind, for messages sent, delivered and acked one at a time between two agents of one mesh process (an
+in-process mesh on a nats-server of its own, fsyncing every write). Counted at the store's connection.
+
+    .venv/bin/python bench/nats_requests.py --messages 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness.nats import NatsNode  # noqa: E402
+from inboxmesh.client.mesh import MeshClient  # noqa: E402
+from services.config import MeshConfig, StoreConfig  # noqa: E402
+from services.server import Mesh  # noqa: E402
+from services.store.jetstream.store import JetStreamStore  # noqa: E402
+
+ADMIN = "bench-admin"
+
+
+def kind(subject: str, ns: str) -> str:
+    """What a subject is for, without the agent or key it names."""
+    parts = subject.split(".")
+    if subject.startswith("$KV."):
+        return f"key-value write {parts[1].removeprefix(ns + '_')} {parts[2]}"
+    if subject.startswith("$JS.API.DIRECT.GET."):
+        stream = parts[4]
+        return "direct get " + (stream.removeprefix(f"KV_{ns}_") if stream.startswith("KV_") else
+                                stream.rsplit("_", 1)[-1].lower())
+    if subject.startswith("$JS.API."):
+        words = [p for p in parts[2:] if p in {"STREAM", "CONSUMER", "MSG", "DELETE", "INFO", "NEXT", "GET"}]
+        return "JetStream API " + " ".join(words)
+    if subject.startswith(f"{ns}."):
+        return {"inbox": "publish inbox message", "ev": "publish event",
+                "appended": "appended notice (core NATS, no answer)"}.get(parts[1], parts[1])
+    return parts[0]
+
+
+async def wait_delivery(stream) -> list[int]:
+    async for response in stream:
+        if response.WhichOneof("event") == "deliveries" and response.deliveries.messages:
+            return [m.sequence for m in response.deliveries.messages]
+    raise RuntimeError("the subscription ended")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="nats-requests-") as tmp, NatsNode(Path(tmp) / "nats") as node:
+        store: StoreConfig = node.store_config(nats_namespace=f"b{uuid.uuid4().hex[:8]}", path=Path(tmp) / "mesh.db")
+        config = replace(MeshConfig(port=0, store=store, admin_token=ADMIN), heartbeat_interval_s=60)
+        async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN) as client:
+            assert isinstance(mesh.store, JetStreamStore)
+            nc, ns = mesh.store.conn.nc, mesh.store.conn.ns
+            lead = await client.register("lead")
+            a, b = await lead.spawn("a"), await lead.spawn("b")
+            stream = b.subscribe(max_in_flight=1).__aiter__()
+            await a.send(b.agent_id, "warm-up")
+            await b.ack(await wait_delivery(stream))
+            await asyncio.sleep(1.5)  # the first delivery's deferred state write, the keeper's first pass
+            sent: collections.Counter[str] = collections.Counter()
+            publish = nc.publish
+
+            async def counting(subject, payload=b"", reply="", headers=None):
+                sent[kind(subject, ns)] += 1
+                return await publish(subject, payload, reply=reply, headers=headers)
+
+            nc.publish = counting
+            started = time.monotonic()
+            for i in range(args.messages):
+                await a.send(b.agent_id, f"m{i}")
+                await b.ack(await wait_delivery(stream))
+            took = time.monotonic() - started
+            nc.publish = publish
+    n = args.messages
+    print(f"{n} messages one at a time in {took:.2f} s; {sum(sent.values()) / n:.2f} NATS messages per message"
+          " (requests included), by kind:")
+    for name, count in sent.most_common():
+        print(f"  {count / n:6.2f}  {name}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
