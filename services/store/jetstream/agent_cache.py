@@ -79,13 +79,9 @@ class AgentCache:
                 log.debug("agent cache: unsubscribing failed: %r", exc)
 
     async def _on_write(self, msg: Any) -> None:
-        if (msg.headers or {}).get("KV-Operation") or not msg.data:
-            return  # a delete or purge: records are never removed; nothing to learn
-        try:
-            record = kv.AGENT.decode(msg.data)
-        except (ValueError, TypeError, KeyError):
-            return
-        self.learn(record)
+        record = kv.written_agent(msg)  # records are never removed: a delete or purge has nothing to learn
+        if record is not None:
+            self.learn(record)
 
     def learn(self, record: AgentRecord) -> None:
         """Take a record written (seen by the watch, or written by this process). An older write seen

@@ -50,13 +50,8 @@ class CloseFollower:
         closed = []
         for msg in msgs:
             cursor = msg.metadata.sequence.stream
-            if (msg.headers or {}).get("KV-Operation") or not msg.data:
-                continue  # a delete or purge
-            try:
-                record = kv.AGENT.decode(msg.data)
-            except (ValueError, TypeError, KeyError):
-                continue
-            if not record.is_open:
+            record = kv.written_agent(msg)
+            if record is not None and not record.is_open:
                 closed.append((record.agent_id, record.close_reason))
         assert cursor is not None
         self._next_seq = cursor + 1

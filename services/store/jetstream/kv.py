@@ -276,6 +276,17 @@ def agent_key(agent_id: str) -> str:
     return f"a.{token(agent_id)}"
 
 
+def written_agent(msg: Any) -> AgentRecord | None:
+    """The record an agents-bucket write on its stream holds (None for a delete, a purge or an unreadable
+    value), as the watches of the bucket read it (closes.py, agent_cache.py)."""
+    if (msg.headers or {}).get("KV-Operation") or not msg.data:
+        return None
+    try:
+        return AGENT.decode(msg.data)
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 async def read_agent(agents: Any, agent_id: str) -> AgentRecord | None:
     """An agent's record from the agents bucket, as it is now."""
     found = await get(agents, agent_key(agent_id), AGENT)
