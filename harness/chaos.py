@@ -409,7 +409,7 @@ async def _check(address: str, work: Path, plan: Plan) -> Report:
         record = await Record.read(client)
         lines = _log_lines(work, plan)
         accepted = {_as_seen(state, line[1], line[2]): line[3] for line in lines if line[0] == "r"}
-        refused = {_as_seen(state, line[1], line[2]) for line in lines if line[0] == "x"}
+        refused = {_as_seen(state, line[1], line[2]): line[4] for line in lines if line[0] == "x"}
         consumed: collections.Counter[tuple[str, str]] = collections.Counter()
         order: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
         announces: collections.Counter[str] = collections.Counter()
@@ -446,7 +446,8 @@ async def _check(address: str, work: Path, plan: Plan) -> Report:
                   lost=len(lost), consumed_twice=len(twice),
                   reordered=len(reordered), runs=len(runs), announces_missing=len(missing),
                   announces_twice=len(announced_twice),
-                  examples={"lost": lost[:5], "lost_states": states, "consumed_twice": twice[:5],
+                  examples={"refused": sorted(f"{s} {m}: {status}" for (s, m), status in refused.items())[:5],
+                            "lost": lost[:5], "lost_states": states, "consumed_twice": twice[:5],
                             "reordered": reordered[:5],
                             "announces_missing": missing[:5], "announces_twice": announced_twice[:5]})
 

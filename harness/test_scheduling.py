@@ -37,7 +37,10 @@ async def test_messages_arriving_during_a_run_wait_for_the_next_turn_boundary(me
         sent = [await poker.send(worker.agent_id, f"m{i}") for i in range(2)]
         for receipt in sent:
             await eventually(lambda r=receipt: _state_is(poker, r.message_id, pb.MESSAGE_STATE_DELIVERED))
-        assert len(worker.pending) == 2, "delivered to the host, waiting for the turn boundary"
+        # the mesh records DELIVERED as it writes to the stream: the host holds them a moment later
+        await eventually(lambda: len(worker.pending) == 2, message="both delivered to the host, held for the"
+                                                                   " turn boundary")
+        assert model.waiting.is_set(), "turn 1 is still in its model call"
         gate.set()
         await eventually(lambda: _state_is(poker, sent[1].message_id, pb.MESSAGE_STATE_CONSUMED))
         await eventually(lambda: worker.state == "idle")
