@@ -1,8 +1,14 @@
 """NATS messages the JetStream store sends per message (requests included: they go through publish), by
-kind, for messages sent, delivered and acked one at a time between two agents of one mesh process (an
-in-process mesh on a nats-server of its own, fsyncing every write). Counted at the store's connection.
+kind, for messages sent, delivered and acked between two agents of one mesh process (an in-process mesh
+on a nats-server of its own, fsyncing every write). Counted at the store's connection; a request (a
+message with a reply subject: a JetStream publish, a key-value write, a read) is a round trip, the rest
+(notices on core NATS) are not waited for.
 
-    .venv/bin/python bench/nats_requests.py --messages 200
+    .venv/bin/python bench/nats_requests.py --messages 200                  # one at a time
+    .venv/bin/python bench/nats_requests.py --messages 640 --in-flight 64   # 64 sends at once, then one ack
+
+With --in-flight K, K sends are made at once, their deliveries read and acked in one ack, and again: the
+store's work amortised over batches of K, as at K in flight.
 """
 
 from __future__ import annotations
@@ -56,7 +62,9 @@ async def wait_delivery(stream) -> list[int]:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=200)
+    parser.add_argument("--in-flight", type=int, default=1, help="sends made at once, then acked together")
     args = parser.parse_args()
+    k = max(1, args.in_flight)
     with tempfile.TemporaryDirectory(prefix="nats-requests-") as tmp, NatsNode(Path(tmp) / "nats") as node:
         store: StoreConfig = node.store_config(nats_namespace=f"b{uuid.uuid4().hex[:8]}", path=Path(tmp) / "mesh.db")
         config = replace(MeshConfig(port=0, store=store, admin_token=ADMIN), heartbeat_interval_s=60)
@@ -69,23 +77,34 @@ async def main() -> None:
             await a.send(b.agent_id, "warm-up")
             await b.ack(await wait_delivery(stream))
             await asyncio.sleep(1.5)  # the first delivery's deferred state write, the keeper's first pass
+            if k > 1:
+                await stream.aclose()
+                stream = b.subscribe(max_in_flight=k).__aiter__()
             sent: collections.Counter[str] = collections.Counter()
+            requests = 0
             publish = nc.publish
 
             async def counting(subject, payload=b"", reply="", headers=None):
+                nonlocal requests
                 sent[kind(subject, ns)] += 1
+                requests += bool(reply)
                 return await publish(subject, payload, reply=reply, headers=headers)
 
             nc.publish = counting
             started = time.monotonic()
-            for i in range(args.messages):
-                await a.send(b.agent_id, f"m{i}")
-                await b.ack(await wait_delivery(stream))
+            rounds = max(1, args.messages // k)
+            for r in range(rounds):
+                await asyncio.gather(*(a.send(b.agent_id, f"m{r}-{i}") for i in range(k)))
+                delivered: list[int] = []
+                while len(delivered) < k:
+                    delivered += await wait_delivery(stream)
+                await b.ack(delivered)
             took = time.monotonic() - started
             nc.publish = publish
-    n = args.messages
-    print(f"{n} messages one at a time in {took:.2f} s; {sum(sent.values()) / n:.2f} NATS messages per message"
-          " (requests included), by kind:")
+    n = rounds * k
+    how = "one at a time" if k == 1 else f"{k} sent at once, then acked together"
+    print(f"{n} messages, {how}, in {took:.2f} s; {sum(sent.values()) / n:.2f} NATS messages per message,"
+          f" of which {requests / n:.2f} requests (round trips), by kind:")
     for name, count in sent.most_common():
         print(f"  {count / n:6.2f}  {name}")
 

@@ -3,6 +3,7 @@ sender). Delivery must not race that: a message beyond the recipient's first `ca
 not delivered, or the take-back fails and the inbox holds more than its capacity (seen under load as three
 messages accepted into an inbox of two)."""
 
+import asyncio
 import uuid
 from dataclasses import replace
 
@@ -49,5 +50,32 @@ async def test_a_message_over_capacity_is_not_delivered_before_its_sender_settle
         # a fresh subscriber (nothing in flight) gets the two accepted messages again, not the one taken back
         batch = await mesh.store.next_deliveries(sink.agent_id, 0, 10, 5, now_us(), in_flight=0)
         assert [m.sequence for m in batch.messages] == [r.sequence for r in first]
+    finally:
+        await held.stop()
+
+
+async def test_sends_at_once_to_a_small_inbox_share_their_settle_and_fill_it_exactly(jetstream_mesh):
+    """Many senders publish to one inbox of capacity 5 at once: the sends that come while a settle is in
+    flight are settled together by the next (one read of the target and of its count for all of them,
+    newest taken back first), so exactly 5 are accepted: none over capacity, none refused while there
+    was room. The sends of one sender read its record and frontier as NATS holds them, shared too."""
+    mesh, client = jetstream_mesh
+    lead = await client.register("lead")
+    sink = await lead.spawn("sink", inbox_capacity=5)
+    senders = [await lead.spawn(f"s{i}") for i in range(7)]  # with the sink, the most children of one parent
+    cache = mesh.store.agent_cache
+    reads_before = cache._fresh.reads
+    receipts = await asyncio.gather(*(s.send(sink.agent_id, f"from {s.agent_id}") for s in senders for _ in range(2)))
+    statuses = [r.status for r in receipts]
+    assert statuses.count(pb.RECEIPT_STATUS_ACCEPTED) == 5, statuses
+    assert statuses.count(pb.RECEIPT_STATUS_INBOX_FULL) == len(receipts) - 5, statuses
+    assert await mesh.store.inbox.messages.unconsumed(sink.agent_id) == 5
+    # two reads per send at most (its sender before the publish, the target after): shared, far fewer
+    assert cache._fresh.reads - reads_before < 2 * len(receipts), (cache._fresh.reads - reads_before, len(receipts))
+    accepted = {r.message_id for r in receipts if r.status == pb.RECEIPT_STATUS_ACCEPTED}
+    held = Collector(sink)
+    try:
+        delivered = await held.wait_for(5)
+        assert {m.message_id for m in delivered} == accepted
     finally:
         await held.stop()

@@ -15,6 +15,9 @@ and that is starting again), and is trusted only as far as that is safe:
   anything is published, since a message taken back after its publish may have been delivered already.
 
 The copy holds at most AGENTS_HELD records (beyond that, records not held are read each time).
+
+Reads that must see the bucket as it is now (a send's sender before the publish, its target after:
+`fresh`) are shared by the sends that want the same agent at about the same time (shared_reads.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from nats.js.api import DeliverPolicy
 from services.store.base import AgentRecord
 from services.store.jetstream import kv
 from services.store.jetstream.connection import NATS_FAILURES, JetStreamConnection
+from services.store.jetstream.shared_reads import SharedReads
 
 log = logging.getLogger(__name__)
 AGENTS_HELD = 200_000
@@ -46,6 +50,10 @@ class AgentCache:
         self._task: asyncio.Task[None] | None = None
         self.reads = 0
         """Records read from the bucket because the copy did not hold them."""
+        self._fresh: SharedReads[AgentRecord | None] = SharedReads(
+            lambda agent_id: kv.read_agent(conn.agents, agent_id),
+            lambda record: self.learn(record) if record is not None else None)
+        """Reads of the bucket as it is now (`fresh`)."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch(), name="agent-cache")
@@ -103,6 +111,11 @@ class AgentCache:
         if record is not None:
             self.learn(record)
         return record
+
+    async def fresh(self, agent_id: str) -> AgentRecord | None:
+        """The agent's record as the bucket holds it now: read after this call began (None: no such
+        agent). The record read is held, as a write seen by the watch is."""
+        return await self._fresh.get(agent_id)
 
     def held(self, agent_id: str) -> AgentRecord | None:
         return self._records.get(agent_id)

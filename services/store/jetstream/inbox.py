@@ -56,6 +56,7 @@ from services.store.jetstream.connection import NATS_FAILURES, REPLAY_HORIZON_US
 from services.store.jetstream.events import EventLog, dead_event, implied_events, message_event, stored_events
 from services.store.jetstream.kv import REJECTED, CasResult, MessageState
 from services.store.jetstream.messages import InboxMessages
+from services.store.jetstream.shared_reads import SharedReads
 
 log = logging.getLogger(__name__)
 _MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
@@ -137,7 +138,8 @@ class InboxLog:
         self.events = events
         self.agents = agents
         """Agent records as last seen: read before a send and a delivery (agent_cache.py says why that is safe)."""
-        self.messages = InboxMessages(conn)
+        self.messages = InboxMessages(conn, agents.fresh)
+        self._frontiers: SharedReads[Frontier | None] = SharedReads(self._read_frontier)
         self.listeners: list[Callable[[str], None]] = []
         """Called with the recipient's subject token when another process appended to it."""
         self._delivered: dict[tuple[str, int], kv.Entry[MessageState]] = {}
@@ -197,7 +199,7 @@ class InboxLog:
         # the sender as the bucket holds it now (a close another process made a moment ago refuses this
         # send, and nothing of it is ever delivered); every target as last seen, read when not held (a
         # target closed since is settled after the publish: messages.settle)
-        found = await asyncio.gather(*([] if external else [kv.read_agent(self.conn.agents, sender_id)]),
+        found = await asyncio.gather(*([] if external else [self.agents.fresh(sender_id)]),
                                      *(self.agents.get(rid) for rid in recipients))
         sender_open = external or (found[0] is not None and found[0].is_open)
         targets = dict(zip(recipients, found[0 if external else 1:]))
@@ -633,6 +635,11 @@ class InboxLog:
         return answers
 
     async def frontier(self, agent_id: str) -> Frontier | None:
+        """The agent's frontier as stored now (read after this call began; shared by the sends of one
+        agent at about the same time, shared_reads.py)."""
+        return await self._frontiers.get(agent_id)
+
+    async def _read_frontier(self, agent_id: str) -> Frontier | None:
         found = await kv.get(self.conn.msgs, frontier_key(agent_id), kv.JSON)
         return None if found is None else Frontier(found.value[0], tuple(found.value[1]))
 

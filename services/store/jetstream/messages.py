@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from nats.js.errors import APIError, NotFoundError
 
 from inboxmesh.common.v1 import envelope_pb2
-from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED
+from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED, AgentRecord
 from services.store.jetstream import kv
 from services.store.jetstream.connection import IN_PROCESS, JetStreamConnection, atomic
 from services.store.jetstream.kv import REJECTED, MessageState
@@ -32,9 +33,19 @@ class Published(NamedTuple):
     """False: published by publish_many, its capacity and the target's state not settled yet (settle)."""
 
 
+_SettleCall = tuple[list[Published], int, "asyncio.Future[list[Published]]"]
+"""A send's messages to settle, its target's capacity, and where its results go."""
+
+
 class InboxMessages:
-    def __init__(self, conn: JetStreamConnection):
+    def __init__(self, conn: JetStreamConnection, read_agent: Callable[[str], Awaitable[AgentRecord | None]]):
         self.conn = conn
+        self._read_agent = read_agent
+        """The agent's record as the bucket holds it now (AgentCache.fresh): the settle of a racing close."""
+        self._to_settle: dict[str, list[_SettleCall]] = {}
+        """Per recipient, the sends waiting for the next settle."""
+        self._settling: set[str] = set()
+        """Recipients with a settle in flight."""
 
     def subject(self, agent_id: str) -> str:
         return f"{self.conn.ns}.inbox.{kv.token(agent_id)}"
@@ -131,7 +142,7 @@ class InboxMessages:
             held = await self.unconsumed(recipient)
             if held > capacity and await self.reject(recipient, ack.seq):
                 return Published(INBOX_FULL, _full(recipient, held - 1, capacity), 0)
-        now_open = await kv.read_agent(self.conn.agents, recipient)
+        now_open = await self._read_agent(recipient)
         if now_open is not None and not now_open.is_open and await self.reject(recipient, ack.seq):
             return Published(TARGET_CLOSED, f"agent {recipient} is closed", 0)
         return Published(ACCEPTED, "", ack.seq)
@@ -178,26 +189,60 @@ class InboxMessages:
     async def settle(self, recipient: str, published: list[Published], capacity: int) -> list[Published]:
         """Settle capacity and a close that raced the messages publish_many put on the subject, once for
         all: over capacity, the newest of them are taken back, so what stays is the front of the run
-        (FIFO); the target closed meanwhile, all of them (but those a close dead-lettered already)."""
-        found = [p._replace(settled=True) for p in published]
-        fresh = [i for i, p in enumerate(published) if not p.settled]
-        if not fresh:
-            return found
+        (FIFO); the target closed meanwhile, all of them (but those a close dead-lettered already).
+
+        Sends to one recipient at about the same time are settled together (one read of the target and
+        of its count for all of them, as AgentCache.fresh shares reads): at most one settle per
+        recipient is in flight, and the sends that come while it is wait for the next, which starts
+        when it ends, so each is settled by reads made after it published. Over capacity, the newest of
+        all of them by sequence are taken back: each pair's accepted messages stay a front."""
+        if all(p.settled for p in published):
+            return [p._replace(settled=True) for p in published]
+        waiting: asyncio.Future[list[Published]] = asyncio.get_running_loop().create_future()
+        self._to_settle.setdefault(recipient, []).append((published, capacity, waiting))
+        if recipient not in self._settling:
+            self._start_settle(recipient)
+        return await asyncio.shield(waiting)
+
+    def _start_settle(self, recipient: str) -> None:
+        calls = self._to_settle.pop(recipient)
+        self._settling.add(recipient)
+        task = asyncio.ensure_future(self._settle_together(recipient, calls))
+
+        def ended(done: asyncio.Future[None]) -> None:
+            self._settling.discard(recipient)
+            if not done.cancelled() and done.exception() is not None:
+                for *_, waiting in calls:
+                    if not waiting.done():
+                        waiting.set_exception(done.exception())  # type: ignore[arg-type]
+                        waiting.exception()  # retrieved: a caller that gave up does not leave it unseen
+            if recipient in self._to_settle:
+                self._start_settle(recipient)
+
+        task.add_done_callback(ended)
+
+    async def _settle_together(self, recipient: str, calls: list[_SettleCall]) -> None:
+        found = [[p._replace(settled=True) for p in published] for published, _, _ in calls]
+        fresh = sorted(((c, i) for c, (published, _, _) in enumerate(calls)
+                        for i, p in enumerate(published) if not p.settled), key=lambda at: found[at[0]][at[1]].seq)
+        capacity = min(capacity for _, capacity, _ in calls)
         limited = capacity < self.conn.config.max_inbox_capacity
-        now_open, held = await asyncio.gather(kv.read_agent(self.conn.agents, recipient),
+        now_open, held = await asyncio.gather(self._read_agent(recipient),
                                               self.unconsumed(recipient) if limited else _nothing())
         if now_open is not None and not now_open.is_open:
-            taken = await asyncio.gather(*(self.reject(recipient, found[i].seq) for i in fresh))
-            for i, back in zip(fresh, taken):
+            taken = await asyncio.gather(*(self.reject(recipient, found[c][i].seq) for c, i in fresh))
+            for (c, i), back in zip(fresh, taken):
                 if back:
-                    found[i] = Published(TARGET_CLOSED, f"agent {recipient} is closed", 0)
+                    found[c][i] = Published(TARGET_CLOSED, f"agent {recipient} is closed", 0)
         elif held > capacity:
-            for i in reversed(fresh[-(held - capacity):]):
-                if not await self.reject(recipient, found[i].seq):
+            for c, i in reversed(fresh[-(held - capacity):]):
+                if not await self.reject(recipient, found[c][i].seq):
                     break  # a close dead-lettered it: it stays accepted, and so do the ones before it
                 held -= 1
-                found[i] = Published(INBOX_FULL, _full(recipient, held, capacity), 0)
-        return found
+                found[c][i] = Published(INBOX_FULL, _full(recipient, held, capacity), 0)
+        for (_, _, waiting), results in zip(calls, found):
+            if not waiting.done():
+                waiting.set_result(results)
 
     async def reject(self, recipient: str, seq: int) -> bool:
         """Take a just-published message back; False when a close already
