@@ -81,13 +81,12 @@ async def main() -> None:
                 await stream.aclose()
                 stream = b.subscribe(max_in_flight=k).__aiter__()
             sent: collections.Counter[str] = collections.Counter()
-            requests = 0
+            asked: collections.Counter[str] = collections.Counter()
             publish = nc.publish
 
             async def counting(subject, payload=b"", reply="", headers=None):
-                nonlocal requests
                 sent[kind(subject, ns)] += 1
-                requests += bool(reply)
+                asked[kind(subject, ns)] += bool(reply)
                 return await publish(subject, payload, reply=reply, headers=headers)
 
             nc.publish = counting
@@ -104,9 +103,9 @@ async def main() -> None:
     n = rounds * k
     how = "one at a time" if k == 1 else f"{k} sent at once, then acked together"
     print(f"{n} messages, {how}, in {took:.2f} s; {sum(sent.values()) / n:.2f} NATS messages per message,"
-          f" of which {requests / n:.2f} requests (round trips), by kind:")
+          f" of which {sum(asked.values()) / n:.2f} requests (round trips); by kind, messages (requests):")
     for name, count in sent.most_common():
-        print(f"  {count / n:6.2f}  {name}")
+        print(f"  {count / n:6.2f} ({asked[name] / n:5.2f})  {name}")
 
 
 if __name__ == "__main__":
