@@ -1,0 +1,92 @@
+"""SharedReads (services/store/jetstream/shared_reads.py): every caller gets a read that began after it
+asked, and callers that come while a read is in flight share the next one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.store.jetstream.shared_reads import SharedReads
+
+pytestmark = pytest.mark.store_independent
+
+
+class Source:
+    """A value that changes, read slowly: each read returns the value as it was when the read began."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.started: list[int] = []
+        self.gate = asyncio.Event()
+        self.fail_next = False
+
+    async def read(self, key: str) -> tuple[str, int]:
+        seen = self.value
+        self.started.append(seen)
+        await self.gate.wait()
+        if self.fail_next:
+            self.fail_next = False
+            raise ConnectionError("the read failed")
+        return key, seen
+
+
+async def _turns() -> None:
+    """Let every task ready to run take its steps."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_lone_call_reads_at_once():
+    source = Source()
+    source.gate.set()
+    reads = SharedReads(source.read)
+    assert await reads.get("a") == ("a", 0)
+    assert reads.reads == 1
+
+
+async def test_calls_during_a_read_share_the_next_one_which_sees_what_changed_before_they_asked():
+    source = Source()
+    seen: list[tuple[str, int]] = []
+    reads = SharedReads(source.read, seen.append)
+    first = asyncio.ensure_future(reads.get("a"))
+    await _turns()
+    assert source.started == [0]
+    source.value = 1  # changed after the first read began: the later callers must see it
+    later = [asyncio.ensure_future(reads.get("a")) for _ in range(10)]
+    other = asyncio.ensure_future(reads.get("b"))  # another key is not held up by a's read
+    await _turns()
+    assert source.started == [0, 1], "b's read started at once; a's second waits for the first"
+    source.gate.set()
+    assert await first == ("a", 0)
+    assert [await f for f in later] == [("a", 1)] * 10
+    assert await other == ("b", 1)
+    assert reads.reads == 3 and sorted(seen) == [("a", 0), ("a", 1), ("b", 1)]
+
+
+async def test_a_failed_read_fails_its_callers_only():
+    source = Source()
+    reads = SharedReads(source.read)
+    source.fail_next = True
+    first = asyncio.ensure_future(reads.get("a"))
+    await _turns()
+    second = asyncio.ensure_future(reads.get("a"))
+    source.gate.set()
+    with pytest.raises(ConnectionError):
+        await first
+    assert await second == ("a", 0)
+    assert await reads.get("a") == ("a", 0)
+
+
+async def test_a_caller_that_gives_up_leaves_the_read_to_the_others():
+    source = Source()
+    reads = SharedReads(source.read)
+    first = asyncio.ensure_future(reads.get("a"))
+    await _turns()
+    waiting = [asyncio.ensure_future(reads.get("a")) for _ in range(2)]
+    await _turns()
+    waiting[0].cancel()
+    source.gate.set()
+    assert await first == ("a", 0)
+    assert await waiting[1] == ("a", 0)
+    assert waiting[0].cancelled()
