@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,14 @@ from bench.common import emit, now_ns, payload, python_env, summarize  # noqa: E
 from bench.procs import Child, read_command  # noqa: E402
 
 WARMUP = 300
+SENT_TIMEOUT_S = float(os.environ.get("INBOXMESH_BENCH_SENT_TIMEOUT_S", "600"))
+"""How long the sender gets for the measured phase before the run fails (with the meshes' task stacks)."""
 
 
 async def run_sender(address: str, agent_id: str, credential: str, recipient: str, n: int, c: int,
                      events_address: str = "") -> None:
+    import grpc
+
     from inboxmesh.client.mesh import MeshClient, envelope
     from inboxmesh.events.v1 import events_pb2 as ev
     from inboxmesh.inbox.v1 import inbox_pb2 as pb
@@ -49,12 +55,16 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
         all_consumed = asyncio.Event()
         target = 0
 
+        receiver_id = recipient.rpartition("/")[2]
+        watched: dict[str, int] = {}
+        """Message id -> event id of each consumption the watch gave."""
+
         async def watch():
             nonlocal consumed
             # the receiver's consumptions (its inbox only ever holds this sender's messages)
-            receiver_id = recipient.rpartition("/")[2]
-            async for _ in watcher_view.watch_events(agent_id=receiver_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED],
-                                           from_now=True):
+            async for event in watcher_view.watch_events(agent_id=receiver_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED],
+                                                         from_now=True):
+                watched[event.message_id] = event.event_id
                 consumed += 1
                 window.release()
                 if consumed >= target:
@@ -62,15 +72,68 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
 
         watcher = asyncio.create_task(watch())
         call = me.send_stream()
+        writing = asyncio.Lock()  # a write, or the stream opened again with what was not answered
+        unanswered: dict[str, Any] = {}
+        """Messages written and not yet answered by a receipt, in the order written."""
 
         async def check_receipts():
-            async for response in call:
-                for receipt in response.receipts:
-                    if receipt.status != pb.RECEIPT_STATUS_ACCEPTED:
-                        raise SystemExit(f"unexpected receipt {receipt}")
+            # As a client would: when the mesh could not store a request (UNAVAILABLE: NATS electing a
+            # leader, say), the stream ends; a new one sends every unanswered message again with its id,
+            # in order (what was stored comes back DUPLICATE). Any other end fails the run at once.
+            nonlocal call
+            while True:
+                try:
+                    async for response in call:
+                        for receipt in response.receipts:
+                            if receipt.status not in (pb.RECEIPT_STATUS_ACCEPTED, pb.RECEIPT_STATUS_DUPLICATE):
+                                raise SystemExit(f"unexpected receipt {receipt}")
+                            unanswered.pop(receipt.message_id, None)
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise SystemExit(f"the send stream ended: {exc.code().name}: {exc.details()}") from None
+                    print(f"send stream: {exc.details()}; {len(unanswered)} unanswered messages sent again",
+                          file=sys.stderr, flush=True)
+                    await asyncio.sleep(0.1)
+                    async with writing:
+                        call = me.send_stream()
+                        if unanswered:
+                            await call.write(pb.SendRequest(messages=list(unanswered.values())))
+
+        def checked(task: asyncio.Task) -> None:  # a sender whose receipts stopped must not wait forever
+            if not task.cancelled() and task.exception() is not None:
+                print(f"receipts: {task.exception()!r}", file=sys.stderr, flush=True)
+                os._exit(1)
 
         checker = asyncio.create_task(check_receipts())
+        checker.add_done_callback(checked)
         await asyncio.sleep(0.2)  # let the event watch attach before the first consumption can happen
+
+        async def progress() -> None:  # on stderr: what a run that hangs had reached (shown when it fails)
+            last = -1
+            while True:
+                await asyncio.sleep(10)
+                print(f"progress: {consumed} consumptions seen, waiting for {target}", file=sys.stderr, flush=True)
+                if consumed == last and consumed < target:
+                    await stalled()
+                last = consumed
+
+        async def stalled() -> None:
+            """The consumptions the event record holds and the watch did not give, with their neighbours."""
+            stored, after = [], 0
+            while True:
+                page = await watcher_view.events(agent_id=receiver_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED],
+                                                 after=after, limit=1000)
+                stored += page
+                if len(page) < 1000:
+                    break
+                after = page[-1].event_id
+            missed = [e for e in stored if e.message_id not in watched]
+            print(f"stalled: the record holds {len(stored)} consumptions of the receiver, the watch gave"
+                  f" {len(watched)}; missed: {[(e.message_id, e.event_id, e.at_us) for e in missed[:5]]}; the"
+                  f" watch's last event ids: {sorted(watched.values())[-5:]}", file=sys.stderr, flush=True)
+
+        reporter = asyncio.create_task(progress())
 
         async def phase(prefix: str, count: int, sent_ns: dict) -> None:
             nonlocal target
@@ -88,7 +151,12 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
                     e = envelope(recipient, payload(k), message_id=f"{prefix}{k}")
                     sent_ns[e.message_id] = now_ns()
                     envelopes.append(e)
-                await call.write(pb.SendRequest(messages=envelopes))
+                async with writing:
+                    unanswered.update((e.message_id, e) for e in envelopes)
+                    try:
+                        await call.write(pb.SendRequest(messages=envelopes))
+                    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                        pass  # the stream ended: the receipt checker opens a new one and sends these again
                 i += len(batch)
             await all_consumed.wait()
 
@@ -97,9 +165,11 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
         await read_command()
         sent_ns: dict[str, int] = {}
         await phase("m", n, sent_ns)
-        await call.done_writing()
+        async with writing:
+            await call.done_writing()
         await checker
         watcher.cancel()
+        reporter.cancel()
         print("sent " + json.dumps(sent_ns), flush=True)
 
 
@@ -198,7 +268,10 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
             before = {k: p.cpu() for k, p in processes.items()}
             nats_before = _cpu_of(nats_node)
             send.send("go")
-            sent_ns = json.loads(send.expect("sent ", timeout=600, others=children))
+            try:
+                sent_ns = json.loads(send.expect("sent ", timeout=SENT_TIMEOUT_S, others=children))
+            except SystemExit as failed:
+                raise SystemExit(f"{failed}\n{_stalled(meshes, recv)}") from None
             after = {k: p.cpu() for k, p in processes.items()}
             cpu = {k: after[k] - before[k] for k in before}
             if nats_node is not None:
@@ -214,6 +287,16 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                 child.close()
             if nats_node is not None:
                 nats_node.kill()
+
+
+def _stalled(meshes: list[Child], receiver: Child) -> str:
+    """What the mesh processes' asyncio tasks wait for (`inboxmesh up` writes them on SIGUSR1) and the
+    receiver's output: for a run that did not finish."""
+    for mesh in meshes:
+        if mesh.proc.poll() is None:
+            os.kill(mesh.pid, signal.SIGUSR1)
+    time.sleep(2)
+    return "\n".join(f"--- {child.name} stderr:\n{child.stderr_tail(20_000)}" for child in [*meshes, receiver])
 
 
 def _cpu_of(node) -> float:

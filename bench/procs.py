@@ -84,8 +84,11 @@ class Child:
         return proc_cpu_seconds(self.proc.pid)
 
     def fail(self, why: str) -> NoReturn:
+        raise SystemExit(f"{self.name} {why}; its stderr:\n{self.stderr_tail()}")
+
+    def stderr_tail(self, chars: int = 4000) -> str:
         self.stderr.seek(0)
-        raise SystemExit(f"{self.name} {why}; its stderr:\n{self.stderr.read()[-4000:]}")
+        return self.stderr.read()[-chars:]
 
     def close(self) -> None:
         """Close stdin (a bench child then exits); SIGTERM it by PID after 2 s

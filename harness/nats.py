@@ -142,6 +142,13 @@ class NatsCluster:
     def monitor_urls(self) -> list[str]:
         return [n.monitor_url for n in self.nodes]
 
+    def node_store_config(self, **fields: Any) -> StoreConfig:
+        """The JetStream store config of an in-process mesh on this cluster, with every stream on all its
+        nodes (more fields as given)."""
+        return StoreConfig(**{"backend": "jetstream", "nats_urls": tuple(self.urls),
+                              "nats_monitor_urls": tuple(self.monitor_urls), "nats_replicas": len(self.nodes),
+                              **fields})
+
     def mesh_args(self) -> list[str]:
         """The `inboxmesh up` flags of a mesh on this cluster, with every stream on three nodes."""
         return ["--store", "jetstream", "--nats", ",".join(self.urls), "--nats-monitor",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from dataclasses import replace
 
 import nats
 import nats.js.errors
@@ -16,7 +17,7 @@ import pytest
 
 from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
 from inboxmesh.client import errors
-from inboxmesh.client.mesh import MeshClient
+from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.client.stream import InboxStream
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
@@ -25,7 +26,8 @@ from inboxmesh.runs.v1 import runs_pb2 as runs
 from services.config import MeshConfig, RunsConfig
 from services.server import Mesh
 from services.store.jetstream import kv
-from tests.fixtures import ADMIN_TOKEN, eventually
+from services.store.jetstream.store import JetStreamStore
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 from tests.processes import MeshProcess
 from tests.streams import Collector
 
@@ -553,3 +555,80 @@ async def test_a_nats_outage_keeps_consume_streams_open_and_counts_no_attempt(tm
                 assert len(delivered) == 15, "one DELIVERED event per message: none delivered again"
     finally:
         node.kill()
+
+
+async def test_a_watcher_misses_nothing_when_a_lagging_follower_answers_its_reads(tmp_path):
+    """Two mesh processes on three NATS nodes (every stream on all three): any replica answers a direct
+    get, and a follower a moment behind its leader answers from what it has. The benchmark's layout that
+    hung (one consumption in 2,300 never reached the sender's watcher, in most runs): the receiver
+    consumes through A and the sender watches those consumptions through A while it sends through B.
+    Here every direct read of the events stream is answered as a follower three events behind would
+    answer it (the newest three left out, nothing said to follow), which makes the race happen on every
+    read: the watcher must still see every CONSUMED event, once, in id order, and a listing every event."""
+    count = 300
+    with NatsCluster(tmp_path / "nats") as cluster:
+        await wait_for_jetstream(cluster.urls, replicas=3)
+        namespace = f"f{uuid.uuid4().hex[:10]}"
+        config = replace(make_config(tmp_path, default_capacity=10_000), runs=RunsConfig(max_active_children=100),
+                         store=cluster.node_store_config(nats_namespace=namespace))
+        async with Mesh(config) as a, Mesh(config) as b, MeshClient(a.address, admin_token=ADMIN_TOKEN) as on_a, \
+                MeshClient(b.address, admin_token=ADMIN_TOKEN) as on_b:
+            assert isinstance(a.store, JetStreamStore)
+            conn = a.store.conn
+            real = conn.direct_batch
+
+            async def behind(stream: str, subject: str, seq: int, batch: int):
+                found, more = await real(stream, subject, seq, batch)
+                if stream != conn.event_stream or not found:
+                    return found, more
+                last = (await conn.js.stream_info(stream)).state.last_seq
+                return [m for m in found if int(m.headers["Nats-Sequence"]) <= last - 3], 0
+
+            conn.direct_batch = behind  # type: ignore[method-assign]  # what a follower behind answers
+            lead = await on_a.register("lead")
+            sender, receiver = await lead.spawn("sender"), await lead.spawn("receiver")
+            seen: list[int] = []
+
+            async def watch() -> None:
+                async for event in sender.watch_events(agent_id=receiver.agent_id, from_now=True,
+                                                       kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED]):
+                    seen.append(event.event_id)
+
+            async def consume() -> None:  # the receiver, on A
+                async for response in receiver.subscribe(64):
+                    if response.WhichOneof("event") == "deliveries":
+                        await receiver.ack(m.sequence for m in response.deliveries.messages)
+
+            watcher = asyncio.create_task(watch())
+            await asyncio.sleep(0.3)  # the watch starts at "now"
+            consumer = asyncio.create_task(consume())
+            try:
+                me = on_b.agent(sender.info, sender.credential)
+                await asyncio.gather(*(me.send_batch([envelope(receiver.agent_id, f"m{k}-{i}") for i in range(10)])
+                                       for k in range(count // 10)))
+                listed = await eventually(lambda: _consumed_events(on_b, receiver.agent_id, count), timeout=120,
+                                          interval=0.5, message="every message consumed, listed through B")
+                await eventually(lambda: len(seen) >= count, timeout=30, interval=0.2,
+                                 message=f"the watcher on A saw {len(seen)} of {count} consumptions")
+                assert seen == listed, "every consumption once, in id order"
+                assert await _consumed_events(on_a, receiver.agent_id, count) == listed, "listed through A too"
+                for k in listed[-3:]:  # the newest, which the lagging replica does not have: from the leader
+                    page = await on_a.admin_events(agent_id=receiver.agent_id, after=k - 1, limit=10)
+                    assert page and page[0].event_id == k, (k, [e.event_id for e in page])
+            finally:
+                for task in (consumer, watcher):
+                    task.cancel()
+                await asyncio.gather(consumer, watcher, return_exceptions=True)
+
+
+async def _consumed_events(client: MeshClient, receiver_id: str, count: int) -> list[int] | None:
+    """The ids of the receiver's CONSUMED events as a listing gives them, once there are `count`."""
+    found: list[int] = []
+    after = 0
+    while True:
+        page = await client.admin_events(agent_id=receiver_id, after=after, limit=1000)
+        if not page:
+            break
+        found += [e.event_id for e in page if e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED]
+        after = page[-1].event_id
+    return found if len(found) >= count else None
