@@ -186,11 +186,15 @@ async def wait_for_jetstream(urls: list[str], timeout: float = 30.0, replicas: i
             js = nc.jetstream()
             await js.account_info()
             if replicas > 1:
+                import uuid
+
                 from nats.js.api import StreamConfig
 
-                await js.add_stream(StreamConfig(name="READY_PROBE", subjects=["ready.probe"],
+                # a name of its own each attempt: an earlier attempt's stream may stand (its answer lost)
+                probe = f"READY_PROBE_{uuid.uuid4().hex[:8]}"
+                await js.add_stream(StreamConfig(name=probe, subjects=[f"ready.probe.{probe}"],
                                                  num_replicas=replicas))
-                await js.delete_stream("READY_PROBE")
+                await js.delete_stream(probe)
             return
         except Exception as exc:  # not ready yet: no meta leader, no connection
             last = exc
@@ -198,7 +202,8 @@ async def wait_for_jetstream(urls: list[str], timeout: float = 30.0, replicas: i
             if nc is not None:
                 await nc.close()
         await _sleep(0.2)
-    raise RuntimeError(f"JetStream did not become ready within {timeout}s: {last!r}")
+    raise RuntimeError(f"JetStream did not become ready within {timeout}s: {last!r}"
+                       f" {getattr(last, 'description', '') or ''}")
 
 
 async def _sleep(seconds: float) -> None:
