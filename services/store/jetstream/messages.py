@@ -211,11 +211,15 @@ class InboxMessages:
 
         def ended(done: asyncio.Future[None]) -> None:
             self._settling.discard(recipient)
-            if not done.cancelled() and done.exception() is not None:
-                for *_, waiting in calls:
-                    if not waiting.done():
-                        waiting.set_exception(done.exception())  # type: ignore[arg-type]
-                        waiting.exception()  # retrieved: a caller that gave up does not leave it unseen
+            failure = None if done.cancelled() else done.exception()
+            for *_, waiting in calls:
+                if waiting.done():
+                    continue
+                if failure is None:  # cancelled (the loop shutting down): its callers are too
+                    waiting.cancel()
+                else:
+                    waiting.set_exception(failure)
+                    waiting.exception()  # retrieved: a caller that gave up does not leave it unseen
             if recipient in self._to_settle:
                 self._start_settle(recipient)
 
