@@ -134,3 +134,20 @@ def no_unhandled_servicer_errors(caplog):
     escaped = [r.getMessage() for r in caplog.records
                if r.name.startswith("grpc") and r.levelname in ("ERROR", "CRITICAL")]
     assert not escaped, f"servicer exceptions escaped to gRPC: {escaped}"
+
+
+async def consumed_event_ids(reader, agent_id: str, count: int) -> list[int] | None:
+    """The ids of the agent's MESSAGE_CONSUMED events as `reader` (an AgentHandle, or a MeshClient with the
+    admin token) lists them, once there are `count` of them (None before)."""
+    from inboxmesh.events.v1 import events_pb2
+
+    list_events = reader.admin_events if isinstance(reader, MeshClient) else reader.events
+    found: list[int] = []
+    after = 0
+    while True:
+        page = await list_events(agent_id=agent_id, after=after, limit=1000)
+        if not page:
+            break
+        found += [e.event_id for e in page if e.kind == events_pb2.EVENT_KIND_MESSAGE_CONSUMED]
+        after = page[-1].event_id
+    return found if len(found) >= count else None

@@ -15,7 +15,7 @@ from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.config import RunsConfig
 from services.server import Mesh
-from tests.fixtures import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, consumed_event_ids, eventually, make_config
 
 pytestmark = pytest.mark.timeout(240)
 CONSUMED = ev.EVENT_KIND_MESSAGE_CONSUMED
@@ -88,8 +88,9 @@ async def test_a_watcher_sees_every_consumption_while_the_other_process_records_
         consumer = asyncio.create_task(consume())
         try:
             await send()
-            consumed = await eventually(lambda: _consumed(on_b.agent(lead.info, lead.credential), receiver.agent_id,
-                                                          count), timeout=120, interval=0.5,
+            lead_on_b = on_b.agent(lead.info, lead.credential)
+            consumed = await eventually(lambda: consumed_event_ids(lead_on_b, receiver.agent_id, count),
+                                        timeout=120, interval=0.5,
                                         message="every message consumed")
             await eventually(lambda: len(seen) >= len(consumed), timeout=30, interval=0.2,
                              message=f"the watcher on A saw {len(seen)} of {count} consumptions")
@@ -98,16 +99,3 @@ async def test_a_watcher_sees_every_consumption_while_the_other_process_records_
             for task in (consumer, watcher):
                 task.cancel()
             await asyncio.gather(consumer, watcher, return_exceptions=True)
-
-
-async def _consumed(reader, receiver_id: str, count: int) -> list[int] | None:
-    """The ids of the receiver's CONSUMED events (listed by `reader`), once all `count` are recorded."""
-    found: list[int] = []
-    after = 0
-    while True:
-        page = await reader.events(agent_id=receiver_id, after=after, limit=1000)
-        if not page:
-            break
-        found += [e.event_id for e in page if e.kind == CONSUMED]
-        after = page[-1].event_id
-    return found if len(found) >= count else None

@@ -27,7 +27,7 @@ from services.config import MeshConfig, RunsConfig
 from services.server import Mesh
 from services.store.jetstream import kv
 from services.store.jetstream.store import JetStreamStore
-from tests.fixtures import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, consumed_event_ids, eventually, make_config
 from tests.processes import MeshProcess
 from tests.streams import Collector
 
@@ -606,12 +606,12 @@ async def test_a_watcher_misses_nothing_when_a_lagging_follower_answers_its_read
                 me = on_b.agent(sender.info, sender.credential)
                 await asyncio.gather(*(me.send_batch([envelope(receiver.agent_id, f"m{k}-{i}") for i in range(10)])
                                        for k in range(count // 10)))
-                listed = await eventually(lambda: _consumed_events(on_b, receiver.agent_id, count), timeout=120,
+                listed = await eventually(lambda: consumed_event_ids(on_b, receiver.agent_id, count), timeout=120,
                                           interval=0.5, message="every message consumed, listed through B")
                 await eventually(lambda: len(seen) >= count, timeout=30, interval=0.2,
                                  message=f"the watcher on A saw {len(seen)} of {count} consumptions")
                 assert seen == listed, "every consumption once, in id order"
-                assert await _consumed_events(on_a, receiver.agent_id, count) == listed, "listed through A too"
+                assert await consumed_event_ids(on_a, receiver.agent_id, count) == listed, "listed through A too"
                 for k in listed[-3:]:  # the newest, which the lagging replica does not have: from the leader
                     page = await on_a.admin_events(agent_id=receiver.agent_id, after=k - 1, limit=10)
                     assert page and page[0].event_id == k, (k, [e.event_id for e in page])
@@ -619,16 +619,3 @@ async def test_a_watcher_misses_nothing_when_a_lagging_follower_answers_its_read
                 for task in (consumer, watcher):
                     task.cancel()
                 await asyncio.gather(consumer, watcher, return_exceptions=True)
-
-
-async def _consumed_events(client: MeshClient, receiver_id: str, count: int) -> list[int] | None:
-    """The ids of the receiver's CONSUMED events as a listing gives them, once there are `count`."""
-    found: list[int] = []
-    after = 0
-    while True:
-        page = await client.admin_events(agent_id=receiver_id, after=after, limit=1000)
-        if not page:
-            break
-        found += [e.event_id for e in page if e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED]
-        after = page[-1].event_id
-    return found if len(found) >= count else None
