@@ -9,7 +9,8 @@ are read against (docs/benchmarks.md, "Stores: SQLite and JetStream"):
   store writes to three: the inboxes, the message states, the events);
 - atomic batches (nats-server 2.12+) against the same messages published one at a time, pipelined,
   through the store's own JetStreamConnection: the latency of one call, and messages/s with 1 and 8 calls
-  in flight, for 2, 8 and 32 messages a call (why the store batches only from BATCH_MIN messages up).
+  in flight, for 2, 8, 32, 128 and 400 messages a call (why the store batches only from BATCH_MIN messages
+  up, and what a batch costs whatever its size).
 
     .venv/bin/python bench/nats_probe.py [--count 2000]
 """
@@ -118,7 +119,7 @@ async def atomic_batches(node: NatsNode, data: Path, seconds: float = 2.0) -> di
             await asyncio.gather(*(worker() for _ in range(in_flight)))
             return round(done * size / (time.perf_counter() - started))
 
-        for size in (2, 8, 32):
+        for size in (2, 8, 32, 128, 400):
             def messages(i: int, size: int = size) -> list[tuple[str, bytes, dict[str, str]]]:
                 return [(f"probe.ev.a{i % 50}.b", PAYLOAD, {})] * size
 

@@ -28,26 +28,11 @@ from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from services.config import StoreConfig
 from services.store.jetstream.durability import check_durability
+from services.store.jetstream.shared_writes import BATCH_MAX, SharedWrites
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
-
-BATCH_MAX = 500
-"""Messages of one atomic batch at most (nats-server allows 1,000)."""
-BATCH_MIN = 24
-"""Messages of one atomic batch at least: fewer go as single publishes, pipelined (publish_each). An atomic
-batch costs nats-server 4-5 ms whatever its size, and one connection's batches wait for each other: one in
-flight, 5.1 ms for a batch of 1 message and 6.8 ms for 20, against 0.85 ms for a publish and 1.3 ms for two
-pipelined; in messages/s, batches of 2 make 420-560 at 1 to 32 in flight against 1,600-3,500 pipelined,
-batches of 8 make 1,700-2,400 against 2,900-4,000, and batches of 32 make 5,300-7,100 against 3,000-4,300
-(`.venv/bin/python bench/nats_probe.py`, "atomic batches")."""
-
-
-def atomic(count: int) -> bool:
-    """Whether `count` messages for one stream go as one atomic batch (BATCH_MIN to BATCH_MAX)."""
-    return BATCH_MIN <= count <= BATCH_MAX
-
 
 IN_PROCESS = 10158
 """JetStream: a message with this Nats-Msg-Id is being stored right now (another process publishes the same
@@ -147,6 +132,12 @@ class JetStreamConnection:
         """When an error of each kind was last logged (_on_error)."""
         self.origin = secrets.token_hex(8)
         """Names this connection (its atomic batches' ids)."""
+        self.inbox_writes = SharedWrites(self.inbox_stream, self.publish_batch, self.publish_each)
+        """Publishes of messages into inboxes, shared by the sends at about the same time (shared_writes.py)."""
+        self.event_writes = SharedWrites(self.event_stream, self.publish_batch, self.publish_each)
+        """Publishes of events (not the copies: those go one at a time)."""
+        self.msgs_writes = SharedWrites(self.kv_stream("msgs"), self.publish_batch, self.publish_each)
+        """Writes into the msgs bucket (idempotency records, message states): kv.write_many."""
 
     async def open(self) -> None:
         """Connect, and create (or update) the streams and buckets."""

@@ -27,7 +27,7 @@ from services.store.base import (
     EventRow,
 )
 from services.store.jetstream import kv
-from services.store.jetstream.connection import BATCH_MAX, IN_PROCESS, JetStreamConnection, atomic
+from services.store.jetstream.connection import IN_PROCESS, JetStreamConnection
 from services.store.jetstream.kv import MessageState
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,7 @@ class EventLog:
             ident = dedup_id(row)
             messages.append((f"{self.conn.ns}.ev.{kv.token(row.agent_id or '_')}.{kv.token(row.sender or '_')}",
                              row.event(0).SerializeToString(), {"Nats-Msg-Id": ident} if ident else {}))
-        recorded: list[Recorded] = []
-        for start in range(0, len(messages), BATCH_MAX):
-            recorded += await self._store(messages[start:start + BATCH_MAX], copies)
+        recorded = await self._store(messages, copies)
         for done, row in zip(recorded, rows):
             if done.duplicate:
                 continue
@@ -159,12 +157,9 @@ class EventLog:
         return recorded
 
     async def _store(self, messages: list[tuple[str, bytes, dict[str, str]]], copies: bool) -> list[Recorded]:
-        if atomic(len(messages)) and not copies:
-            try:
-                return [Recorded(seq, False) for seq in await self.conn.publish_batch(messages)]
-            except APIError as exc:  # nothing of the batch was stored: one at a time says which are copies
-                log.debug("events batch refused (%s): one at a time", exc)
-        acks = await self.conn.publish_each(messages)
+        # copies one at a time (one in an atomic batch would have it refused); the rest shared with the
+        # events other calls publish at the same time (shared_writes.py)
+        acks = await (self.conn.publish_each(messages) if copies else self.conn.event_writes.publish(messages))
         recorded = []
         for ack in acks:
             if isinstance(ack, APIError) and ack.err_code == IN_PROCESS:

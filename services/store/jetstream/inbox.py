@@ -594,7 +594,7 @@ class InboxLog:
         results = iter(taken)
         answers: list[list[AckOutcome]] = []
         rows: list[EventRow] = []
-        deletes: list[int] = []
+        deletes: dict[str, list[int]] = {}
         frontiers: dict[str, Frontier] = {}
         copies = False
         for (recipient, sequences, turn), seqs in zip(entries, distinct):
@@ -610,7 +610,7 @@ class InboxLog:
                 by_seq[seq] = (outcome, env)
                 if env is not None:
                     consumed.append(env)
-                    deletes.append(seq)
+                    deletes.setdefault(recipient, []).append(seq)
                     if not failed:
                         rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, at_us, recipient, env, seq=seq,
                                                   turn=turn))

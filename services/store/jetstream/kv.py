@@ -24,7 +24,6 @@ from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, AgentRecord, MessageRecord
-from services.store.jetstream.connection import atomic
 
 T = TypeVar("T")
 _SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -122,14 +121,13 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
     before it may have been made)."""
     messages = [(conn.kv_subject(bucket, key), value, {"Nats-Expected-Last-Subject-Sequence": str(revision)})
                 for key, value, revision in writes]
-    if atomic(len(messages)) and bucket == "msgs":
-        try:  # as one atomic batch when there are many (and every entry is as expected)
-            return await conn.publish_batch(messages)
-        except APIError as exc:  # none written: somebody wrote one of them first; one at a time says which
-            if exc.err_code not in _WRONG_LAST:
-                raise
+    if not messages:
+        return []
+    # the msgs bucket's writes shared with those other calls make at the same time, in atomic batches
+    # when there are many (shared_writes.py); each a PubAck or the APIError JetStream answered
+    acks = await (conn.msgs_writes.publish(messages) if bucket == "msgs" else conn.publish_each(messages))
     revisions = []
-    for ack in await conn.publish_each(messages):  # each a PubAck or the APIError JetStream answered
+    for ack in acks:
         if isinstance(ack, APIError) and ack.err_code in _WRONG_LAST:
             revisions.append(0)
         elif isinstance(ack, BaseException):

@@ -15,12 +15,17 @@ from nats.js.errors import APIError, NotFoundError
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import ACCEPTED, DUPLICATE, INBOX_FULL, TARGET_CLOSED, AgentRecord
 from services.store.jetstream import kv
-from services.store.jetstream.connection import IN_PROCESS, JetStreamConnection, atomic
+from services.store.jetstream.connection import IN_PROCESS, JetStreamConnection
 from services.store.jetstream.kv import REJECTED, MessageState
 
 log = logging.getLogger(__name__)
 FULL_CODE = 10077
 """JetStream: maximum messages per subject exceeded."""
+
+
+PURGE_MIN = 3
+"""Final messages of one inbox at least that are removed by one purge (read + purge: two requests), not a
+delete each."""
 
 
 class Published(NamedTuple):
@@ -108,12 +113,41 @@ class InboxMessages:
                                    timeout=self.conn.config.nats_timeout_s)
         # an error answer (already gone) needs nothing more
 
-    async def delete_many(self, sequences: list[int]) -> None:
-        """Remove final messages from the stream at once (pipelined, as `delete`)."""
-        if sequences:
+    async def delete_many(self, final: dict[str, list[int]]) -> None:
+        """Remove final messages from the stream at once: per recipient, the sequences of its final messages.
+        Where they are the front of the recipient's inbox (an ack of what was delivered in order, the usual
+        case), one purge of its subject below the last of them (purge_front); the others pipelined, one
+        request each, as `delete`."""
+        fronts = [(recipient, sequences) for recipient, sequences in final.items() if len(sequences) >= PURGE_MIN
+                  and self.conn.config.nats_replicas == 1]
+        purged = await asyncio.gather(*(self.purge_front(recipient, sequences) for recipient, sequences in fronts))
+        done = {recipient for (recipient, _), was in zip(fronts, purged) if was}
+        rest = [seq for recipient, sequences in final.items() if recipient not in done for seq in sequences]
+        if rest:
             subject = f"$JS.API.STREAM.MSG.DELETE.{self.conn.inbox_stream}"
             await self.conn.request_many([(subject, json.dumps({"seq": seq, "no_erase": True}).encode(), None)
-                                          for seq in sequences])
+                                          for seq in rest])
+
+    async def purge_front(self, recipient: str, sequences: list[int]) -> bool:
+        """Remove the final messages `sequences` of the recipient's inbox in one purge of its subject below
+        the last of them, when no other message lies below it (one read of the first messages says; a
+        message stored later has a higher sequence than any of them); False, nothing removed, when one
+        does. Only with one replica: a direct get may be answered by a follower behind its leader, which
+        would not show a message below them that the leader holds."""
+        last = max(sequences)
+        found, _ = await self.conn.direct_batch(self.conn.inbox_stream, self.subject(recipient), 1, len(sequences))
+        final = set(sequences)
+        if any(int(msg.headers["Nats-Sequence"]) not in final for msg in found
+               if int(msg.headers["Nats-Sequence"]) <= last):
+            return False
+        answer, = await self.conn.request_many([(f"$JS.API.STREAM.PURGE.{self.conn.inbox_stream}",
+                                                 json.dumps({"filter": self.subject(recipient),
+                                                             "seq": last + 1}).encode(), None)])
+        reply = json.loads(answer.data) if answer.data else {}
+        if "error" in reply:
+            log.debug("purge of %s's final messages refused (%s): one at a time", recipient, reply["error"])
+            return False
+        return True
 
     async def unconsumed(self, recipient: str) -> int:
         info = await self.conn.js.stream_info(self.conn.inbox_stream, subjects_filter=self.subject(recipient))
@@ -155,14 +189,9 @@ class InboxMessages:
         subject = self.subject(recipient)
         messages = [(subject, env.SerializeToString(), {"Nats-Msg-Id": kv.msg_id_header(env.sender, env.message_id)})
                     for env in envelopes]
-        if atomic(len(messages)):
-            try:  # as one atomic batch when there are many
-                seqs = await self.conn.publish_batch(messages)
-                await self._told(recipient)
-                return [Published(ACCEPTED, "", seq, settled=False) for seq in seqs]
-            except APIError as exc:  # none stored: a retry among them (a duplicate), the inbox at its limit
-                log.debug("inbox batch refused (%s): one at a time", exc)
-        acks = await self.conn.publish_each(messages)
+        # with the messages other sends publish at the same time, as an atomic batch when there are many
+        # (shared_writes.py: a retry among them, an inbox at its limit, and they go one at a time)
+        acks = await self.conn.inbox_writes.publish(messages)
         found: list[Published] = []
         for env, ack in zip(envelopes, acks):
             if isinstance(ack, APIError) and ack.err_code == FULL_CODE:
