@@ -1,0 +1,69 @@
+"""A SendStream whose requests reach the mesh as several batches (read ahead, stored one after the other):
+the receipts come in request order, an inbox's capacity is taken by the first messages in that order (none
+accepted after one refused as full), and a refused request stores nothing of the requests after it, even
+those the mesh had read already."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from inboxmesh.client.mesh import envelope
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+
+
+async def _write_spread(call, requests: list[pb.SendRequest]) -> None:
+    """Write the requests a few at a time with short pauses, so they reach the mesh as several batches."""
+    for start in range(0, len(requests), 3):
+        for request in requests[start:start + 3]:
+            await call.write(request)
+        await asyncio.sleep(0.003)
+    await call.done_writing()
+
+
+async def test_batches_of_a_stream_answer_in_order_and_fill_a_small_inbox_in_order(client):
+    lead = await client.register("lead")
+    sink = await lead.spawn("sink", inbox_capacity=5)
+    sender = await lead.spawn("sender")
+    call = sender.send_stream()
+    ids = [f"m{i}" for i in range(40)]
+    writing = asyncio.create_task(_write_spread(call, [pb.SendRequest(messages=[envelope(sink.agent_id, mid,
+                                                                                         message_id=mid)])
+                                                       for mid in ids]))
+    receipts = [r async for response in call for r in response.receipts]
+    await writing
+    assert [r.message_id for r in receipts] == ids, "receipts in request order"
+    statuses = [r.status for r in receipts]
+    assert statuses == [pb.RECEIPT_STATUS_ACCEPTED] * 5 + [pb.RECEIPT_STATUS_INBOX_FULL] * 35, \
+        "the first five in request order take the inbox, none after a refused one is accepted"
+    accepted = [r.sequence for r in receipts[:5]]
+    assert accepted == sorted(accepted), "sequences follow the request order"
+
+
+async def test_a_refused_request_stores_nothing_of_the_requests_after_it(mesh, client):
+    lead = await client.register("lead")
+    sink = await lead.spawn("sink")
+    sender = await lead.spawn("sender")
+    other = await lead.spawn("other")
+    requests = [pb.SendRequest(messages=[envelope(sink.agent_id, f"m{i}", message_id=f"m{i}")]) for i in range(30)]
+    bad = 12
+    del requests[bad].messages[:]
+    spoof = envelope(sink.agent_id, "as another", message_id="spoof")
+    spoof.sender = other.agent_id  # a message naming a sender whose credential the stream does not hold
+    requests[bad].messages.append(spoof)
+    call = sender.send_stream()
+    writing = asyncio.create_task(_write_spread(call, requests))
+    receipts = []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for response in call:
+            receipts += response.receipts
+    writing.cancel()
+    await asyncio.gather(writing, return_exceptions=True)
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert [r.message_id for r in receipts] == [f"m{i}" for i in range(bad)]
+    assert all(r.status == pb.RECEIPT_STATUS_ACCEPTED for r in receipts)
+    await asyncio.sleep(0.2)  # anything a later batch stored would be there by now
+    for i in range(bad + 1, 30):
+        assert await mesh.store.get_message_by_sender(sender.agent_id, f"m{i}") is None, f"m{i} was stored"
