@@ -12,7 +12,7 @@ are read against (docs/benchmarks.md, "Stores: SQLite and JetStream"):
   in flight, for 2, 8, 32, 128 and 400 messages a call (why the store batches only from BATCH_MIN messages
   up, and what a batch costs whatever its size).
 
-    .venv/bin/python bench/nats_probe.py [--count 2000]
+    .venv/bin/python bench/nats_probe.py [--count 2000] [--lazy-fsync]
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ async def atomic_batches(node: NatsNode, data: Path, seconds: float = 2.0) -> di
     """Atomic batches against pipelined single publishes, with the store's own connection."""
     from services.store.jetstream.connection import JetStreamConnection
 
-    conn = JetStreamConnection(node.store_config(nats_namespace="probe", path=data / "probe.db"))
+    conn = JetStreamConnection(node.store_config(nats_namespace="probe", path=data / "probe.db",
+                                                 nats_accept_lazy_fsync=not node.durable))
     await conn.open()
     result: dict[str, Any] = {}
     try:
@@ -138,8 +139,11 @@ async def atomic_batches(node: NatsNode, data: Path, seconds: float = 2.0) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=2000, help="publishes per rate measurement")
+    parser.add_argument("--lazy-fsync", action="store_true",
+                        help="the server at its default (an fsync every two minutes) instead: what fsync costs")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="natsprobe") as data, NatsNode(Path(data) / "nats") as node:
+    with tempfile.TemporaryDirectory(prefix="natsprobe") as data, \
+            NatsNode(Path(data) / "nats", durable=not args.lazy_fsync) as node:
         result = asyncio.run(probe(node.url, args.count))
         result.update(asyncio.run(atomic_batches(node, Path(data))))
     for name, value in result.items():
