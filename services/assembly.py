@@ -91,7 +91,7 @@ def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) ->
     if config.ioa is not None:
         relay = IoaRelay(config.ioa, store, limits.max_hops, deliver=writer.deliver_from_ioa)
     inbox = InboxService(store, store, directory, limits, hub, writer,
-                         forward_to_ioa=relay.forward if relay is not None else None)
+                         forward_to_ioa=relay.start_forward if relay is not None else None)
     routing_service = None
     if routing is not None:
         routing_service = RoutingService(routing, agents=store, sessions=store, events=store, directory=directory,

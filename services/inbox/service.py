@@ -9,6 +9,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
@@ -46,8 +47,16 @@ _FRONTIERS_KEPT = 4096
 _STREAM_SENDERS = 100_000
 """Senders one SendStream may hold proven credentials of (RESOURCE_EXHAUSTED / STREAM_FULL beyond)."""
 
-ForwardToIoa = Callable[[str, list[envelope_pb2.Envelope]], Awaitable[list[SendOutcome]]]
-"""(sender agent id, messages to IOA addresses) -> their receipts: the IOA relay's forward."""
+class IoaForwarding(Protocol):
+    """Messages the IOA relay published (services.ioa.relay.Forwarding)."""
+
+    async def outcomes(self) -> list[SendOutcome]:
+        """Their receipts, in order, once the receiving meshes answered."""
+
+
+ForwardToIoa = Callable[[str, list[envelope_pb2.Envelope]], Awaitable[IoaForwarding]]
+"""(sender agent id, messages to IOA addresses) -> what waits for their receipts, once their first copies
+are written, in the order of the calls: the IOA relay's start_forward."""
 Prove = Callable[[Sequence[str]], Awaitable[tuple[Caller, ...]]]
 """Credentials a call carries after its metadata or first request -> the callers they prove (or the
 refusal): services.auth_policy's, the same directory path as the first request's."""
@@ -182,13 +191,46 @@ class InboxService:
         on SQLite for requests that share no sender and no recipient) and answered in order. Stops at the
         first request refused: returns the outcomes of the requests before it and its refusal; nothing of
         it or of later requests is stored. A request that carries credentials and no messages has no
-        outcomes."""
+        outcomes.
+
+        Requests whose messages all go to IOA recipients are published in order, each without waiting for
+        the receipts of the one before (the relay writes their first copies in the order of the requests),
+        and their receipts are waited for before anything after them is stored. When one of them fails
+        (UNAVAILABLE, no receipt), the IOA requests after it were published too and may have been stored
+        on the far side: the stream ends with the failure, and their retry (same message ids) reads
+        DUPLICATE there."""
         answered: list[list[SendOutcome]] = []
         unstored: list[list[list[AppendItem]]] = []
         """Items of the requests checked since the last store: per request, one list per sender's run of
         its messages."""
+        forwarded: list[tuple[int, list[IoaForwarding]]] = []
+        """Requests to IOA recipients only, published and waiting for their receipts: (their place in
+        `answered`, what waits for the receipts of each sender's run)."""
+
+        async def receipts() -> None:
+            """The receipts of the requests published to IOA, in order, into their places. At the first
+            failure, every one is still waited for (nothing is left waiting in the relay), the answers
+            stop before the request that failed, and that failure is raised."""
+            taken = forwarded[:]
+            forwarded.clear()
+            failed: errors.MeshError | None = None
+            for position, runs in taken:
+                for forwarding in runs:
+                    try:
+                        outcomes = await forwarding.outcomes()
+                    except errors.MeshError as exc:
+                        failed = failed or exc
+                        if len(answered) > position:
+                            del answered[position:]
+                        continue
+                    if failed is None:
+                        answered[position] += outcomes
+            if failed is not None:
+                unstored.clear()  # requests after the one that failed: not stored
+                raise failed
 
         async def store() -> None:
+            await receipts()  # what comes after a request that failed is not stored
             taken = unstored[:]  # taken before the write: what fails is not written again
             unstored.clear()
             groups: list[list[AppendItem]] = []
@@ -211,21 +253,30 @@ class InboxService:
                     continue
                 parts = [(part_caller, await self._checked(part_caller, run, first_index), run)
                          for part_caller, first_index, run in self._by_sender(senders, caller, envelopes)]
-                if any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
-                    await store()  # what came before is stored first: the order holds
-                    outcomes: list[SendOutcome] = []
-                    for part_caller, sender, run in parts:
-                        outcomes += await self._send_via_ioa(part_caller, sender, run)
-                    answered.append(outcomes)
-                else:
+                if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
                     unstored.append([await self._local_items(part_caller, sender, run)
                                      for part_caller, sender, run in parts])
+                    continue
+                if unstored:
+                    await store()  # what came before is stored first: the order holds
+                if self._forward_to_ioa is not None and all(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
+                    # published now, in order; its receipts waited for with the next requests' (pipelined)
+                    answered.append([])
+                    forwarded.append((len(answered) - 1, [await self._forward_to_ioa(sender.agent_id,
+                                                                                      _outbound(sender, run))
+                                                          for _, sender, run in parts]))
+                    continue
+                await receipts()
+                outcomes: list[SendOutcome] = []
+                for part_caller, sender, run in parts:
+                    outcomes += await self._send_via_ioa(part_caller, sender, run)
+                answered.append(outcomes)
         except errors.MeshError as exc:
             failure = exc
         try:
             await store()
-        except errors.MeshError as exc:  # those requests are not answered: the stream ends with this
-            failure = exc
+        except errors.MeshError as exc:  # those requests (all before a refused one) are not answered: the
+            failure = exc  # stream ends with this
         return answered, failure
 
     def _by_sender(self, senders: StreamSenders, caller: Caller, envelopes: list[envelope_pb2.Envelope]
@@ -273,10 +324,8 @@ class InboxService:
                                          detail="this mesh has no IOA relay (start it with --ioa-network)")
                              for e in run]
             else:
-                for env in run:
-                    env.sender = sender.agent_id
-                    env.created_at_us = env.created_at_us or now_us()
-                outcomes += await self._forward_to_ioa(sender.agent_id, run)
+                forwarding = await self._forward_to_ioa(sender.agent_id, _outbound(sender, run))
+                outcomes += await forwarding.outcomes()
         return outcomes
 
     async def _send_local(self, caller: Caller, sender: AgentRecord,
@@ -510,3 +559,11 @@ class InboxService:
             if record is not None and self._directory.in_reach(caller, record):
                 return
         raise errors.PermissionDenied(f"{caller} may not see {name}: outside its scope", reason=Reason.OUT_OF_SCOPE)
+
+
+def _outbound(sender: AgentRecord, envelopes: list[envelope_pb2.Envelope]) -> list[envelope_pb2.Envelope]:
+    """Messages to IOA recipients as the relay publishes them: the sender's id and their creation time set."""
+    for env in envelopes:
+        env.sender = sender.agent_id
+        env.created_at_us = env.created_at_us or now_us()
+    return envelopes

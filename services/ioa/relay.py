@@ -104,6 +104,28 @@ DeliverFromIoa = Callable[[list[env_pb.Envelope]], Awaitable[list[SendOutcome]]]
 (services.inbox.writer.InboxWriter.deliver_from_ioa)."""
 
 
+class Forwarding:
+    """Messages IoaRelay.start_forward published: `outcomes()` waits for their receipts."""
+
+    def __init__(self, relay: IoaRelay, sender_id: str, envelopes: list[env_pb.Envelope],
+                 outcomes: list[SendOutcome | None],
+                 pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]],
+                 answers: asyncio.Future[list[Any]]):
+        self.relay = relay
+        self.sender_id = sender_id
+        self.envelopes = envelopes
+        self.outcomes_so_far = outcomes
+        """Per message its outcome when refused before publishing, else None."""
+        self.pending = pending
+        """The published ones: (index, IOA id, message, its receipt's future, its span)."""
+        self.answers = answers
+        """Per published message, what publishing it until its receipt came to (IoaRelay._deliver)."""
+
+    async def outcomes(self) -> list[SendOutcome]:
+        """The receiving meshes' receipts, in the order of the messages (refusals as for `forward`)."""
+        return await self.relay._receipts_of(self)
+
+
 def parse_address(address: str) -> tuple[str, str]:
     """(node, agent) of an `ioa:<node>/<agent>` address."""
     node, slash, agent = address.removeprefix(PREFIX).partition("/")
@@ -130,6 +152,8 @@ class IoaRelay:
         self._lost: asyncio.Future[None] | None = None
         """Resolved when the current connection ends (None before start)."""
         self._write_lock = asyncio.Lock()
+        self._in_order = asyncio.Lock()
+        """Held by a start_forward while it writes its first copies: calls write them in the order they came."""
         self._publish_ids = itertools.count(1)
         self._published: dict[int, asyncio.Future] = {}
         self._receipts: dict[tuple[str, str], tuple[str, asyncio.Future]] = {}
@@ -265,6 +289,13 @@ class IoaRelay:
         """Publish local agents' messages to IOA addresses, in order (one
         stream, so the network keeps the order), without waiting for each
         before the next; return the receiving meshes' receipts."""
+        return await (await self.start_forward(sender_id, envelopes)).outcomes()
+
+    async def start_forward(self, sender_id: str, envelopes: list[env_pb.Envelope]) -> Forwarding:
+        """Publish the first copies of local agents' messages to IOA addresses, in order, and return what
+        waits for their receipts (Forwarding.outcomes). Calls write their first copies in the order they
+        were made, whatever their receipts: a SendStream's requests go out one after the other without
+        each waiting for the receipts of the one before (InboxService)."""
         outcomes: list[SendOutcome | None] = [None] * len(envelopes)
         pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]] = []
         loop = asyncio.get_running_loop()
@@ -287,21 +318,52 @@ class IoaRelay:
             message = to_message(env, node=self.node_id, relay_id=self.relay_id, sender_id=sender_id, ioa_id=ioa_id,
                                  to=(node, agent), attempt=attempt, trail=trail, span=span)
             pending.append((index, ioa_id, message, future, span))
-        if pending:
-            await self._events.record_events([ev.Event(
-                kind=ev.EVENT_KIND_IOA_PUBLISHED, at_us=now_us(), agent_id=envelopes[i].recipient,
-                message_id=envelopes[i].message_id, sender=sender_id, recipient=envelopes[i].recipient,
-                detail=ioa_id, trace_id=trace_id_of(envelopes[i].trace.traceparent),
-                in_reply_to=envelopes[i].in_reply_to, conversation_id=envelopes[i].conversation_id)
-                for i, ioa_id, *_ in pending])  # handed to the network
-        deadline = loop.time() + self.config.receipt_timeout_s
+        firsts: list[asyncio.Future[net.PublishResult]] = []
         try:
-            answers = await asyncio.gather(*(self._deliver(message, future, deadline)
-                                             for _, _, message, future, _ in pending), return_exceptions=True)
-        finally:
-            for _, _, message, _, span in pending:
-                self._receipts.pop((message.ioa_message_id, message.headers[H + "attempt"]), None)
-                span.end()
+            async with self._in_order:  # FIFO: the calls write their first copies in the order they came
+                if pending:
+                    await self._events.record_events([ev.Event(
+                        kind=ev.EVENT_KIND_IOA_PUBLISHED, at_us=now_us(), agent_id=envelopes[i].recipient,
+                        message_id=envelopes[i].message_id, sender=sender_id, recipient=envelopes[i].recipient,
+                        detail=ioa_id, trace_id=trace_id_of(envelopes[i].trace.traceparent),
+                        in_reply_to=envelopes[i].in_reply_to, conversation_id=envelopes[i].conversation_id)
+                        for i, ioa_id, *_ in pending])  # handed to the network
+                for _, _, message, _, _ in pending:
+                    firsts.append(await self._write_first(message))
+        except BaseException:
+            self._forgotten(pending)
+            raise
+        deadline = loop.time() + self.config.receipt_timeout_s
+        # each message's copies published again as needed from now on, whenever its receipts are asked for
+        answers = asyncio.gather(*(self._deliver(message, future, deadline, first)
+                                   for (_, _, message, future, _), first in zip(pending, firsts)),
+                                 return_exceptions=True)
+        answers.add_done_callback(lambda _: self._forgotten(pending))  # answered or cancelled: nothing waits
+        return Forwarding(self, sender_id, envelopes, outcomes, pending, answers)
+
+    def _forgotten(self, pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]]) -> None:
+        """Stop waiting for these messages' receipts."""
+        for _, _, message, _, span in pending:
+            self._receipts.pop((message.ioa_message_id, message.headers[H + "attempt"]), None)
+            span.end()
+
+    async def _write_first(self, message: net.IoaMessage) -> asyncio.Future[net.PublishResult]:
+        """Write a message's first copy now; the future gets the network's PublishResult, or the
+        Unavailable the write (or the connection ending before the result) came to."""
+        future: asyncio.Future[net.PublishResult] = asyncio.get_running_loop().create_future()
+        try:
+            await self._write_publish(message, future)
+        except errors.Unavailable as exc:
+            if not future.done():  # the connection's end may have failed it first
+                future.set_exception(exc)
+        if future.done():
+            future.exception()  # retrieved: _deliver reads it, or its forwarding is cancelled first
+        return future
+
+    async def _receipts_of(self, forwarding: Forwarding) -> list[SendOutcome]:
+        """The receipts of what start_forward published (Forwarding.outcomes)."""
+        envelopes, outcomes, pending = forwarding.envelopes, forwarding.outcomes_so_far, forwarding.pending
+        answers = await forwarding.answers
         for (index, *_), answer in zip(pending, answers):
             env = envelopes[index]
             if isinstance(answer, TimeoutError):
@@ -329,11 +391,11 @@ class IoaRelay:
                                          " message_id", reason=Reason("IOA_" + net.PublishStatus.Name(answer.status)))
         done = [outcome for outcome in outcomes if outcome is not None]
         assert len(done) == len(envelopes), "every message was refused above or has its receipt"
-        await self._record_outbound(sender_id, envelopes, done)
+        await self._record_outbound(forwarding.sender_id, envelopes, done)
         return done
 
-    async def _deliver(self, message: net.IoaMessage, receipt: asyncio.Future,
-                       deadline: float) -> dict | net.PublishResult:
+    async def _deliver(self, message: net.IoaMessage, receipt: asyncio.Future, deadline: float,
+                       first: asyncio.Future[net.PublishResult] | None = None) -> dict | net.PublishResult:
         """Publish one message until its receipt (a dict) comes back, or the
         network refuses it before any copy reached it (its PublishResult).
         After a copy may have reached the network, connections lost on the
@@ -350,7 +412,11 @@ class IoaRelay:
                 return receipt.result()
             lost = self._lost
             try:
-                result = await self._publish(message, timeout=max(0.0, deadline - loop.time()))
+                if first is not None:  # written already (start_forward): its result
+                    written, first = first, None
+                    result = await asyncio.wait_for(written, max(0.0, deadline - loop.time()))
+                else:
+                    result = await self._publish(message, timeout=max(0.0, deadline - loop.time()))
             except errors.Unavailable as exc:
                 reached = reached or exc.reason == CONNECTION_LOST
                 try:

@@ -1,0 +1,98 @@
+"""A SendStream's requests to IOA recipients are published one after the other without each waiting for
+the receipts of the one before (InboxService.send_requests, IoaRelay.start_forward): the receipts still
+come in request order, the far inbox holds the messages in that order, and a request whose IOA send fails
+ends the stream with nothing after it stored."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from inboxmesh.client.mesh import envelope
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services.ioa_network.server import NetworkConfig, NetworkServer
+from tests.ioa_nodes import start_node
+from tests.streams import Collector
+
+
+@pytest.fixture
+async def network():
+    async with NetworkServer(NetworkConfig(history=20)) as server:
+        yield server
+
+
+@pytest.fixture
+async def nodes(network, tmp_path):
+    made = [await start_node(network, tmp_path, "alpha"), await start_node(network, tmp_path, "beta")]
+    try:
+        yield made
+    finally:
+        for node in made:
+            await node.stop()
+
+
+def _count_in_flight(node) -> list[int]:
+    """[now, most] IOA forwards of the node's inbox service waiting for their receipts at once."""
+    service = node.mesh.services.inbox
+    start = service._forward_to_ioa
+    counts = [0, 0]
+
+    async def counted(sender_id, envelopes):
+        forwarding = await start(sender_id, envelopes)
+        counts[0] += 1
+        counts[1] = max(counts)
+
+        def answered(_):
+            counts[0] -= 1
+
+        forwarding.answers.add_done_callback(answered)
+        return forwarding
+
+    service._forward_to_ioa = counted
+    return counts
+
+
+async def test_requests_to_ioa_go_out_without_waiting_and_keep_their_order(nodes):
+    alpha, beta = nodes
+    a = await (await alpha.client.register("lead-a")).spawn("a")
+    b = await (await beta.client.register("lead-b")).spawn("b")
+    counts = _count_in_flight(alpha)
+    ids = [f"m{i}" for i in range(40)]
+    call = a.send_stream()
+    for mid in ids:  # all written at once: the mesh reads them ahead and sends them on together
+        await call.write(pb.SendRequest(messages=[envelope(beta.address(b), mid, message_id=mid)]))
+    await call.done_writing()
+    receipts = [r async for response in call for r in response.receipts]
+    assert [r.message_id for r in receipts] == ids, "receipts in request order"
+    assert all(r.status == pb.RECEIPT_STATUS_ACCEPTED for r in receipts), receipts
+    assert [r.sequence for r in receipts] == sorted(r.sequence for r in receipts), "the far inbox in request order"
+    assert counts[1] > 1, "requests were published while earlier ones waited for their receipts"
+    held = Collector(b, auto_ack=True)
+    try:
+        delivered = await held.wait_for(len(ids))
+        assert [m.content.text for m in delivered] == ids
+    finally:
+        await held.stop()
+
+
+async def test_a_failed_ioa_request_stores_nothing_after_it(nodes):
+    alpha, beta = nodes
+    lead = await alpha.client.register("lead-a")
+    a, local = await lead.spawn("a"), await lead.spawn("local")
+    b = await (await beta.client.register("lead-b")).spawn("b")
+    assert (await a.send(beta.address(b), "first")).status == pb.RECEIPT_STATUS_ACCEPTED  # alpha knows beta now
+    await beta.stop()  # the network knows beta, not connected: nothing can reach it
+    call = a.send_stream()
+    await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "before", message_id="before")]))
+    await call.write(pb.SendRequest(messages=[envelope(beta.address(b), "lost", message_id="lost")]))
+    await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "after", message_id="after")]))
+    await call.done_writing()
+    receipts = []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for response in call:
+            receipts += response.receipts
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [r.message_id for r in receipts] == ["before"]
+    await asyncio.sleep(0.2)
+    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "before") is not None
+    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"
