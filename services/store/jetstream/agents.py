@@ -21,6 +21,14 @@ from services.store.jetstream.inbox import InboxLog
 from services.store.jetstream.runs import Runs
 
 
+def _index_keys(record: AgentRecord) -> list[str]:
+    """The index entries naming the agent: its scope's, its name's in the scope, its parent's children."""
+    keys = [f"s.{kv.token(record.scope_id)}", f"n.{kv.token(record.scope_id)}.{kv.token(record.name)}"]
+    if record.parent_id:
+        keys.append(f"c.{kv.token(record.parent_id)}")
+    return keys
+
+
 def _registered_row(record: AgentRecord) -> EventRow:
     return EventRow(record.created_at_us, ev.EVENT_KIND_AGENT_REGISTERED, record.agent_id, sender=record.parent_id,
                     detail=f"name={record.name} mode={record.mode} scope={record.scope_id}")
@@ -61,15 +69,22 @@ class Agents:
         await kv.cas(self.conn.agents, key, lambda cur: None if cur and value in cur else [*(cur or []), value],
                      kv.JSON)
 
+    async def _index_add_all(self, key: str, values: list[str]) -> None:
+        """`_index_add` of several values: one round of read and write."""
+        def added(cur: list[str] | None) -> list[str] | None:
+            held = set(cur or ())
+            missing = [v for v in dict.fromkeys(values) if v not in held]
+            return [*(cur or []), *missing] if missing else None
+
+        await kv.cas(self.conn.agents, key, added, kv.JSON)
+
     async def _index(self, key: str) -> list[str]:
         found = await kv.get(self.conn.agents, key, kv.JSON)
         return list(found.value) if found else []
 
     async def _index_record(self, record: AgentRecord) -> None:
-        await self._index_add(f"s.{kv.token(record.scope_id)}", record.agent_id)
-        await self._index_add(f"n.{kv.token(record.scope_id)}.{kv.token(record.name)}", record.agent_id)
-        if record.parent_id:
-            await self._index_add(f"c.{kv.token(record.parent_id)}", record.agent_id)
+        for key in _index_keys(record):
+            await self._index_add(key, record.agent_id)
 
     async def create(self, record: AgentRecord) -> AgentRecord:
         if record.parent_id:
@@ -91,28 +106,38 @@ class Agents:
         await self.events.emit([_registered_row(record)])
         return record
 
-    async def roll_forward(self, agent_id: str) -> list[EventRow]:
-        """Finish what writing this agent's record started, for a process that
-        died midway (the keeper): its index entries; closed with its parent
+    async def roll_forward(self, agent_ids: list[str]) -> list[EventRow]:
+        """Finish what writing these agents' records started, for a process that
+        died midway (the keeper): their index entries; closed with the parent
         when the parent is closed; for a closed agent, its queued messages
         dead-lettered (senders told), its run ended, its open descendants
-        closed. Every step can be repeated. The events the record stands for."""
-        record = await self.get(agent_id)
-        if record is None:
-            return []
-        await self._index_record(record)
-        rows = [_registered_row(record)]
-        if record.is_open and record.parent_id:
-            parent = await self.get(record.parent_id)
+        closed. Every step can be repeated. The events the records stand for.
+        Each index key is read and written once for all of them: a thousand
+        children of one parent read its children index once, not a thousand
+        times (each read as long as the index)."""
+        found = await asyncio.gather(*(self.get(a) for a in dict.fromkeys(agent_ids)))
+        records = [r for r in found if r is not None]
+        adding: dict[str, list[str]] = {}
+        for record in records:
+            for key in _index_keys(record):
+                adding.setdefault(key, []).append(record.agent_id)
+        await asyncio.gather(*(self._index_add_all(key, values) for key, values in adding.items()))
+        parent_ids = list(dict.fromkeys(r.parent_id for r in records if r.is_open and r.parent_id))
+        parents = dict(zip(parent_ids, await asyncio.gather(*(self.get(p) for p in parent_ids))))
+        rows: list[EventRow] = []
+        for record in records:
+            rows.append(_registered_row(record))
+            parent = parents.get(record.parent_id) if record.is_open else None
+            current: AgentRecord | None = record
             if parent is not None and not parent.is_open:
                 await self.close(record.agent_id, f"ancestor {record.parent_id} closed: {parent.close_reason}",
                                  parent.closed_at_us)
-                record = await self.get(agent_id)
-        if record is not None and not record.is_open:
-            await self.inbox.dead_letter_all(record.agent_id, base.REASON_CLOSED, record.closed_at_us)
-            await self.runs.end_runs_of_closed([record], record.closed_at_us)
-            await self.close(record.agent_id, record.close_reason, record.closed_at_us)  # descendants
-            rows.append(_closed_row(record.agent_id, record.close_reason, record.closed_at_us))
+                current = await self.get(record.agent_id)
+            if current is not None and not current.is_open:
+                await self.inbox.dead_letter_all(current.agent_id, base.REASON_CLOSED, current.closed_at_us)
+                await self.runs.end_runs_of_closed([current], current.closed_at_us)
+                await self.close(current.agent_id, current.close_reason, current.closed_at_us)  # descendants
+                rows.append(_closed_row(current.agent_id, current.close_reason, current.closed_at_us))
         return rows
 
     async def _records(self, ids: list[str], include_closed: bool) -> list[AgentRecord]:

@@ -106,7 +106,8 @@ class Lease:
 
 
 LEASE: kv.Codec[Lease] = kv.Codec(Lease.decode, Lease.encode)
-Handler = Callable[[Any], Awaitable[list[EventRow]]]
+Handler = Callable[[list[Any]], Awaitable[list[EventRow]]]
+"""A batch of one bucket's writes (in order) -> the events they imply, once rolled forward."""
 
 
 class _Source:
@@ -155,9 +156,9 @@ class EventKeeper:
         """Idempotency records to create (key, value, 0) at the end of the batch being rolled forward."""
         self.idem_restored = 0
         """Idempotency records the keeper created (their writer died first)."""
-        self._sources = [_Source("msgs", "", self._message_written),  # states (m.), idempotency records (i.)
-                         _Source("agents", "a.", self._agent_written),
-                         _Source("runs", "r.", self._run_written)]
+        self._sources = [_Source("msgs", "", self._messages_written),  # states (m.), idempotency records (i.)
+                         _Source("agents", "a.", self._agents_written),
+                         _Source("runs", "r.", self._runs_written)]
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="event-keeper")
@@ -258,7 +259,7 @@ class EventKeeper:
                 pass
         now = time.time()
         done = cursor
-        rows: list[EventRow] = []
+        writes: list[Any] = []
         while source.held:
             msg = source.held[0]
             meta = msg.metadata
@@ -268,11 +269,12 @@ class EventKeeper:
             if now - written > EVENT_DEDUP_WINDOW_S - 30:
                 self.too_old += 1
             elif not (msg.headers or {}).get("KV-Operation") and msg.data:
-                rows += await source.handle(msg)
+                writes.append(msg)
                 self.replayed += 1
             source.held.pop(0)
             done = meta.sequence.stream
             source.next_seq = done + 1
+        rows = await source.handle(writes) if writes else []
         if self._idem_missing:
             missing, self._idem_missing = self._idem_missing, []
             self.idem_restored += sum(map(bool, await kv.write_many(self.conn, "msgs", missing)))
@@ -309,16 +311,28 @@ class EventKeeper:
         self._idem_missing.append((kv.idem_key(env.sender, env.message_id),
                                    kv.STORED.encode(kv.Stored(env.recipient, seq, state.stored_at_us)), 0))
 
-    async def _agent_written(self, msg: Any) -> list[EventRow]:
-        try:
-            agent_id = json.loads(msg.data)["agent_id"]
-        except (ValueError, TypeError, KeyError):
-            return []
-        return await self.agents.roll_forward(agent_id)
+    async def _agents_written(self, msgs: list[Any]) -> list[EventRow]:
+        """Agent records written: rolled forward together, each agent once (from its record as it is now)."""
+        agent_ids = []
+        for msg in msgs:
+            try:
+                agent_ids.append(json.loads(msg.data)["agent_id"])
+            except (ValueError, TypeError, KeyError):
+                continue
+        return await self.agents.roll_forward(agent_ids)
 
-    async def _run_written(self, msg: Any) -> list[EventRow]:
-        try:
-            run_id = RunRecord.FromString(msg.data).run_id
-        except DecodeError:
-            return []
-        return await self.runs.roll_forward(run_id)
+    async def _runs_written(self, msgs: list[Any]) -> list[EventRow]:
+        rows: list[EventRow] = []
+        for msg in msgs:
+            try:
+                run_id = RunRecord.FromString(msg.data).run_id
+            except DecodeError:
+                continue
+            rows += await self.runs.roll_forward(run_id)
+        return rows
+
+    async def _messages_written(self, msgs: list[Any]) -> list[EventRow]:
+        rows: list[EventRow] = []
+        for msg in msgs:
+            rows += await self._message_written(msg)
+        return rows
