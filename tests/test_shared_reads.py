@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.store.jetstream.shared_reads import SharedReads
+from services.store.jetstream.shared_reads import BatchedReads, SharedReads
 
 pytestmark = pytest.mark.store_independent
 
@@ -90,3 +90,48 @@ async def test_a_caller_that_gives_up_leaves_the_read_to_the_others():
     assert await first == ("a", 0)
     assert await waiting[1] == ("a", 0)
     assert waiting[0].cancelled()
+
+
+class ManySource(Source):
+    """Source read a batch of keys at a time (BatchedReads): the batches asked for, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[str]] = []
+
+    async def read_many(self, keys: list[str]) -> dict[str, tuple[str, int]]:
+        self.batches.append(keys)
+        found = {}
+        for key in keys:
+            if key != "absent":
+                found[key] = await self.read(key)
+        return found
+
+
+async def test_keys_asked_for_during_a_batched_read_go_together_in_the_next():
+    source = ManySource()
+    reads = BatchedReads(source.read_many, ("none", -1))
+    first = asyncio.ensure_future(reads.get("a"))
+    await _turns()
+    assert source.batches == [["a"]], "a lone call reads at once"
+    source.value = 1  # changed after the first read began: the later callers must see it
+    later = [asyncio.ensure_future(reads.get(key)) for key in ("b", "c", "a", "b", "absent")]
+    await _turns()
+    assert source.batches == [["a"]], "the others wait for the read in flight"
+    source.gate.set()
+    assert await first == ("a", 0)
+    assert [await f for f in later] == [("b", 1), ("c", 1), ("a", 1), ("b", 1), ("none", -1)]
+    assert source.batches == [["a"], ["b", "c", "a", "absent"]] and reads.reads == 2
+
+
+async def test_a_failed_batched_read_fails_its_callers_only():
+    source = ManySource()
+    reads = BatchedReads(source.read_many, ("none", -1))
+    source.fail_next = True
+    first = asyncio.ensure_future(reads.get("a"))
+    await _turns()
+    second = asyncio.ensure_future(reads.get("b"))
+    source.gate.set()
+    with pytest.raises(ConnectionError):
+        await first
+    assert await second == ("b", 0)

@@ -56,7 +56,7 @@ from services.store.jetstream.connection import NATS_FAILURES, REPLAY_HORIZON_US
 from services.store.jetstream.events import EventLog, dead_event, implied_events, message_event, stored_events
 from services.store.jetstream.kv import REJECTED, CasResult, MessageState
 from services.store.jetstream.messages import InboxMessages
-from services.store.jetstream.shared_reads import SharedReads
+from services.store.jetstream.shared_reads import BatchedReads
 
 log = logging.getLogger(__name__)
 _MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
@@ -139,7 +139,7 @@ class InboxLog:
         self.agents = agents
         """Agent records as last seen: read before a send and a delivery (agent_cache.py says why that is safe)."""
         self.messages = InboxMessages(conn, agents.fresh)
-        self._frontiers: SharedReads[Frontier | None] = SharedReads(self._read_frontier)
+        self._frontiers: BatchedReads[Frontier | None] = BatchedReads(self._read_frontiers, None)
         self.listeners: list[Callable[[str], None]] = []
         """Called with the recipient's subject token when another process appended to it."""
         self._delivered: dict[tuple[str, int], kv.Entry[MessageState]] = {}
@@ -627,9 +627,9 @@ class InboxLog:
         # The frontiers only guard the agents' next sends, and a final message left on the stream (a
         # crash before its delete) is deleted by the next read of its inbox: all of them go together.
         await asyncio.gather(self.events.publish(rows, copies=copies), self.messages.delete_many(deletes),
-                             *(self.conn.msgs.put(frontier_key(recipient),
-                                                  json.dumps([f.hop_count, f.trail]).encode())
-                               for recipient, f in frontiers.items()))
+                             kv.put_many(self.conn, "msgs", [(frontier_key(recipient),
+                                                              json.dumps([f.hop_count, f.trail]).encode())
+                                                             for recipient, f in frontiers.items()]))
         if failure is not None:  # what the others consumed is recorded; this one is retried by the client
             raise failure
         return answers
@@ -639,9 +639,16 @@ class InboxLog:
         agent at about the same time, shared_reads.py)."""
         return await self._frontiers.get(agent_id)
 
-    async def _read_frontier(self, agent_id: str) -> Frontier | None:
-        found = await kv.get(self.conn.msgs, frontier_key(agent_id), kv.JSON)
-        return None if found is None else Frontier(found.value[0], tuple(found.value[1]))
+    async def _read_frontiers(self, agent_ids: list[str]) -> dict[str, Frontier | None]:
+        """The frontiers of the agents that have one, in one batched direct get."""
+        entries = await kv.last_many(self.conn, "msgs", [frontier_key(a) for a in agent_ids])
+        found: dict[str, Frontier | None] = {}
+        for agent_id in agent_ids:
+            entry = entries.get(frontier_key(agent_id))
+            if entry is not None:
+                hop_count, trail = json.loads(entry.value)
+                found[agent_id] = Frontier(hop_count, tuple(trail))
+        return found
 
     async def _consume_many(self, acks: list[tuple[str, int, int]], at_us: int) -> list[Any]:
         """The outcome of each (recipient, sequence, turn) ack (as _consume's), or the NATS failure it met.

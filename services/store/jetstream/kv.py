@@ -137,6 +137,19 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
     return revisions
 
 
+async def put_many(conn: Any, bucket: str, puts: list[tuple[str, bytes]]) -> None:
+    """Unconditional writes of several keys of a bucket (msgs: shared with the writes other calls make at the
+    same time, shared_writes.py); any failure is raised (the writes before it may have been made)."""
+    if not puts:
+        return
+    messages: list[tuple[str, bytes, dict[str, str]]] = [(conn.kv_subject(bucket, key), value, {})
+                                                          for key, value in puts]
+    acks = await (conn.msgs_writes.publish(messages) if bucket == "msgs" else conn.publish_each(messages))
+    for ack in acks:
+        if isinstance(ack, BaseException):
+            raise ack
+
+
 async def last_many(conn: Any, bucket: str, keys: list[str]) -> dict[str, Entry[bytes]]:
     """The entries of the keys that exist (a deleted one counts as absent), in one batched direct get of
     the bucket's stream (`multi_last`). The bucket allows direct gets (JetStreamConnection.open); with

@@ -55,3 +55,62 @@ class SharedReads(Generic[T]):
             result.set_result(value)
         if key in self._next:
             self._start(key)
+
+
+BATCH_KEYS = 256
+"""Keys one batched read asks for at most; more wait for the next."""
+
+
+class BatchedReads(Generic[T]):
+    """Reads of the keys of one bucket shared as SharedReads shares the reads of one key, across keys: at
+    most one read is in flight, and the keys asked for while it is, whichever they are, wait for the next,
+    which asks for all of them at once (one batched direct get of the bucket: kv.last_many) when it ends.
+    Every caller still gets a read that began after it asked; sixty-four sends at once from as many agents
+    read their records in a few requests, not 64. A lone call waits for nothing."""
+
+    def __init__(self, read_many: Callable[[list[str]], Awaitable[dict[str, T]]], missing: T,
+                 seen: Callable[[T], None] | None = None):
+        self._read_many = read_many
+        """The values of the keys that exist."""
+        self._missing = missing
+        """The value of a key that does not."""
+        self._seen = seen
+        self._reading = False
+        self._next: dict[str, asyncio.Future[T]] = {}
+        """The keys the next read asks for, and where their callers wait."""
+        self.reads = 0
+
+    async def get(self, key: str) -> T:
+        waiting = self._next.get(key)
+        if waiting is None:
+            waiting = asyncio.get_running_loop().create_future()
+            self._next[key] = waiting
+            if not self._reading:
+                self._start()
+        return await asyncio.shield(waiting)
+
+    def _start(self) -> None:
+        keys = list(self._next)[:BATCH_KEYS]
+        batch = {key: self._next.pop(key) for key in keys}
+        self._reading = True
+        self.reads += 1
+        task = asyncio.ensure_future(self._read_many(keys))
+        task.add_done_callback(lambda done: self._done(batch, done))
+
+    def _done(self, batch: dict[str, asyncio.Future[T]], done: asyncio.Future[dict[str, T]]) -> None:
+        self._reading = False
+        failure = None if done.cancelled() else done.exception()
+        found = done.result() if not done.cancelled() and failure is None else {}
+        for key, result in batch.items():
+            if done.cancelled():
+                result.cancel()
+            elif failure is not None:
+                result.set_exception(failure)
+                result.exception()  # retrieved, as SharedReads does
+            else:
+                value = found.get(key, self._missing)
+                if self._seen is not None:
+                    self._seen(value)
+                result.set_result(value)
+        if self._next:
+            self._start()
