@@ -6,9 +6,12 @@ message with a reply subject: a JetStream publish, a key-value write, a read) is
 
     .venv/bin/python bench/nats_requests.py --messages 200                  # one at a time
     .venv/bin/python bench/nats_requests.py --messages 640 --in-flight 64   # 64 sends at once, then one ack
+    .venv/bin/python bench/nats_requests.py --messages 640 --in-flight 64 --pairs  # 64 pairs at once
 
 With --in-flight K, K sends are made at once, their deliveries read and acked in one ack, and again: the
-store's work amortised over batches of K, as at K in flight.
+store's work amortised over batches of K, as at K in flight. With --pairs, the K sends at once are those
+of K different senders to K different recipients (each acks its own), as in the many-agent benchmark:
+nothing of one message's path is shared with another's but what the store shares across keys.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.nats import NatsNode  # noqa: E402
 from inboxmesh.client.mesh import MeshClient  # noqa: E402
-from services.config import MeshConfig, StoreConfig  # noqa: E402
+from services.config import MeshConfig, RunsConfig, StoreConfig  # noqa: E402
 from services.server import Mesh  # noqa: E402
 from services.store.jetstream.store import JetStreamStore  # noqa: E402
 
@@ -63,11 +66,14 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=200)
     parser.add_argument("--in-flight", type=int, default=1, help="sends made at once, then acked together")
+    parser.add_argument("--pairs", action="store_true", help="the sends at once from as many senders to as many"
+                                                             " recipients")
     args = parser.parse_args()
     k = max(1, args.in_flight)
     with tempfile.TemporaryDirectory(prefix="nats-requests-") as tmp, NatsNode(Path(tmp) / "nats") as node:
         store: StoreConfig = node.store_config(nats_namespace=f"b{uuid.uuid4().hex[:8]}", path=Path(tmp) / "mesh.db")
-        config = replace(MeshConfig(port=0, store=store, admin_token=ADMIN), heartbeat_interval_s=60)
+        config = replace(MeshConfig(port=0, store=store, admin_token=ADMIN), heartbeat_interval_s=60,
+                         runs=RunsConfig(max_active_children=2 * k + 2))
         async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN) as client:
             assert isinstance(mesh.store, JetStreamStore)
             nc, ns = mesh.store.conn.nc, mesh.store.conn.ns
@@ -77,7 +83,11 @@ async def main() -> None:
             await a.send(b.agent_id, "warm-up")
             await b.ack(await wait_delivery(stream))
             await asyncio.sleep(1.5)  # the first delivery's deferred state write, the keeper's first pass
-            if k > 1:
+            if args.pairs:
+                senders = [await lead.spawn(f"s{i}") for i in range(k)]
+                sinks = [await lead.spawn(f"r{i}") for i in range(k)]
+                sink_streams = [sink.subscribe(max_in_flight=1).__aiter__() for sink in sinks]
+            elif k > 1:
                 await stream.aclose()
                 stream = b.subscribe(max_in_flight=k).__aiter__()
             sent: collections.Counter[str] = collections.Counter()
@@ -93,6 +103,11 @@ async def main() -> None:
             started = time.monotonic()
             rounds = max(1, args.messages // k)
             for r in range(rounds):
+                if args.pairs:
+                    await asyncio.gather(*(s.send(t.agent_id, f"m{r}") for s, t in zip(senders, sinks)))
+                    got = await asyncio.gather(*(wait_delivery(st) for st in sink_streams))
+                    await asyncio.gather(*(t.ack(seqs) for t, seqs in zip(sinks, got)))
+                    continue
                 await asyncio.gather(*(a.send(b.agent_id, f"m{r}-{i}") for i in range(k)))
                 delivered: list[int] = []
                 while len(delivered) < k:
@@ -101,7 +116,8 @@ async def main() -> None:
             took = time.monotonic() - started
             nc.publish = publish
     n = rounds * k
-    how = "one at a time" if k == 1 else f"{k} sent at once, then acked together"
+    how = ("one at a time" if k == 1 else f"{k} pairs at once, each acking its own" if args.pairs
+           else f"{k} sent at once, then acked together")
     print(f"{n} messages, {how}, in {took:.2f} s; {sum(sent.values()) / n:.2f} NATS messages per message,"
           f" of which {sum(asked.values()) / n:.2f} requests (round trips); by kind, messages (requests):")
     for name, count in sent.most_common():
