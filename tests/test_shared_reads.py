@@ -135,11 +135,3 @@ async def test_a_failed_batched_read_fails_its_callers_only():
     with pytest.raises(ConnectionError):
         await first
     assert await second == ("b", 0)
-
-
-async def test_keys_asked_for_together_go_in_one_read():
-    source = ManySource()
-    source.gate.set()
-    reads = BatchedReads(source.read_many, ("none", -1))
-    assert await reads.get_many(["a", "b", "absent"]) == [("a", 0), ("b", 0), ("none", -1)]
-    assert source.batches == [["a", "b", "absent"]], "one read for the keys of one call, when none is in flight"

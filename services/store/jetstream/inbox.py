@@ -140,10 +140,6 @@ class InboxLog:
         """Agent records as last seen: read before a send and a delivery (agent_cache.py says why that is safe)."""
         self.messages = InboxMessages(conn, agents.fresh)
         self._frontiers: BatchedReads[Frontier | None] = BatchedReads(self._read_frontiers, None)
-        self._states: BatchedReads[kv.Entry[bytes] | None] = BatchedReads(
-            functools.partial(_last_many, conn, "msgs"), None)
-        """Which messages have state entries (a delivery's first question), read across recipients: the
-        deliveries of many agents at the same moment ask in one batched direct get."""
         self.listeners: list[Callable[[str], None]] = []
         """Called with the recipient's subject token when another process appended to it."""
         self._delivered: dict[tuple[str, int], kv.Entry[MessageState]] = {}
@@ -502,9 +498,9 @@ class InboxLog:
             await self._mark(list(again))
             await asyncio.gather(*{self._marking[key] for key in again if key in self._marking})
         ask = [(i, key) for i, key in fresh if key not in again]
-        entries = await self._states.get_many([kv.state_key(*key) for _, key in ask])
-        for (i, key), entry in zip(ask, entries):
-            if entry is None:
+        existing = await kv.last_many(self.conn, "msgs", [kv.state_key(*key) for _, key in ask])
+        for i, key in ask:
+            if kv.state_key(*key) not in existing:
                 firsts[i] = self._unmarked[key] = MessageState.first(batch[i], DELIVERED).first_attempt(now_us)
         if len(self._unmarked) > _UNMARKED_MAX:
             await self._mark(list(self._unmarked))
@@ -872,8 +868,3 @@ class InboxLog:
         page = keys[start:start + limit]
         records = await asyncio.gather(*(self.by_inbox(r, s) for r, s in page))
         return [r for r in records if r is not None], (str(start + limit) if len(page) == limit else "")
-
-
-async def _last_many(conn: JetStreamConnection, bucket: str, keys: list[str]) -> dict[str, kv.Entry[bytes] | None]:
-    """kv.last_many, typed for BatchedReads."""
-    return dict(await kv.last_many(conn, bucket, keys))

@@ -81,19 +81,13 @@ class BatchedReads(Generic[T]):
         self.reads = 0
 
     async def get(self, key: str) -> T:
-        return (await self.get_many([key]))[0]
-
-    async def get_many(self, keys: list[str]) -> list[T]:
-        """The values of several keys, asked for together (one read when none is in flight)."""
-        waiting = []
-        for key in keys:
-            found = self._next.get(key)
-            if found is None:
-                found = self._next[key] = asyncio.get_running_loop().create_future()
-            waiting.append(found)
-        if waiting and not self._reading:
-            self._start()
-        return [await asyncio.shield(one) for one in waiting]
+        waiting = self._next.get(key)
+        if waiting is None:
+            waiting = asyncio.get_running_loop().create_future()
+            self._next[key] = waiting
+            if not self._reading:
+                self._start()
+        return await asyncio.shield(waiting)
 
     def _start(self) -> None:
         keys = list(self._next)[:BATCH_KEYS]
