@@ -1,2 +1,2 @@
-# Fixtures shared by tests/ and harness/ (a real mesh on a free port, clients, spans).
-pytest_plugins = ["tests.fixtures"]
+# Fixtures shared by tests/ and harness/ (a real mesh on a free port, clients, spans; two meshes on an IOA network).
+pytest_plugins = ["tests.fixtures", "tests.ioa_nodes"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from inboxmesh.client.mesh import MeshClient
 from services.config import IoaConfig
+from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, make_config
 
@@ -40,3 +43,21 @@ async def start_node(network, tmp_path, node_id, **ioa) -> Node:
         await node.stop()
         raise
     return node
+
+
+@pytest.fixture
+async def network():
+    """A reference IOA network (recent history 20) for the test."""
+    async with NetworkServer(NetworkConfig(history=20)) as server:
+        yield server
+
+
+@pytest.fixture
+async def nodes(network, tmp_path):
+    """Two meshes on `network`, nodes alpha and beta."""
+    made = [await start_node(network, tmp_path, "alpha"), await start_node(network, tmp_path, "beta")]
+    try:
+        yield made
+    finally:
+        for node in made:
+            await node.stop()

@@ -19,23 +19,6 @@ from tests.ioa_nodes import start_node
 from tests.streams import Collector
 
 
-@pytest.fixture
-async def network():
-    async with NetworkServer(NetworkConfig(history=20)) as server:
-        yield server
-
-
-@pytest.fixture
-async def nodes(network, tmp_path):
-    made = [await start_node(network, tmp_path, "alpha"), await start_node(network, tmp_path, "beta")]
-    try:
-        yield made
-    finally:
-        for node in made:
-            await node.client.close()
-            await node.mesh.stop(grace=0.2)
-
-
 async def _team(node, *names):
     lead = await node.client.register("lead")
     return [lead] + [await lead.spawn(n) for n in names]

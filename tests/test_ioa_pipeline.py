@@ -10,25 +10,7 @@ import pytest
 
 from inboxmesh.client.mesh import envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.ioa_network.server import NetworkConfig, NetworkServer
-from tests.ioa_nodes import start_node
 from tests.streams import Collector
-
-
-@pytest.fixture
-async def network():
-    async with NetworkServer(NetworkConfig(history=20)) as server:
-        yield server
-
-
-@pytest.fixture
-async def nodes(network, tmp_path):
-    made = [await start_node(network, tmp_path, "alpha"), await start_node(network, tmp_path, "beta")]
-    try:
-        yield made
-    finally:
-        for node in made:
-            await node.stop()
 
 
 def _count_in_flight(node) -> list[int]:

@@ -23,7 +23,6 @@ Reads that must see the bucket as it is now (a send's sender before the publish,
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from typing import Any
 
@@ -51,13 +50,18 @@ class AgentCache:
         self._task: asyncio.Task[None] | None = None
         self.reads = 0
         """Records read from the bucket because the copy did not hold them."""
-        learn = functools.partial(_learn, self)
+        learn = self._learn_fresh
         self._fresh: SharedReads[AgentRecord | None] | BatchedReads[AgentRecord | None] = (
             BatchedReads(self._read_many, None, learn) if conn.config.nats_replicas == 1 else
             SharedReads(lambda agent_id: kv.read_agent(conn.agents, agent_id), learn))
         """Reads of the bucket as it is now (`fresh`): with one replica, the agents asked for at about the same
         time in one batched direct get; with more, one read of the leader per agent (a direct get may be
         answered by a follower behind it)."""
+
+    def _learn_fresh(self, record: AgentRecord | None) -> None:
+        """A record read as it is now updates the copy."""
+        if record is not None:
+            self.learn(record)
 
     async def _read_many(self, agent_ids: list[str]) -> dict[str, AgentRecord | None]:
         entries = await kv.last_many(self.conn, "agents", [kv.agent_key(a) for a in agent_ids])
@@ -127,9 +131,3 @@ class AgentCache:
 
     def held(self, agent_id: str) -> AgentRecord | None:
         return self._records.get(agent_id)
-
-
-def _learn(cache: AgentCache, record: AgentRecord | None) -> None:
-    """A record read as it is now updates the copy."""
-    if record is not None:
-        cache.learn(record)

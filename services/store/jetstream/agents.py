@@ -65,12 +65,8 @@ class Agents:
             self.cache.learn(record)
         return record
 
-    async def _index_add(self, key: str, value: str) -> None:
-        await kv.cas(self.conn.agents, key, lambda cur: None if cur and value in cur else [*(cur or []), value],
-                     kv.JSON)
-
-    async def _index_add_all(self, key: str, values: list[str]) -> None:
-        """`_index_add` of several values: one round of read and write."""
+    async def _index_add(self, key: str, values: list[str]) -> None:
+        """Add the values the index does not hold yet: one round of read and write."""
         def added(cur: list[str] | None) -> list[str] | None:
             held = set(cur or ())
             missing = [v for v in dict.fromkeys(values) if v not in held]
@@ -84,7 +80,7 @@ class Agents:
 
     async def _index_record(self, record: AgentRecord) -> None:
         for key in _index_keys(record):
-            await self._index_add(key, record.agent_id)
+            await self._index_add(key, [record.agent_id])
 
     async def create(self, record: AgentRecord) -> AgentRecord:
         if record.parent_id:
@@ -121,7 +117,7 @@ class Agents:
         for record in records:
             for key in _index_keys(record):
                 adding.setdefault(key, []).append(record.agent_id)
-        await asyncio.gather(*(self._index_add_all(key, values) for key, values in adding.items()))
+        await asyncio.gather(*(self._index_add(key, values) for key, values in adding.items()))
         parent_ids = list(dict.fromkeys(r.parent_id for r in records if r.is_open and r.parent_id))
         parents = dict(zip(parent_ids, await asyncio.gather(*(self.get(p) for p in parent_ids))))
         rows: list[EventRow] = []

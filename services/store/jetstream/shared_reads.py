@@ -8,8 +8,9 @@ A lone call waits for nothing: its read starts at once."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -43,16 +44,7 @@ class SharedReads(Generic[T]):
 
     def _done(self, key: str, result: asyncio.Future[T], done: asyncio.Future[T]) -> None:
         self._reading.discard(key)
-        if done.cancelled():
-            result.cancel()
-        elif (failure := done.exception()) is not None:
-            result.set_exception(failure)
-            result.exception()  # retrieved: a failure every caller gave up on is not logged as lost
-        else:
-            value = done.result()
-            if self._seen is not None:
-                self._seen(value)
-            result.set_result(value)
+        _hand_over(result, done, lambda value: value, self._seen)
         if key in self._next:
             self._start(key)
 
@@ -97,20 +89,28 @@ class BatchedReads(Generic[T]):
         task = asyncio.ensure_future(self._read_many(keys))
         task.add_done_callback(lambda done: self._done(batch, done))
 
+    def _value(self, key: str, found: dict[str, T]) -> T:
+        return found.get(key, self._missing)
+
     def _done(self, batch: dict[str, asyncio.Future[T]], done: asyncio.Future[dict[str, T]]) -> None:
         self._reading = False
-        failure = None if done.cancelled() else done.exception()
-        found = done.result() if not done.cancelled() and failure is None else {}
         for key, result in batch.items():
-            if done.cancelled():
-                result.cancel()
-            elif failure is not None:
-                result.set_exception(failure)
-                result.exception()  # retrieved, as SharedReads does
-            else:
-                value = found.get(key, self._missing)
-                if self._seen is not None:
-                    self._seen(value)
-                result.set_result(value)
+            _hand_over(result, done, functools.partial(self._value, key), self._seen)
         if self._next:
             self._start()
+
+
+def _hand_over(waiting: asyncio.Future[T], done: asyncio.Future[Any], value_of: Callable[[Any], T],
+               seen: Callable[[T], None] | None) -> None:
+    """Give a read's outcome to the callers waiting on it: its value (value_of the read's result; `seen`
+    first), its failure, or its cancellation."""
+    if done.cancelled():
+        waiting.cancel()
+    elif (failure := done.exception()) is not None:
+        waiting.set_exception(failure)
+        waiting.exception()  # retrieved: a failure every caller gave up on is not logged as lost
+    else:
+        value = value_of(done.result())
+        if seen is not None:
+            seen(value)
+        waiting.set_result(value)
