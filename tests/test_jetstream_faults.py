@@ -54,6 +54,8 @@ class Traffic:
         self.received: list[str] = []
         self.acked: set[str] = set()
         self.stop = asyncio.Event()
+        self.breaks: list[str] = []
+        """Why the consumer's streams broke (the last ones), for a failing test's message."""
 
     async def send(self, count: int, pause: float = 0.002) -> None:
         clients = [MeshClient(a, timeout=2.0) for a in self.addresses]
@@ -97,7 +99,8 @@ class Traffic:
                     self.received += [m.message_id for m in batch]
                     await target.ack(m.sequence for m in batch)
                     self.acked.update(m.message_id for m in batch)
-            except Exception:  # the replica went away (or its stream broke): take another
+            except Exception as exc:  # the replica went away (or its stream broke): take another
+                self.breaks = [*self.breaks[-9:], f"{address}: {type(exc).__name__}: {str(exc)[:200]}"]
                 await asyncio.sleep(0.1)
             finally:
                 call.cancel()
@@ -141,6 +144,21 @@ async def _settled(traffic: Traffic) -> bool:
     return True
 
 
+async def _left(traffic: Traffic, processes: tuple[MeshProcess, ...]) -> str:
+    """What a test that timed out waiting for the last acks needs to say: the messages left, their
+    states, why the consumer's streams broke, and the last lines of each mesh process."""
+    left = sorted(set(traffic.accepted) - traffic.acked)
+    states = {}
+    with contextlib.suppress(Exception):
+        async with MeshClient(traffic.addresses[-1], timeout=5.0) as client:
+            sender = client.agent(*traffic.sender_info)
+            for message_id in left[:20]:
+                states[message_id] = pb.MessageState.Name((await sender.status(message_id)).state)
+    outputs = "\n".join(f"--- {p.address} ---\n{p.output()[-4000:]}" for p in processes)
+    return (f"{len(left)} of {len(traffic.accepted)} accepted not acked; received {len(traffic.received)}; "
+            f"states {states}; stream breaks {traffic.breaks}\n{outputs}")
+
+
 async def _events(admin: MeshClient, agent_id: str, kind: int) -> list[ev.Event]:
     found: list[ev.Event] = []
     after = 0
@@ -161,13 +179,16 @@ async def _pair(address: str):
 
 
 @contextlib.asynccontextmanager
-async def running(traffic: Traffic, count: int, settle_s: float = 60):
+async def running(traffic: Traffic, count: int, settle_s: float = 60, processes: tuple[MeshProcess, ...] = ()):
     consumer = asyncio.create_task(traffic.consume())
     sender = asyncio.create_task(traffic.send(count))
     try:
         yield sender
         await sender
-        await eventually(lambda: _settled(traffic), timeout=settle_s, message="every accepted message acked")
+        try:
+            await eventually(lambda: _settled(traffic), timeout=settle_s, message="every accepted message acked")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {await _left(traffic, processes)}") from None
     finally:
         sender.cancel()
         traffic.stop.set()
@@ -215,7 +236,7 @@ async def test_a_killed_replica_loses_nothing_and_its_host_resumes_on_another(tm
         with replica(tmp_path, node, "r1") as r1, replica(tmp_path, node, "r2") as r2:
             sender, target = await _pair(r1.address)
             traffic = Traffic([r1.address, r2.address], sender, target)
-            async with running(traffic, 300):
+            async with running(traffic, 300, processes=(r1, r2)):
                 await eventually(lambda: len(traffic.received) >= 60, timeout=30, message="traffic flowing")
                 r1.kill()  # kill -9 mid-stream: the consumer moves to r2, the sender retries there
             async with MeshClient(r2.address, admin_token=ADMIN_TOKEN) as admin:
@@ -232,7 +253,7 @@ async def test_a_restarted_nats_node_loses_nothing_accepted(tmp_path):
         with replica(tmp_path, node, "r1") as r1:
             sender, target = await _pair(r1.address)
             traffic = Traffic([r1.address], sender, target)
-            async with running(traffic, 200, settle_s=240):
+            async with running(traffic, 200, settle_s=240, processes=(r1,)):
                 await eventually(lambda: len(traffic.received) >= 50, timeout=30, message="traffic flowing")
                 node.kill()  # kill -9 mid-burst: what was acknowledged is on disk (fsynced first)
                 await asyncio.sleep(1.0)
@@ -255,7 +276,7 @@ async def test_one_node_of_three_killed_mid_burst_and_restarted_loses_nothing_ac
                 replica(tmp_path, cluster, "r2") as r2:
             sender, target = await _pair(r1.address)
             traffic = Traffic([r1.address, r2.address], sender, target)
-            async with running(traffic, 300, settle_s=240):
+            async with running(traffic, 300, settle_s=240, processes=(r1, r2)):
                 await eventually(lambda: len(traffic.received) >= 50, timeout=30, message="traffic flowing")
                 cluster.nodes[0].kill()
                 await eventually(lambda: len(traffic.received) >= 150, timeout=60, message="traffic on two nodes")
