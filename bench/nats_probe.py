@@ -10,7 +10,12 @@ are read against (docs/benchmarks.md, "Stores: SQLite and JetStream"):
 - atomic batches (nats-server 2.12+) against the same messages published one at a time, pipelined,
   through the store's own JetStreamConnection: the latency of one call, and messages/s with 1 and 8 calls
   in flight, for 2, 8, 32, 128 and 400 messages a call (why the store batches only from BATCH_MIN messages
-  up, and what a batch costs whatever its size).
+  up, and what a batch costs whatever its size);
+- fast batches (nats-server 2.14+, `allow_batched`: not atomic, the server acking every N messages and the
+  commit) against atomic batches and pipelined publishes, raw nats-py on a stream of its own: why the store
+  does not use them (on a one-replica file stream each message is still written and fsynced on its own,
+  while an atomic batch is staged whole and written with one sync, after setting up a staging store of
+  its own: nats-server's newBatchStore, a file store for each batch, the batch's floor).
 
     .venv/bin/python bench/nats_probe.py [--count 2000] [--lazy-fsync]
 """
@@ -136,6 +141,63 @@ async def atomic_batches(node: NatsNode, data: Path, seconds: float = 2.0) -> di
     return result
 
 
+async def fast_batches(url: str) -> dict[str, Any]:
+    """One call's latency (median of 15) for a fast batch (gap mode "fail", committed by its last message,
+    answered once all are stored), an atomic batch and pipelined publishes, of 2 to 128 messages."""
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        made = await nc.request("$JS.API.STREAM.CREATE.FB", json.dumps({
+            "name": "FB", "subjects": ["fb.*"], "storage": "file", "allow_atomic": True,
+            "allow_batched": True}).encode())
+        if b'"error"' in made.data:
+            return {"fast batches": f"not supported here: {made.data[:160]!r}"}
+        answers: dict[str, asyncio.Future[dict[str, Any]]] = {}
+
+        async def on_reply(msg: Any) -> None:  # flow acks ("type": "ack") come every N; the commit's pub ack
+            data = json.loads(msg.data) if msg.data else {}
+            waiting = answers.get(msg.subject.split(".")[1])
+            if data.get("type") is None and waiting is not None and not waiting.done():
+                waiting.set_result(data)
+
+        await nc.subscribe("_FB.>", cb=on_reply)
+        tokens = iter(range(1, 1 << 62))
+
+        async def fast(n: int) -> None:
+            batch = f"f{next(tokens)}"
+            answers[batch] = waiting = asyncio.get_running_loop().create_future()
+            for i in range(1, n + 1):  # reply: <prefix>.<id>.<flow>.<gap mode>.<sequence>.<operation>.$FI
+                operation = 0 if i == 1 else 2 if i == n else 1  # start, append, commit
+                await nc.publish("fb.a", PAYLOAD, reply=f"_FB.{batch}.{n}.fail.{i}.{operation}.$FI")
+            try:
+                answer = await asyncio.wait_for(waiting, 10)
+            finally:
+                answers.pop(batch, None)
+            assert answer.get("count") == n, answer
+
+        async def atomic(n: int) -> None:
+            batch = f"a{next(tokens)}"
+            for i in range(1, n):
+                await nc.publish("fb.a", PAYLOAD, headers={"Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i)})
+            answer = await nc.request("fb.a", PAYLOAD, headers={"Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(n),
+                                                                "Nats-Batch-Commit": "1"})
+            assert json.loads(answer.data).get("count") == n, answer.data
+
+        js = nc.jetstream()
+
+        async def pipelined(n: int) -> None:
+            await asyncio.gather(*(js.publish("fb.a", PAYLOAD) for _ in range(n)))
+
+        result: dict[str, Any] = {}
+        for size in (2, 32, 128):
+            for way, call in (("fast batch", fast), ("atomic batch", atomic), ("pipelined", pipelined)):
+                result[f"{size} messages, {way} (raw): one call"] = await _latency(15, lambda i, c=call: c(size))
+        return result
+    finally:
+        await nc.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=2000, help="publishes per rate measurement")
@@ -146,6 +208,7 @@ def main() -> None:
             NatsNode(Path(data) / "nats", durable=not args.lazy_fsync) as node:
         result = asyncio.run(probe(node.url, args.count))
         result.update(asyncio.run(atomic_batches(node, Path(data))))
+        result.update(asyncio.run(fast_batches(node.url)))
     for name, value in result.items():
         print(f"{name:<40} {value}")
 
