@@ -192,7 +192,7 @@ async def fast_batches(url: str) -> dict[str, Any]:
         result: dict[str, Any] = {}
         for size in (2, 32, 128):
             for way, call in (("fast batch", fast), ("atomic batch", atomic), ("pipelined", pipelined)):
-                result[f"{size} messages, {way} (raw): one call"] = await _latency(15, lambda i, c=call: c(size))
+                result[f"{size} messages, {way} (raw): one call"] = await _latency(15, lambda i, c=call, n=size: c(n))
         return result
     finally:
         await nc.close()
