@@ -89,7 +89,8 @@ def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) ->
     writer = InboxWriter(store, directory, limits, hub)
     relay = None
     if config.ioa is not None:
-        relay = IoaRelay(config.ioa, store, limits.max_hops, deliver=writer.deliver_from_ioa)
+        relay = IoaRelay(config.ioa, store, limits.max_hops, deliver=writer.deliver_from_ioa,
+                         stored=store.get_message_by_sender)
     inbox = InboxService(store, store, directory, limits, hub, writer,
                          forward_to_ioa=relay.start_forward if relay is not None else None)
     routing_service = None

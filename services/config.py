@@ -89,6 +89,15 @@ class IoaConfig:
     inbound_queue: int = 10_000
     """Inbound messages waiting to be stored; the relay stops reading the
     network while it is full."""
+    resequence_wait_s: float = 10.0
+    """How long a received message waits for the one its sender sent before
+    it to the same agent (per-pair order) before it is stored without it
+    (an IOA_GAP event): as long as a sending relay keeps publishing a
+    message (its receipt_timeout_s) by default."""
+    hold_limit: int = 10_000
+    """Received messages held for their predecessors at most; a message
+    that would be held beyond it is not stored and not answered now (its
+    sender publishes it again)."""
 
 
 @dataclass(frozen=True)

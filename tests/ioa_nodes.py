@@ -2,15 +2,62 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
+import grpc
 import pytest
 
 from inboxmesh.client.mesh import MeshClient
+from inboxmesh.ioa.v1 import network_pb2 as net
+from inboxmesh.ioa.v1 import network_pb2_grpc
 from services.config import IoaConfig
 from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, make_config
+
+
+class NodeClient:
+    """A raw node on the IOA network (no relay): what it publishes and receives, frame by frame."""
+
+    def __init__(self, channel, node_id):
+        self.call = network_pb2_grpc.IoaNetworkStub(channel).Connect()
+        self.node_id = node_id
+        self.frames: asyncio.Queue = asyncio.Queue()
+        self.publish_id = 0
+
+    async def connect(self):
+        await self.call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id)))
+        self.reader = asyncio.create_task(self._read())
+        return await self.next("welcome")
+
+    async def _read(self):
+        try:
+            async for frame in self.call:
+                await self.frames.put(frame)
+        except grpc.aio.AioRpcError:
+            pass
+
+    async def next(self, kind, timeout=5):
+        async with asyncio.timeout(timeout):
+            while True:
+                frame = await self.frames.get()
+                if frame.WhichOneof("frame") == kind:
+                    return getattr(frame, kind)
+
+    async def publish(self, ioa_id, *, to=None, space=None, text="", headers=None):
+        self.publish_id += 1
+        message = net.IoaMessage(ioa_message_id=ioa_id, text=text, headers=headers or {})
+        getattr(message, "from").CopyFrom(net.Address(node="spoofed", agent="me"))  # `from` is a Python keyword
+        if to:
+            message.direct.CopyFrom(net.Address(node=to[0], agent=to[1]))
+        if space:
+            message.space = space
+        await self.call.write(net.NodeFrame(publish=net.Publish(message=message, publish_id=self.publish_id)))
+        return await self.next("result")
+
+    def close(self):
+        self.call.cancel()
 
 
 class Node:

@@ -73,21 +73,25 @@ class InboxWriter:
     async def deliver_from_ioa(self, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
         """Store messages the IOA relay received, in order, by the ordinary
         path (same receipts, same events). Their senders are IOA addresses and
-        their message ids IOA message ids, so redeliveries are duplicates."""
-        groups: list[list[AppendItem]] = []
-        for env in envelopes:
+        their message ids IOA message ids, so redeliveries are duplicates.
+        Each sender's messages go as one group, in the order given (the
+        relay hands them over in per-pair order); the outcomes come in the
+        order of `envelopes`."""
+        by_sender: dict[str, list[tuple[int, AppendItem]]] = {}
+        for index, env in enumerate(envelopes):
             if not env.sender.startswith(IOA_PREFIX) or env.origin.kind != envelope_pb2.ORIGIN_KIND_IOA:
                 raise errors.Internal(f"relay delivered {env.message_id} without an IOA sender and origin")
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
             rejection = self.loop_rejection(env)
             if rejection is None and await self._directory.get(env.recipient) is None:
                 rejection = (UNKNOWN_TARGET, f"no agent {env.recipient}")
-            item = AppendItem(env, rejection)
-            if groups and groups[-1][0].envelope.sender == env.sender:
-                groups[-1].append(item)
-            else:
-                groups.append([item])
-        return await self.store(groups, now_us())
+            by_sender.setdefault(env.sender, []).append((index, AppendItem(env, rejection)))
+        groups = list(by_sender.values())
+        stored = await self.store([[item for _, item in group] for group in groups], now_us())
+        outcomes: list[SendOutcome | None] = [None] * len(envelopes)
+        for (index, _), outcome in zip((entry for group in groups for entry in group), stored):
+            outcomes[index] = outcome
+        return [outcome for outcome in outcomes if outcome is not None]
 
     async def store(self, groups: list[list[AppendItem]], now: int, *, in_order: bool = False) -> list[SendOutcome]:
         """Append groups of messages (one sender per group) in one commit, in

@@ -25,7 +25,8 @@ class IoaRelayServicer(relay_pb2_grpc.IoaRelayServiceServicer):
         return pb.RelayStatusResponse(
             node_id=relay.node_id, network=relay.config.network, connected=relay.connected.is_set(),
             reconnects=relay.reconnects, spaces=sorted(relay.spaces), forwarded=relay.counts["forwarded"],
-            received=relay.counts["received"], duplicates=relay.counts["duplicates"])
+            received=relay.counts["received"], duplicates=relay.counts["duplicates"], held=relay.counts["held"],
+            holding=relay.holding, gaps=relay.counts["gaps"] + relay.counts["hold_full"])
 
     @unary
     async def MapAddress(self, request: pb.MapAddressRequest, context) -> pb.MapAddressResponse:

@@ -24,6 +24,12 @@ comes back DUPLICATE and is never consumed twice. Nothing is filtered by
 node id: a message from a sibling on this same node is delivered like any
 other. A message that came from IOA is never published again, and hop
 counts and the trail (services.ioa.trail) stop loops between relays.
+
+Order: each message names the one its sender sent before it to the same
+agent while that one has no receipt (header AFTER); the receiving relay
+holds it until that one is answered, or for config.resequence_wait_s at
+most (then an IOA_GAP), so a pair's messages are stored in the order sent
+whatever order the network delivers them in (docs/ioa.md, "Order").
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import logging
 import random
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -99,9 +106,33 @@ PARKED_ANSWERS = 1_000
 """Answers (one IOA message of receipts each) kept while this relay is not connected, sent when it is
 again; beyond that the oldest are dropped (their senders publish again and get them from the memory)."""
 
+AFTER = H + "after"
+"""Header: the IOA id of the message the same sender sent to the same agent before this one, while that
+one has no receipt yet (per-pair order); the receiving relay stores this one only once that one is
+answered, or its resequence wait is over."""
+SWEEP_S = 0.25
+"""How often the receiving relay looks for held messages whose resequence wait is over."""
+
 DeliverFromIoa = Callable[[list[env_pb.Envelope]], Awaitable[list[SendOutcome]]]
 """Stores inbound messages by the ordinary inbox path, one receipt each
 (services.inbox.writer.InboxWriter.deliver_from_ioa)."""
+StoredMessage = Callable[[str, str], Awaitable[Any]]
+"""The stored message a sender sent with a message id, or None (MessageStore.get_message_by_sender): whether
+a predecessor this relay has no memory of was stored (after a restart)."""
+Pair = tuple[str, str]
+"""(local sender, IOA recipient address): what per-pair order is kept for."""
+
+
+@dataclass(eq=False)
+class _Arrival:
+    """A received IOA message on its way to the store: its sender's address and IOA id, its attempt, its
+    ioa.receive span, and what it waits for (the predecessor's key), when held."""
+    message: net.IoaMessage
+    key: tuple[str, str]
+    attempt: str
+    span: trace.Span
+    after: tuple[str, str] | None = None
+    since: float = 0.0
 
 
 class Forwarding:
@@ -136,7 +167,8 @@ def parse_address(address: str) -> tuple[str, str]:
 
 
 class IoaRelay:
-    def __init__(self, config: IoaConfig, events: EventStore, max_hops: int, deliver: DeliverFromIoa):
+    def __init__(self, config: IoaConfig, events: EventStore, max_hops: int, deliver: DeliverFromIoa,
+                 stored: StoredMessage):
         self.config = config
         self.node_id = config.node_id
         self.relay_id = uuid.uuid4().hex[:12]
@@ -169,6 +201,17 @@ class IoaRelay:
         self._stopping = False
         self._known_nodes: set[str] = set()
         """Nodes heard from (KNOWN_NODES)."""
+        self._unanswered: dict[Pair, dict[tuple[str, str], str]] = {}
+        """Per pair, its messages published and not answered yet, in publishing order: (IOA id, attempt) ->
+        IOA id. A message published names the last of them (AFTER)."""
+        self._stored = stored
+        self._handled: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        """(sender address, IOA id) of the messages this relay answered (any receipt), the latest
+        RECEIPT_MEMORY: a message held for one of them is stored."""
+        self._held: collections.OrderedDict[tuple[str, str], _Arrival] = collections.OrderedDict()
+        """Received messages waiting for their predecessors, oldest first (at most config.hold_limit)."""
+        self._waiting: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        """A predecessor's key -> the keys of the held messages waiting for it."""
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -186,6 +229,11 @@ class IoaRelay:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._channel.close()
+
+    @property
+    def holding(self) -> int:
+        """Received messages held for their predecessors now."""
+        return len(self._held)
 
     async def wait_connected(self, timeout: float) -> None:
         await asyncio.wait_for(self.connected.wait(), timeout)
@@ -317,6 +365,12 @@ class IoaRelay:
             self._receipts[(ioa_id, attempt)] = (node, future)
             message = to_message(env, node=self.node_id, relay_id=self.relay_id, sender_id=sender_id, ioa_id=ioa_id,
                                  to=(node, agent), attempt=attempt, trail=trail, span=span)
+            # per-pair order: name the pair's last message still without its receipt (published in this
+            # order: the calls take _in_order in the order they build their messages, with no await between)
+            unanswered = self._unanswered.setdefault((sender_id, env.recipient), {})
+            if unanswered:
+                message.headers[AFTER] = next(reversed(unanswered.values()))
+            unanswered[(ioa_id, attempt)] = ioa_id
             pending.append((index, ioa_id, message, future, span))
         firsts: list[asyncio.Future[net.PublishResult]] = []
         try:
@@ -331,21 +385,40 @@ class IoaRelay:
                 for _, _, message, _, _ in pending:
                     firsts.append(await self._write_first(message))
         except BaseException:
-            self._forgotten(pending)
+            self._forgotten(pending, sender_id, envelopes)
             raise
         deadline = loop.time() + self.config.receipt_timeout_s
         # each message's copies published again as needed from now on, whenever its receipts are asked for
-        answers = asyncio.gather(*(self._deliver(message, future, deadline, first)
-                                   for (_, _, message, future, _), first in zip(pending, firsts)),
+        answers = asyncio.gather(*(self._deliver_in_pair((sender_id, envelopes[index].recipient), message, future,
+                                                         deadline, first)
+                                   for (index, _, message, future, _), first in zip(pending, firsts)),
                                  return_exceptions=True)
-        answers.add_done_callback(lambda _: self._forgotten(pending))  # answered or cancelled: nothing waits
+        answers.add_done_callback(lambda _: self._forgotten(pending, sender_id, envelopes))  # nothing waits now
         return Forwarding(self, sender_id, envelopes, outcomes, pending, answers)
 
-    def _forgotten(self, pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]]) -> None:
+    def _forgotten(self, pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]], sender_id: str,
+                   envelopes: list[env_pb.Envelope]) -> None:
         """Stop waiting for these messages' receipts."""
-        for _, _, message, _, span in pending:
+        for index, _, message, _, span in pending:
             self._receipts.pop((message.ioa_message_id, message.headers[H + "attempt"]), None)
+            self._answered_in_pair((sender_id, envelopes[index].recipient), message)
             span.end()
+
+    async def _deliver_in_pair(self, pair: Pair, message: net.IoaMessage, receipt: asyncio.Future, deadline: float,
+                               first: asyncio.Future[net.PublishResult]) -> dict | net.PublishResult:
+        """_deliver; once it ends (a receipt, a refusal, the deadline), the pair's later messages no longer
+        name this one."""
+        try:
+            return await self._deliver(message, receipt, deadline, first)
+        finally:
+            self._answered_in_pair(pair, message)
+
+    def _answered_in_pair(self, pair: Pair, message: net.IoaMessage) -> None:
+        unanswered = self._unanswered.get(pair)
+        if unanswered is not None:
+            unanswered.pop((message.ioa_message_id, message.headers[H + "attempt"]), None)
+            if not unanswered:
+                del self._unanswered[pair]
 
     async def _write_first(self, message: net.IoaMessage) -> asyncio.Future[net.PublishResult]:
         """Write a message's first copy now; the future gets the network's PublishResult, or the
@@ -519,30 +592,125 @@ class IoaRelay:
 
     async def _store_inbound(self) -> None:
         while True:
-            batch = [await self._inbound.get()]
+            try:  # while messages are held, look for those whose wait is over every SWEEP_S
+                first = await (asyncio.wait_for(self._inbound.get(), SWEEP_S) if self._held else self._inbound.get())
+            except TimeoutError:
+                first = None
+            batch = [] if first is None else [first]
             while not self._inbound.empty() and len(batch) < 256:
                 batch.append(self._inbound.get_nowait())
             try:
-                await self._store_batch(batch)
+                await self._take(batch)
             except Exception:  # a failure must not end inbound delivery; the senders publish again
                 log.exception("relay %s could not store %d inbound messages", self.node_id, len(batch))
 
-    async def _store_batch(self, batch: list[net.IoaMessage]) -> None:
+    async def _take(self, batch: list[net.IoaMessage]) -> None:
+        """Store what arrived, in per-pair order: a message whose predecessor (AFTER) is not answered yet is
+        held; once it is, the message is stored, and so on down the chain. A held message whose wait is
+        over is stored without it (IOA_GAP)."""
+        ready = await self._in_pair_order(batch)
+        overdue = self._overdue()
+        if overdue:
+            self.counts["gaps"] += len(overdue)
+            at = now_us()
+            await self._events.record_events([ev.Event(
+                kind=ev.EVENT_KIND_IOA_GAP, at_us=at, agent_id=a.message.direct.agent,
+                message_id=a.message.ioa_message_id, sender=a.key[0], recipient=a.message.direct.agent,
+                trace_id=trace_id(a.span), detail=(f"stored without {a.after[1] if a.after else ''}: not answered"
+                                                   f" within {self.config.resequence_wait_s:g}s"))
+                for a in overdue], lazy=False)
+        ready += overdue
+        while ready:
+            await self._store_batch(ready)
+            ready = [self._held.pop(key) for arrival in ready for key in self._waiting.pop(arrival.key, ())
+                     if key in self._held]
+
+    async def _in_pair_order(self, batch: list[net.IoaMessage]) -> list[_Arrival]:
+        """The arrivals that may be stored now, in the order they came; the others held (IOA_HELD), or, past
+        the hold's limit, neither stored nor answered (their senders publish them again)."""
+        ready: list[_Arrival] = []
+        taken: set[tuple[str, str]] = set()
+        events: list[ev.Event] = []
+        at = now_us()
+        for message in batch:
+            sender = getattr(message, "from")
+            key = (address_of(sender.node, sender.agent), message.ioa_message_id)
+            span = tracer.start_span("ioa.receive", context=context_of_headers(message.headers), attributes={
+                "inboxmesh.ioa.message_id": message.ioa_message_id, "inboxmesh.ioa.from": sender.node})
+            arrival = _Arrival(message, key, message.headers.get(H + "attempt", ""), span)
+            events.append(ev.Event(kind=ev.EVENT_KIND_IOA_RECEIVED, at_us=at, agent_id=message.direct.agent,
+                                   message_id=message.ioa_message_id, sender=key[0], recipient=message.direct.agent,
+                                   trace_id=trace_id(span), detail=f"from node {sender.node}"))
+            after = message.headers.get(AFTER, "")
+            predecessor = (key[0], after)
+            waits = bool(after) and len(after) <= MEMORY_KEY_CHARS and key not in self._handled and \
+                predecessor not in taken and predecessor not in self._handled
+            if waits:  # not answered here lately (or this relay restarted since): the store may have it
+                waits = await self._stored(*predecessor) is None
+            if not waits:
+                ready.append(arrival)
+                taken.add(key)
+                continue
+            if key in self._held:  # a copy of a message held already: the held one is answered in time
+                self.counts["duplicates"] += 1
+                span.end()
+                events.append(ev.Event(kind=ev.EVENT_KIND_IOA_DUPLICATE, at_us=at, agent_id=message.direct.agent,
+                                       message_id=message.ioa_message_id, sender=key[0],
+                                       recipient=message.direct.agent, detail="a copy of a held message"))
+                continue
+            span.set_attribute("inboxmesh.ioa.after", after[:MEMORY_KEY_CHARS])
+            if len(self._held) >= self.config.hold_limit:
+                self.counts["hold_full"] += 1
+                span.set_attribute("inboxmesh.receipt", "not answered: the hold is full")
+                span.end()
+                events.append(ev.Event(kind=ev.EVENT_KIND_IOA_GAP, at_us=at, agent_id=message.direct.agent,
+                                       message_id=message.ioa_message_id, sender=key[0],
+                                       recipient=message.direct.agent, detail=(
+                                           f"the hold is full ({self.config.hold_limit} messages): neither stored"
+                                           " nor answered now; its sender publishes it again")))
+                continue
+            arrival.after, arrival.since = predecessor, asyncio.get_running_loop().time()
+            self._held[key] = arrival
+            self._waiting.setdefault(predecessor, []).append(key)
+            self.counts["held"] += 1
+            events.append(ev.Event(kind=ev.EVENT_KIND_IOA_HELD, at_us=at, agent_id=message.direct.agent,
+                                   message_id=message.ioa_message_id, sender=key[0], recipient=message.direct.agent,
+                                   trace_id=trace_id(span), detail=f"waits for {after}"))
+        await self._events.record_events(events, lazy=False)
+        return ready
+
+    def _overdue(self) -> list[_Arrival]:
+        """Held messages whose resequence wait is over: stored without their predecessors (IOA_GAP)."""
+        limit = asyncio.get_running_loop().time() - self.config.resequence_wait_s
+        overdue: list[_Arrival] = []
+        while self._held:
+            arrival = next(iter(self._held.values()))
+            if arrival.since > limit:
+                break
+            del self._held[arrival.key]
+            assert arrival.after is not None
+            waiting = self._waiting.get(arrival.after, [])
+            if arrival.key in waiting:
+                waiting.remove(arrival.key)
+            if not waiting:
+                self._waiting.pop(arrival.after, None)
+            overdue.append(arrival)
+        return overdue
+
+    async def _store_batch(self, batch: list[_Arrival]) -> None:
         """Store a batch of inbound messages and answer their senders. A
         copy of an attempt this relay answered before gets that answer again
         without being stored; a message whose headers are over their bounds
         is refused (NOT_PERMITTED) without being stored."""
-        keys, attempts, spans = [], [], []
+        keys = [arrival.key for arrival in batch]
+        attempts = [arrival.attempt for arrival in batch]
+        spans = [arrival.span for arrival in batch]
+        messages = [arrival.message for arrival in batch]
         outcomes: list[SendOutcome | None] = [None] * len(batch)
         copies = [False] * len(batch)
         refused: list[int] = []
         storing: list[tuple[int, env_pb.Envelope]] = []
-        for index, message in enumerate(batch):
-            sender = getattr(message, "from")
-            keys.append((address_of(sender.node, sender.agent), message.ioa_message_id))
-            attempts.append(message.headers.get(H + "attempt", ""))
-            spans.append(tracer.start_span("ioa.receive", context=context_of_headers(message.headers), attributes={
-                "inboxmesh.ioa.message_id": message.ioa_message_id, "inboxmesh.ioa.from": sender.node}))
+        for index, message in enumerate(messages):
             known = self._answered_before(keys[index], attempts[index])
             if known is not None:
                 outcomes[index], copies[index] = known, True
@@ -555,10 +723,6 @@ class IoaRelay:
                                               detail=str(exc))
                 refused.append(index)
         at = now_us()
-        await self._events.record_events([ev.Event(
-            kind=ev.EVENT_KIND_IOA_RECEIVED, at_us=at, agent_id=m.direct.agent, message_id=m.ioa_message_id,
-            sender=key[0], recipient=m.direct.agent, trace_id=trace_id(span),
-            detail=f"from node {getattr(m, 'from').node}") for m, key, span in zip(batch, keys, spans)], lazy=False)
         if storing:
             delivered = await self._deliver_inbound([env for _, env in storing])
             for (index, _), outcome in zip(storing, delivered):
@@ -569,7 +733,7 @@ class IoaRelay:
                            message_id=done[i].message_id, sender=keys[i][0], recipient=done[i].recipient,
                            detail="not_permitted") for i in refused]
         answers: dict[str, list[dict]] = collections.defaultdict(list)
-        for index, (message, span) in enumerate(zip(batch, spans)):
+        for index, (message, span) in enumerate(zip(messages, spans)):
             outcome, key, attempt = done[index], keys[index], attempts[index]
             if not copies[index] and outcome.status == DUPLICATE:
                 known = self._answered_before(key, attempt)  # an earlier copy in this same batch
@@ -577,6 +741,8 @@ class IoaRelay:
                     outcome, copies[index] = known, True
             elif not copies[index] and attempt:
                 self._remember(key, attempt, outcome)
+            self._handled[key] = None
+            self._handled.move_to_end(key)
             self.counts["received"] += 1
             span.set_attribute("inboxmesh.receipt", inbox_pb2.ReceiptStatus.Name(outcome.status))
             span.end()
@@ -593,6 +759,8 @@ class IoaRelay:
                     "for": message.ioa_message_id, "attempt": attempt,
                     "status": inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower(),
                     "sequence": outcome.sequence, "stored_at_us": outcome.stored_at_us, "detail": outcome.detail})
+        while len(self._handled) > RECEIPT_MEMORY:
+            self._handled.popitem(last=False)
         if events:
             await self._events.record_events(events)
         for node, receipts in answers.items():

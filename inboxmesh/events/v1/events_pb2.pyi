@@ -22,6 +22,8 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_IOA_PUBLISHED: _ClassVar[EventKind]
     EVENT_KIND_IOA_RECEIVED: _ClassVar[EventKind]
     EVENT_KIND_IOA_DUPLICATE: _ClassVar[EventKind]
+    EVENT_KIND_IOA_HELD: _ClassVar[EventKind]
+    EVENT_KIND_IOA_GAP: _ClassVar[EventKind]
     EVENT_KIND_AGENT_SPAWNED: _ClassVar[EventKind]
     EVENT_KIND_AGENT_WOKEN: _ClassVar[EventKind]
     EVENT_KIND_TURN_STARTED: _ClassVar[EventKind]
@@ -53,6 +55,8 @@ EVENT_KIND_NOTICE_UNDELIVERED: EventKind
 EVENT_KIND_IOA_PUBLISHED: EventKind
 EVENT_KIND_IOA_RECEIVED: EventKind
 EVENT_KIND_IOA_DUPLICATE: EventKind
+EVENT_KIND_IOA_HELD: EventKind
+EVENT_KIND_IOA_GAP: EventKind
 EVENT_KIND_AGENT_SPAWNED: EventKind
 EVENT_KIND_AGENT_WOKEN: EventKind
 EVENT_KIND_TURN_STARTED: EventKind

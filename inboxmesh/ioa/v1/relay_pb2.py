@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from inboxmesh.ioa.v1 import network_pb2 as inboxmesh_dot_ioa_dot_v1_dot_network__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cinboxmesh/ioa/v1/relay.proto\x12\x10inboxmesh.ioa.v1\x1a\x1einboxmesh/ioa/v1/network.proto\"\x14\n\x12RelayStatusRequest\"\xa7\x01\n\x13RelayStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07network\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x12\n\nreconnects\x18\x04 \x01(\r\x12\x0e\n\x06spaces\x18\x05 \x03(\t\x12\x11\n\tforwarded\x18\x06 \x01(\x04\x12\x10\n\x08received\x18\x07 \x01(\x04\x12\x12\n\nduplicates\x18\x08 \x01(\x04\"E\n\x11MapAddressRequest\x12\x12\n\x08\x61gent_id\x18\x01 \x01(\tH\x00\x12\x11\n\x07\x61\x64\x64ress\x18\x02 \x01(\tH\x00\x42\t\n\x07subject\"e\n\x12MapAddressResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x03ioa\x18\x02 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.Address\x12\x16\n\x0elocal_agent_id\x18\x03 \x01(\t\"/\n\x10SpaceSendRequest\x12\r\n\x05space\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"l\n\x11SpaceSendResponse\x12\x16\n\x0eioa_message_id\x18\x01 \x01(\t\x12/\n\x06status\x18\x02 \x01(\x0e\x32\x1f.inboxmesh.ioa.v1.PublishStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"C\n\x10SpaceReadRequest\x12\r\n\x05space\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"C\n\x11SpaceReadResponse\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessage2\xf2\x02\n\x0fIoaRelayService\x12Z\n\x0bRelayStatus\x12$.inboxmesh.ioa.v1.RelayStatusRequest\x1a%.inboxmesh.ioa.v1.RelayStatusResponse\x12W\n\nMapAddress\x12#.inboxmesh.ioa.v1.MapAddressRequest\x1a$.inboxmesh.ioa.v1.MapAddressResponse\x12T\n\tSpaceSend\x12\".inboxmesh.ioa.v1.SpaceSendRequest\x1a#.inboxmesh.ioa.v1.SpaceSendResponse\x12T\n\tSpaceRead\x12\".inboxmesh.ioa.v1.SpaceReadRequest\x1a#.inboxmesh.ioa.v1.SpaceReadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cinboxmesh/ioa/v1/relay.proto\x12\x10inboxmesh.ioa.v1\x1a\x1einboxmesh/ioa/v1/network.proto\"\x14\n\x12RelayStatusRequest\"\xd4\x01\n\x13RelayStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07network\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x12\n\nreconnects\x18\x04 \x01(\r\x12\x0e\n\x06spaces\x18\x05 \x03(\t\x12\x11\n\tforwarded\x18\x06 \x01(\x04\x12\x10\n\x08received\x18\x07 \x01(\x04\x12\x12\n\nduplicates\x18\x08 \x01(\x04\x12\x0c\n\x04held\x18\t \x01(\x04\x12\x0f\n\x07holding\x18\n \x01(\r\x12\x0c\n\x04gaps\x18\x0b \x01(\x04\"E\n\x11MapAddressRequest\x12\x12\n\x08\x61gent_id\x18\x01 \x01(\tH\x00\x12\x11\n\x07\x61\x64\x64ress\x18\x02 \x01(\tH\x00\x42\t\n\x07subject\"e\n\x12MapAddressResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x03ioa\x18\x02 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.Address\x12\x16\n\x0elocal_agent_id\x18\x03 \x01(\t\"/\n\x10SpaceSendRequest\x12\r\n\x05space\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"l\n\x11SpaceSendResponse\x12\x16\n\x0eioa_message_id\x18\x01 \x01(\t\x12/\n\x06status\x18\x02 \x01(\x0e\x32\x1f.inboxmesh.ioa.v1.PublishStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"C\n\x10SpaceReadRequest\x12\r\n\x05space\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"C\n\x11SpaceReadResponse\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessage2\xf2\x02\n\x0fIoaRelayService\x12Z\n\x0bRelayStatus\x12$.inboxmesh.ioa.v1.RelayStatusRequest\x1a%.inboxmesh.ioa.v1.RelayStatusResponse\x12W\n\nMapAddress\x12#.inboxmesh.ioa.v1.MapAddressRequest\x1a$.inboxmesh.ioa.v1.MapAddressResponse\x12T\n\tSpaceSend\x12\".inboxmesh.ioa.v1.SpaceSendRequest\x1a#.inboxmesh.ioa.v1.SpaceSendResponse\x12T\n\tSpaceRead\x12\".inboxmesh.ioa.v1.SpaceReadRequest\x1a#.inboxmesh.ioa.v1.SpaceReadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELAYSTATUSREQUEST']._serialized_start=82
   _globals['_RELAYSTATUSREQUEST']._serialized_end=102
   _globals['_RELAYSTATUSRESPONSE']._serialized_start=105
-  _globals['_RELAYSTATUSRESPONSE']._serialized_end=272
-  _globals['_MAPADDRESSREQUEST']._serialized_start=274
-  _globals['_MAPADDRESSREQUEST']._serialized_end=343
-  _globals['_MAPADDRESSRESPONSE']._serialized_start=345
-  _globals['_MAPADDRESSRESPONSE']._serialized_end=446
-  _globals['_SPACESENDREQUEST']._serialized_start=448
-  _globals['_SPACESENDREQUEST']._serialized_end=495
-  _globals['_SPACESENDRESPONSE']._serialized_start=497
-  _globals['_SPACESENDRESPONSE']._serialized_end=605
-  _globals['_SPACEREADREQUEST']._serialized_start=607
-  _globals['_SPACEREADREQUEST']._serialized_end=674
-  _globals['_SPACEREADRESPONSE']._serialized_start=676
-  _globals['_SPACEREADRESPONSE']._serialized_end=743
-  _globals['_IOARELAYSERVICE']._serialized_start=746
-  _globals['_IOARELAYSERVICE']._serialized_end=1116
+  _globals['_RELAYSTATUSRESPONSE']._serialized_end=317
+  _globals['_MAPADDRESSREQUEST']._serialized_start=319
+  _globals['_MAPADDRESSREQUEST']._serialized_end=388
+  _globals['_MAPADDRESSRESPONSE']._serialized_start=390
+  _globals['_MAPADDRESSRESPONSE']._serialized_end=491
+  _globals['_SPACESENDREQUEST']._serialized_start=493
+  _globals['_SPACESENDREQUEST']._serialized_end=540
+  _globals['_SPACESENDRESPONSE']._serialized_start=542
+  _globals['_SPACESENDRESPONSE']._serialized_end=650
+  _globals['_SPACEREADREQUEST']._serialized_start=652
+  _globals['_SPACEREADREQUEST']._serialized_end=719
+  _globals['_SPACEREADRESPONSE']._serialized_start=721
+  _globals['_SPACEREADRESPONSE']._serialized_end=788
+  _globals['_IOARELAYSERVICE']._serialized_start=791
+  _globals['_IOARELAYSERVICE']._serialized_end=1161
 # @@protoc_insertion_point(module_scope)

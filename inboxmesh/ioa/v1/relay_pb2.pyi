@@ -11,7 +11,7 @@ class RelayStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RelayStatusResponse(_message.Message):
-    __slots__ = ("node_id", "network", "connected", "reconnects", "spaces", "forwarded", "received", "duplicates")
+    __slots__ = ("node_id", "network", "connected", "reconnects", "spaces", "forwarded", "received", "duplicates", "held", "holding", "gaps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,9 @@ class RelayStatusResponse(_message.Message):
     FORWARDED_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     network: str
     connected: bool
@@ -28,7 +31,10 @@ class RelayStatusResponse(_message.Message):
     forwarded: int
     received: int
     duplicates: int
-    def __init__(self, node_id: _Optional[str] = ..., network: _Optional[str] = ..., connected: bool = ..., reconnects: _Optional[int] = ..., spaces: _Optional[_Iterable[str]] = ..., forwarded: _Optional[int] = ..., received: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+    held: int
+    holding: int
+    gaps: int
+    def __init__(self, node_id: _Optional[str] = ..., network: _Optional[str] = ..., connected: bool = ..., reconnects: _Optional[int] = ..., spaces: _Optional[_Iterable[str]] = ..., forwarded: _Optional[int] = ..., received: _Optional[int] = ..., duplicates: _Optional[int] = ..., held: _Optional[int] = ..., holding: _Optional[int] = ..., gaps: _Optional[int] = ...) -> None: ...
 
 class MapAddressRequest(_message.Message):
     __slots__ = ("agent_id", "address")
