@@ -137,6 +137,21 @@ class Frontier:
 
 
 @dataclass(frozen=True)
+class OutboxEntry:
+    """A message to an IOA agent kept in this mesh's outbox until the far side is reachable
+    (OutboxStore; services.ioa.relay)."""
+    number: int
+    """Its place in the outbox (increasing; 0 before it is added)."""
+    sender: str
+    """The local agent that sent it."""
+    envelope: envelope_pb2.Envelope
+    """As the relay publishes it (recipient an `ioa:<node>/<agent>` address)."""
+    expires_at_us: int
+    """When it is given up on unsent (its outcome: expired)."""
+    added_at_us: int
+
+
+@dataclass(frozen=True)
 class MessageRecord:
     envelope: envelope_pb2.Envelope
     state: int
@@ -463,6 +478,24 @@ class RunStore(abc.ABC):
         returned with True) when the session has none yet."""
 
 
+class OutboxStore(abc.ABC):
+    """The IOA outbox: messages to IOA agents kept until the far side is reachable, in order."""
+
+    @abc.abstractmethod
+    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[int]:
+        """Add the entries (their `number` ignored) in order. For each, its number: a new one, or the number
+        of the entry the same sender's same message id has in the outbox already (a retry); 0 for one
+        refused because the outbox holds `limit` entries."""
+
+    @abc.abstractmethod
+    async def outbox_list(self, after: int, limit: int) -> list[OutboxEntry]:
+        """The entries numbered above `after`, in order, at most `limit`."""
+
+    @abc.abstractmethod
+    async def outbox_remove(self, entries: list[OutboxEntry]) -> None:
+        """Remove the entries (done: their outcome reported). Removing one that is gone is no error."""
+
+
 class EventStore(abc.ABC):
     """The event record: what happened to every message, agent and run."""
 
@@ -486,7 +519,7 @@ class EventStore(abc.ABC):
         are not reported; watchers find them by reading the store."""
 
 
-class Store(AgentStore, InboxStore, RunStore, EventStore):
+class Store(AgentStore, InboxStore, RunStore, OutboxStore, EventStore):
     """Durable state of the mesh: every concern's interface, plus a lifecycle. All methods are
     coroutines; results are returned only after the change is durable. A service that needs one concern
     takes that interface, not this."""

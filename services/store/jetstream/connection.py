@@ -119,6 +119,8 @@ class JetStreamConnection:
         self.ns = ns
         self.inbox_stream = f"{ns.upper()}_INBOX"
         self.event_stream = f"{ns.upper()}_EVENTS"
+        self.outbox_stream = f"{ns.upper()}_OUTBOX"
+        self.outbox_subject = f"{ns}.outbox"
         self.nc: Any = None
         """The NATS connection (nats.NATS) while open."""
         self.js: Any = None
@@ -172,6 +174,9 @@ class JetStreamConnection:
         await self._ensure_stream(StreamConfig(
             name=self.event_stream, subjects=[f"{ns}.ev.>"], storage=StorageType.FILE, num_replicas=replicas,
             allow_direct=True, duplicate_window=EVENT_DEDUP_WINDOW_S, allow_atomic=True))
+        await self._ensure_stream(StreamConfig(
+            name=self.outbox_stream, subjects=[self.outbox_subject], storage=StorageType.FILE,
+            num_replicas=replicas, allow_direct=True))
         for bucket in BUCKETS:
             self._kv[bucket] = await self._ensure_bucket(bucket, replicas)
         log.info("jetstream store on %s (replicas=%d)", ", ".join(urls), replicas)

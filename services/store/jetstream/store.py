@@ -42,6 +42,7 @@ from services.store.base import (
     EventRecord,
     Frontier,
     MessageRecord,
+    OutboxEntry,
     RunRecord,
     RunWork,
     SendOutcome,
@@ -54,6 +55,7 @@ from services.store.jetstream.connection import JetStreamConnection, nats_call
 from services.store.jetstream.events import EventLog
 from services.store.jetstream.inbox import InboxLog
 from services.store.jetstream.keeper import EventKeeper
+from services.store.jetstream.outbox import Outbox
 from services.store.jetstream.runs import Runs
 from services.store.jetstream.sessions import Sessions
 from services.store.ordering import append_in_order
@@ -73,6 +75,7 @@ class JetStreamStore(base.Store):
         self.sessions = Sessions(self.conn, self.agents, self.runs)
         self.keeper = EventKeeper(self.conn, self.events, self.agents, self.runs)
         self.closes = CloseFollower(self.conn)
+        self.outbox = Outbox(self.conn)
 
     # -- lifecycle ------------------------------------------------------------
     @nats_call
@@ -221,6 +224,22 @@ class JetStreamStore(base.Store):
     async def get_frontier(self, agent_id: str) -> Frontier | None:
         self.conn.require_open()
         return await self.inbox.frontier(agent_id)
+
+    # -- the IOA outbox (outbox.py) ---------------------------------------------------
+    @nats_call
+    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[int]:
+        self.conn.require_open()
+        return await self.outbox.add(entries, limit)
+
+    @nats_call
+    async def outbox_list(self, after: int, limit: int) -> list[OutboxEntry]:
+        self.conn.require_open()
+        return await self.outbox.entries(after, limit)
+
+    @nats_call
+    async def outbox_remove(self, entries: list[OutboxEntry]) -> None:
+        self.conn.require_open()
+        await self.outbox.remove(entries)
 
     @nats_call
     async def get_message_by_sender(self, sender: str, message_id: str) -> MessageRecord | None:

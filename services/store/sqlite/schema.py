@@ -12,8 +12,8 @@ from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.store.base import EVENT_ROW_FIELDS, AgentRecord, MessageRecord
 
-SCHEMA_VERSION = 6
-UPGRADABLE = {2, 3, 4, 5}
+SCHEMA_VERSION = 7
+UPGRADABLE = {2, 3, 4, 5, 6}
 """Versions that SCHEMA upgrades in place (it only adds tables, indexes and triggers; UPGRADE fills
 what they derive from rows written before)."""
 CLOSED_KIND = ev.EVENT_KIND_AGENT_CLOSED
@@ -147,6 +147,17 @@ CREATE TABLE IF NOT EXISTS frontiers (
 ) WITHOUT ROWID;
 
 -- Loop guard: messages stored per conversation.
+-- The IOA outbox (services.ioa.relay): messages to IOA agents kept until the far side is reachable.
+CREATE TABLE IF NOT EXISTS outbox (
+    number INTEGER PRIMARY KEY AUTOINCREMENT,
+    sender TEXT NOT NULL,
+    message_id TEXT NOT NULL,
+    envelope BLOB NOT NULL,
+    expires_at_us INTEGER NOT NULL,
+    added_at_us INTEGER NOT NULL,
+    UNIQUE (sender, message_id)
+);
+
 CREATE TABLE IF NOT EXISTS conversations (
     conversation_id TEXT PRIMARY KEY,
     messages INTEGER NOT NULL

@@ -37,12 +37,13 @@ from services.store.base import (
     EventRow,
     Frontier,
     MessageRecord,
+    OutboxEntry,
     RunRecord,
     RunWork,
     SendOutcome,
     SpawnLimits,
 )
-from services.store.sqlite import agents, inbox, runs, sessions
+from services.store.sqlite import agents, inbox, outbox, runs, sessions
 from services.store.sqlite import events as event_table
 from services.store.sqlite.schema import SCHEMA, SCHEMA_VERSION, UPGRADABLE, UPGRADE
 from services.store.sqlite.writer import EventIds, Writer, connect
@@ -240,6 +241,16 @@ class SqliteStore(base.Store):
         after_id = inbox.page_start(after_key)
         return await self._read(lambda conn: inbox.list_dead_letters(
             conn, recipient=recipient, sender=sender, after_id=after_id, limit=limit))
+
+    # -- the IOA outbox (services.store.sqlite.outbox) -----------------------------------
+    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[int]:
+        return await self.writer.run(lambda conn, rows: outbox.add(conn, rows, entries, limit))
+
+    async def outbox_list(self, after: int, limit: int) -> list[OutboxEntry]:
+        return await self._read(lambda conn: outbox.entries(conn, after, limit))
+
+    async def outbox_remove(self, entries: list[OutboxEntry]) -> None:
+        await self.writer.run(lambda conn, rows: outbox.remove(conn, rows, [e.number for e in entries]))
 
     # -- events (services.store.sqlite.events) --------------------------------------
     async def list_events(self, query: EventQuery) -> list[EventRecord]:

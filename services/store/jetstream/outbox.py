@@ -1,0 +1,72 @@
+"""The IOA outbox on JetStream (base.OutboxStore): a stream of its own, one message an entry (the envelope,
+with its sender and times in headers), numbered by the stream's sequence; the msgs bucket's key
+`ob.<sender>.<message id>` names the entry a sender's message id has, so a retry finds it (no Nats-Msg-Id:
+a message id whose entry was removed gets a new entry). The entries held are counted from the stream's
+state at each add. Two adds of one message id at the same moment may both make an entry: the far side
+stores it once, and its outcome's notice has one id (services.ioa.relay)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from inboxmesh.common.v1 import envelope_pb2
+from services.store.base import OutboxEntry
+from services.store.jetstream import kv
+from services.store.jetstream.connection import JetStreamConnection
+
+SENDER, EXPIRES, ADDED = "inboxmesh-sender", "inboxmesh-expires-at-us", "inboxmesh-added-at-us"
+
+
+def _key(sender: str, message_id: str) -> str:
+    return "ob." + hashlib.sha256(f"{sender}\x00{message_id}".encode()).hexdigest()
+
+
+class Outbox:
+    def __init__(self, conn: JetStreamConnection):
+        self.conn = conn
+
+    async def add(self, entries: list[OutboxEntry], limit: int) -> list[int]:
+        numbers: list[int] = []
+        held: int | None = None
+        for entry in entries:
+            key = _key(entry.sender, entry.envelope.message_id)
+            found = await kv.get(self.conn.msgs, key, kv.JSON)
+            if found is not None and await self._entry(int(found.value)) is not None:
+                numbers.append(int(found.value))  # a retry of a message the outbox holds
+                continue
+            if held is None:
+                held = (await self.conn.js.stream_info(self.conn.outbox_stream)).state.messages
+            if held >= limit:
+                numbers.append(0)
+                continue
+            ack = await self.conn.js.publish(
+                self.conn.outbox_subject, entry.envelope.SerializeToString(), stream=self.conn.outbox_stream,
+                headers={SENDER: entry.sender, EXPIRES: str(entry.expires_at_us),
+                         ADDED: str(entry.added_at_us)})
+            await self.conn.msgs.put(key, json.dumps(ack.seq).encode())
+            numbers.append(ack.seq)
+            held += 1
+        return numbers
+
+    async def entries(self, after: int, limit: int) -> list[OutboxEntry]:
+        found, _ = await self.conn.direct_batch(self.conn.outbox_stream, self.conn.outbox_subject, after + 1, limit)
+        return [self._of(msg) for msg in found]
+
+    async def remove(self, entries: list[OutboxEntry]) -> None:
+        for entry in entries:
+            await self.conn.nc.request(f"$JS.API.STREAM.MSG.DELETE.{self.conn.outbox_stream}",
+                                       json.dumps({"seq": entry.number, "no_erase": True}).encode(),
+                                       timeout=self.conn.config.nats_timeout_s)  # already gone: nothing more
+            await self.conn.msgs.delete(_key(entry.sender, entry.envelope.message_id))
+
+    async def _entry(self, number: int) -> OutboxEntry | None:
+        found, _ = await self.conn.direct_batch(self.conn.outbox_stream, self.conn.outbox_subject, number, 1)
+        entry = self._of(found[0]) if found else None
+        return entry if entry is not None and entry.number == number else None
+
+    @staticmethod
+    def _of(msg) -> OutboxEntry:
+        headers = msg.headers or {}
+        return OutboxEntry(int(headers["Nats-Sequence"]), headers[SENDER],
+                           envelope_pb2.Envelope.FromString(msg.data), int(headers[EXPIRES]), int(headers[ADDED]))
