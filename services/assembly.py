@@ -90,7 +90,7 @@ def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) ->
     relay = None
     if config.ioa is not None:
         relay = IoaRelay(config.ioa, store, limits.max_hops, deliver=writer.deliver_from_ioa,
-                         stored=store.get_message_by_sender)
+                         stored=store.get_message_by_sender, outbox=store, store_notice=writer.deliver_notice)
     inbox = InboxService(store, store, directory, limits, hub, writer,
                          forward_to_ioa=relay.start_forward if relay is not None else None)
     routing_service = None

@@ -76,6 +76,11 @@ class InboxLimits:
     """Loop guard: most agent-to-agent messages one conversation may hold."""
 
 
+OUTBOX_LIMIT = 10_000
+"""Entries the IOA outbox holds at most by default (IoaConfig.outbox_limit; the dead-letter notices a store
+adds for IOA senders use it too)."""
+
+
 @dataclass(frozen=True)
 class IoaConfig:
     """The mesh's IOA relay (docs/ioa.md)."""
@@ -94,6 +99,16 @@ class IoaConfig:
     it to the same agent (per-pair order) before it is stored without it
     (an IOA_GAP event): as long as a sending relay keeps publishing a
     message (its receipt_timeout_s) by default."""
+    outbox: bool = False
+    """Whether a send to an IOA agent whose node cannot be reached now goes
+    into the outbox (receipt OUTBOXED) instead of failing UNAVAILABLE, when
+    its request does not choose (SendRequest.ioa_delivery)."""
+    outbox_limit: int = OUTBOX_LIMIT
+    """Entries the outbox holds at most; a send that would go beyond fails
+    UNAVAILABLE / IOA_OUTBOX_FULL (nothing kept)."""
+    outbox_ttl_s: float = 86_400.0
+    """How long an entry waits for its node at most (or until its message's
+    own expires_at_us, when earlier); then its outcome is `expired`."""
     hold_limit: int = 10_000
     """Received messages held for their predecessors at most; a message
     that would be held beyond it is not stored and not answered now (its

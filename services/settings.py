@@ -205,6 +205,8 @@ NATS_NAMESPACE = Setting("nats_namespace", lambda: _STORE.nats_namespace, flag="
 IOA_NETWORK = Setting[str | None]("ioa_network", lambda: None, flag="--ioa-network")
 NODE_ID = Setting[str | None]("node_id", lambda: None, flag="--node-id")
 """Default (None): mesh-<port>, or mesh-any on port 0."""
+IOA_OUTBOX = Setting("ioa_outbox", lambda: False, flag="--ioa-outbox")
+"""Sends to an IOA node that cannot be reached go into the outbox unless their request says otherwise."""
 ROUTING = Setting[Path | None]("routing", lambda: None, flag="--routing", parse=Path)
 MAX_SPAWN_DEPTH = Setting("max_spawn_depth", lambda: _RUNS.max_spawn_depth, flag="--max-spawn-depth",
                           parse=_integer, check=_at_least(1))
@@ -250,7 +252,8 @@ def mesh_config(flags: Mapping[str, object], env: Mapping[str, str]) -> MeshConf
                         nats_monitor_urls=monitors, nats_accept_lazy_fsync=lazy_fsync)
     ioa = None
     if network:
-        ioa = IoaConfig(node_id=node_id or f"mesh-{port or 'any'}", network=network)
+        ioa = IoaConfig(node_id=node_id or f"mesh-{port or 'any'}", network=network,
+                        outbox=bool(layers.value(IOA_OUTBOX)))
         services = tuple(dict.fromkeys((*services, "relay")))
     return MeshConfig(
         host=layers.value(HOST),

@@ -19,8 +19,8 @@ def _count_in_flight(node) -> list[int]:
     start = service._forward_to_ioa
     counts = [0, 0]
 
-    async def counted(sender_id, envelopes):
-        forwarding = await start(sender_id, envelopes)
+    async def counted(sender_id, envelopes, outbox=None):
+        forwarding = await start(sender_id, envelopes, outbox)
         counts[0] += 1
         counts[1] = max(counts)
 

@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let agents send outside their own tree")
     up.add_argument("--ioa-network", metavar="HOST:PORT", help="connect this mesh to an IOA network (relay)")
     up.add_argument("--node-id", help="this mesh's node id on the IOA network (default: mesh-<port>)")
+    up.add_argument("--ioa-outbox", action="store_true", default=None,
+                    help="a send to an IOA node that cannot be reached goes into the outbox (receipt OUTBOXED) and"
+                         " is sent when the node is back, unless its request chooses otherwise (docs/ioa.md)")
     up.add_argument("--store", choices=["sqlite", "jetstream"],
                     help="sqlite: embedded file in --data-dir (default); jetstream: NATS JetStream (docs/jetstream.md)")
     up.add_argument("--nats", metavar="URL[,URL]", help="NATS servers of the jetstream store")

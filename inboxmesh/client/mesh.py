@@ -403,20 +403,27 @@ class AgentHandle:
             spans.append(span)
         return spans
 
-    async def send_batch(self, envelopes: list[env_pb.Envelope],
-                         timeout: float | None = None) -> list[inbox_pb.Receipt]:
+    async def send_batch(self, envelopes: list[env_pb.Envelope], timeout: float | None = None,
+                         ioa_delivery: inbox_pb.IoaDelivery = inbox_pb.IOA_DELIVERY_DEFAULT
+                         ) -> list[inbox_pb.Receipt]:
+        """Send the messages in one request; their receipts. `ioa_delivery`: what a message to an IOA agent
+        whose node cannot be reached does (inbox_pb.IOA_DELIVERY_OUTBOX: kept in the mesh's outbox,
+        receipt OUTBOXED; _DIRECT: UNAVAILABLE; _DEFAULT: as the mesh is configured)."""
         spans = self._traced(envelopes)
         try:
-            response = await self.client._call(self.client.inbox.Send(inbox_pb.SendRequest(messages=envelopes),
-                                                                      **self._opts(timeout)))
+            request = inbox_pb.SendRequest(messages=envelopes, ioa_delivery=ioa_delivery)
+            response = await self.client._call(self.client.inbox.Send(request, **self._opts(timeout)))
         finally:
             for span in spans:
                 span.end()
         return list(response.receipts)
 
-    async def send(self, recipient: str, text: str = "", **fields) -> inbox_pb.Receipt:
-        """Send one message; returns its receipt (ACCEPTED, INBOX_FULL, ...)."""
-        return (await self.send_batch([envelope(recipient, text, **fields)]))[0]
+    async def send(self, recipient: str, text: str = "", *,
+                   ioa_delivery: inbox_pb.IoaDelivery = inbox_pb.IOA_DELIVERY_DEFAULT,
+                   **fields) -> inbox_pb.Receipt:
+        """Send one message; returns its receipt (ACCEPTED, INBOX_FULL, ...; `ioa_delivery` as for
+        send_batch)."""
+        return (await self.send_batch([envelope(recipient, text, **fields)], ioa_delivery=ioa_delivery))[0]
 
     async def reply(self, to: env_pb.Envelope, text: str = "", **fields) -> inbox_pb.Receipt:
         fields.setdefault("conversation_id", to.conversation_id)

@@ -54,9 +54,13 @@ class IoaForwarding(Protocol):
         """Their receipts, in order, once the receiving meshes answered."""
 
 
-ForwardToIoa = Callable[[str, list[envelope_pb2.Envelope]], Awaitable[IoaForwarding]]
-"""(sender agent id, messages to IOA addresses) -> what waits for their receipts, once their first copies
-are written, in the order of the calls: the IOA relay's start_forward."""
+ForwardToIoa = Callable[[str, list[envelope_pb2.Envelope], bool | None], Awaitable[IoaForwarding]]
+"""(sender agent id, messages to IOA addresses, whether the outbox keeps what cannot reach its node (None: as
+the relay is configured)) -> what waits for their receipts, once their first copies are written, in the
+order of the calls: the IOA relay's start_forward."""
+_OUTBOX_CHOICE: dict[int, bool | None] = {pb.IOA_DELIVERY_DEFAULT: None, pb.IOA_DELIVERY_DIRECT: False,
+                                          pb.IOA_DELIVERY_OUTBOX: True}
+"""SendRequest.ioa_delivery -> the outbox choice ForwardToIoa takes."""
 Prove = Callable[[Sequence[str]], Awaitable[tuple[Caller, ...]]]
 """Credentials a call carries after its metadata or first request -> the callers they prove (or the
 refusal): services.auth_policy's, the same directory path as the first request's."""
@@ -175,14 +179,14 @@ class InboxService:
                     metadata={"index": str(index), "size": str(size), "limit": str(limits.max_message_bytes)},
                 )
 
-    async def send(self, caller: Caller, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
-        """Store the messages in order (IOA recipients through the relay);
-        one outcome each. Malformed input fails the whole call before
-        anything is stored."""
+    async def send(self, caller: Caller, envelopes: list[envelope_pb2.Envelope],
+                   outbox: bool | None = None) -> list[SendOutcome]:
+        """Store the messages in order (IOA recipients through the relay, `outbox` as ForwardToIoa takes
+        it); one outcome each. Malformed input fails the whole call before anything is stored."""
         sender = await self._checked(caller, envelopes)
         if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
             return await self._send_local(caller, sender, envelopes)
-        return await self._send_via_ioa(caller, sender, envelopes)
+        return await self._send_via_ioa(caller, sender, envelopes, outbox)
 
     async def send_requests(self, senders: StreamSenders, requests: Sequence[pb.SendRequest]
                             ) -> tuple[list[list[SendOutcome]], errors.MeshError | None]:
@@ -248,6 +252,10 @@ class InboxService:
             for request in requests:
                 caller = await senders.sender_of(request)
                 envelopes = list(request.messages)
+                if request.ioa_delivery not in _OUTBOX_CHOICE:
+                    raise errors.InvalidArgument(f"unknown ioa_delivery {request.ioa_delivery}",
+                                                 reason=Reason.BAD_VALUE, metadata={"field": "ioa_delivery"})
+                outbox = _OUTBOX_CHOICE[request.ioa_delivery]
                 if not envelopes and request.credentials:
                     unstored.append([])
                     continue
@@ -263,13 +271,13 @@ class InboxService:
                     # published now, in order; its receipts waited for with the next requests' (pipelined)
                     answered.append([])
                     forwarded.append((len(answered) - 1, [await self._forward_to_ioa(sender.agent_id,
-                                                                                      _outbound(sender, run))
+                                                                                      _outbound(sender, run), outbox)
                                                           for _, sender, run in parts]))
                     continue
                 await receipts()
                 outcomes: list[SendOutcome] = []
                 for part_caller, sender, run in parts:
-                    outcomes += await self._send_via_ioa(part_caller, sender, run)
+                    outcomes += await self._send_via_ioa(part_caller, sender, run, outbox)
                 answered.append(outcomes)
         except errors.MeshError as exc:
             failure = exc
@@ -312,8 +320,8 @@ class InboxService:
         await self._continue_chains(sender.agent_id, envelopes)
         return sender
 
-    async def _send_via_ioa(self, caller: Caller, sender: AgentRecord,
-                            envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
+    async def _send_via_ioa(self, caller: Caller, sender: AgentRecord, envelopes: list[envelope_pb2.Envelope],
+                            outbox: bool | None = None) -> list[SendOutcome]:
         outcomes: list[SendOutcome] = []
         for via_ioa, group in itertools.groupby(envelopes, key=lambda e: e.recipient.startswith(IOA_PREFIX)):
             run = list(group)
@@ -324,7 +332,7 @@ class InboxService:
                                          detail="this mesh has no IOA relay (start it with --ioa-network)")
                              for e in run]
             else:
-                forwarding = await self._forward_to_ioa(sender.agent_id, _outbound(sender, run))
+                forwarding = await self._forward_to_ioa(sender.agent_id, _outbound(sender, run), outbox)
                 outcomes += await forwarding.outcomes()
         return outcomes
 

@@ -93,6 +93,12 @@ class InboxWriter:
             outcomes[index] = outcome
         return [outcome for outcome in outcomes if outcome is not None]
 
+    async def deliver_notice(self, envelope: envelope_pb2.Envelope) -> SendOutcome:
+        """Store a notice the mesh made (origin MESH) in a local agent's inbox, by the ordinary path, from
+        the sender it names (for the IOA outbox's outcomes, the IOA address the message was for). Its
+        message id is the notice's idempotency key: stored again, it is a DUPLICATE."""
+        return (await self.store([[AppendItem(envelope, None)]], now_us()))[0]
+
     async def store(self, groups: list[list[AppendItem]], now: int, *, in_order: bool = False) -> list[SendOutcome]:
         """Append groups of messages (one sender per group) in one commit, in
         order; trace, log and wake subscribers.

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import itertools
 import json
 import logging
@@ -69,7 +70,20 @@ from services.ioa.wire import (
     to_message,
     trace_id,
 )
-from services.store.base import DUPLICATE, IOA_PREFIX, NOT_PERMITTED, UNKNOWN_TARGET, EventStore, SendOutcome
+from services.store.base import (
+    ACCEPTED,
+    DUPLICATE,
+    IOA_PREFIX,
+    NOT_PERMITTED,
+    OUTBOXED,
+    RECEIPT_NAME,
+    RESERVED_ID_PREFIX,
+    UNKNOWN_TARGET,
+    EventStore,
+    OutboxEntry,
+    OutboxStore,
+    SendOutcome,
+)
 
 log = logging.getLogger(__name__)
 PREFIX = IOA_PREFIX
@@ -110,12 +124,22 @@ AFTER = H + "after"
 """Header: the IOA id of the message the same sender sent to the same agent before this one, while that
 one has no receipt yet (per-pair order); the receiving relay stores this one only once that one is
 answered, or its resequence wait is over."""
+NOTICE = H + "notice"
+"""Header of a notice the mesh made (a dead letter's, an outbox entry's outcome): what it is about."""
+OUTBOX_POLL_S = 1.0
+"""How often the relay looks at the outbox when nothing wakes it (entries the store adds itself)."""
+OUTBOX_BACKOFF_S = 4.0
+"""The longest pause between rounds while the outbox's entries cannot be sent."""
+OUTBOX_ROUND = 256
+"""Outbox entries sent in one round."""
 SWEEP_S = 0.25
 """How often the receiving relay looks for held messages whose resequence wait is over."""
 
 DeliverFromIoa = Callable[[list[env_pb.Envelope]], Awaitable[list[SendOutcome]]]
 """Stores inbound messages by the ordinary inbox path, one receipt each
 (services.inbox.writer.InboxWriter.deliver_from_ioa)."""
+StoreNotice = Callable[[env_pb.Envelope], Awaitable[SendOutcome]]
+"""Stores a notice the mesh made in a local agent's inbox (services.inbox.writer.InboxWriter.deliver_notice)."""
 StoredMessage = Callable[[str, str], Awaitable[Any]]
 """The stored message a sender sent with a message id, or None (MessageStore.get_message_by_sender): whether
 a predecessor this relay has no memory of was stored (after a restart)."""
@@ -141,12 +165,16 @@ class Forwarding:
     def __init__(self, relay: IoaRelay, sender_id: str, envelopes: list[env_pb.Envelope],
                  outcomes: list[SendOutcome | None],
                  pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]],
-                 answers: asyncio.Future[list[Any]]):
+                 answers: asyncio.Future[list[Any]], outbox: bool = False, queued: list[int] | None = None):
         self.relay = relay
         self.sender_id = sender_id
         self.envelopes = envelopes
         self.outcomes_so_far = outcomes
         """Per message its outcome when refused before publishing, else None."""
+        self.outbox = outbox
+        """Whether a message whose node cannot be reached goes into the outbox (else UNAVAILABLE)."""
+        self.queued = queued or []
+        """Indexes of the messages that go into the outbox unpublished: their pair has entries there."""
         self.pending = pending
         """The published ones: (index, IOA id, message, its receipt's future, its span)."""
         self.answers = answers
@@ -155,6 +183,11 @@ class Forwarding:
     async def outcomes(self) -> list[SendOutcome]:
         """The receiving meshes' receipts, in the order of the messages (refusals as for `forward`)."""
         return await self.relay._receipts_of(self)
+
+
+def _node_of(address: str) -> str:
+    """The node of an `ioa:<node>/<agent>` address."""
+    return address.removeprefix(PREFIX).split("/")[0]
 
 
 def parse_address(address: str) -> tuple[str, str]:
@@ -168,8 +201,15 @@ def parse_address(address: str) -> tuple[str, str]:
 
 class IoaRelay:
     def __init__(self, config: IoaConfig, events: EventStore, max_hops: int, deliver: DeliverFromIoa,
-                 stored: StoredMessage):
+                 stored: StoredMessage, outbox: OutboxStore, store_notice: StoreNotice):
         self.config = config
+        self._outbox = outbox
+        self._store_notice = store_notice
+        self._outboxed: dict[Pair, set[int]] = {}
+        """Per pair, the numbers of its entries in the outbox (a send to the pair with the outbox chosen goes
+        in behind them)."""
+        self.outbox_wake = asyncio.Event()
+        """Set to make the pump send the outbox now."""
         self.node_id = config.node_id
         self.relay_id = uuid.uuid4().hex[:12]
         self._events = events
@@ -218,8 +258,11 @@ class IoaRelay:
         self._channel = grpc.aio.insecure_channel(self.config.network)
         self._network = network_pb2_grpc.IoaNetworkStub(self._channel)
         self._lost = asyncio.get_running_loop().create_future()
+        for entry in await self._outbox.outbox_list(0, self.config.outbox_limit):  # kept across a restart
+            self._outboxed.setdefault((entry.sender, entry.envelope.recipient), set()).add(entry.number)
         self._tasks = [asyncio.create_task(self._connection(), name="ioa-connection"),
-                       asyncio.create_task(self._store_inbound(), name="ioa-inbound")]
+                       asyncio.create_task(self._store_inbound(), name="ioa-inbound"),
+                       asyncio.create_task(self._pump(), name="ioa-outbox")]
 
     async def stop(self) -> None:
         self._stopping = True
@@ -262,6 +305,7 @@ class IoaRelay:
                                 self.config.network, f" again after {failures} attempts" if failures else "",
                                 frame.welcome.redelivering)
                         failures = 0
+                        self.outbox_wake.set()
                         await self._send_parked()
                     elif which == "result":
                         future = self._published.pop(frame.result.publish_id, None)
@@ -339,13 +383,20 @@ class IoaRelay:
         before the next; return the receiving meshes' receipts."""
         return await (await self.start_forward(sender_id, envelopes)).outcomes()
 
-    async def start_forward(self, sender_id: str, envelopes: list[env_pb.Envelope]) -> Forwarding:
+    async def start_forward(self, sender_id: str, envelopes: list[env_pb.Envelope], outbox: bool | None = None, *,
+                            pumping: bool = False) -> Forwarding:
         """Publish the first copies of local agents' messages to IOA addresses, in order, and return what
         waits for their receipts (Forwarding.outcomes). Calls write their first copies in the order they
         were made, whatever their receipts: a SendStream's requests go out one after the other without
-        each waiting for the receipts of the one before (InboxService)."""
+        each waiting for the receipts of the one before (InboxService).
+
+        outbox: whether a message whose node cannot be reached goes into the outbox (None: as configured);
+        then a message whose pair has entries in the outbox goes in behind them, unpublished (order).
+        pumping: the outbox's own entries, sent by the pump."""
+        use_outbox = not pumping and (self.config.outbox if outbox is None else outbox)
         outcomes: list[SendOutcome | None] = [None] * len(envelopes)
         pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]] = []
+        queued: list[int] = []
         loop = asyncio.get_running_loop()
         for index, env in enumerate(envelopes):
             refused = self._refuse(env)
@@ -355,6 +406,9 @@ class IoaRelay:
                 refused = refused or SendOutcome(env.message_id, env.recipient, NOT_PERMITTED, detail=str(exc))
             if refused is not None:
                 outcomes[index] = refused
+                continue
+            if use_outbox and self._outboxed.get((sender_id, env.recipient)):
+                queued.append(index)
                 continue
             node, agent = parse_address(env.recipient)
             ioa_id = f"{self.node_id}:{sender_id}:{env.message_id}"
@@ -394,7 +448,7 @@ class IoaRelay:
                                    for (index, _, message, future, _), first in zip(pending, firsts)),
                                  return_exceptions=True)
         answers.add_done_callback(lambda _: self._forgotten(pending, sender_id, envelopes))  # nothing waits now
-        return Forwarding(self, sender_id, envelopes, outcomes, pending, answers)
+        return Forwarding(self, sender_id, envelopes, outcomes, pending, answers, use_outbox, queued)
 
     def _forgotten(self, pending: list[tuple[int, str, net.IoaMessage, asyncio.Future, trace.Span]], sender_id: str,
                    envelopes: list[env_pb.Envelope]) -> None:
@@ -434,9 +488,12 @@ class IoaRelay:
         return future
 
     async def _receipts_of(self, forwarding: Forwarding) -> list[SendOutcome]:
-        """The receipts of what start_forward published (Forwarding.outcomes)."""
+        """The receipts of what start_forward published (Forwarding.outcomes); with the outbox, the messages
+        whose node could not be reached (and those queued behind entries of their pair) go into it, in
+        order, and are answered OUTBOXED."""
         envelopes, outcomes, pending = forwarding.envelopes, forwarding.outcomes_so_far, forwarding.pending
         answers = await forwarding.answers
+        queued = list(forwarding.queued)
         for (index, *_), answer in zip(pending, answers):
             env = envelopes[index]
             if isinstance(answer, TimeoutError):
@@ -444,28 +501,189 @@ class IoaRelay:
                     f"no receipt from the IOA network within {self.config.receipt_timeout_s:.0f}s; the message may"
                     " or may not have arrived: retry with the same message_id (DUPLICATE then means it had)",
                     reason=Reason.IOA_NO_RECEIPT)
-            if isinstance(answer, BaseException):
-                raise answer
             if isinstance(answer, dict):
                 self.counts["forwarded"] += 1
                 outcomes[index] = self._outcome_of(env, answer)
-            elif answer.status == net.PUBLISH_STATUS_UNKNOWN_NODE:
-                node = env.recipient.removeprefix(PREFIX).split("/")[0]
-                if self._may_return(node):
-                    raise errors.Unavailable(
-                        f"the IOA network does not know node {node!r} now, and this relay has heard from it: a"
-                        " network that restarted knows a node once it reconnects; nothing was delivered, retry"
-                        " with the same message_id", reason=Reason.IOA_PUBLISH_STATUS_UNKNOWN_NODE)
+                continue
+            failure = self._failure(env, answer)
+            if failure is None:
                 outcomes[index] = SendOutcome(env.message_id, env.recipient, UNKNOWN_TARGET,
-                                              detail=f"no IOA node {node!r}")
+                                              detail=f"no IOA node {_node_of(env.recipient)!r}")
+            elif forwarding.outbox and self._unreachable(answer):
+                queued.append(index)
             else:
-                raise errors.Unavailable(f"the IOA network did not take the message for {env.recipient}:"
-                                         f" {answer.detail}; nothing was delivered, retry with the same"
-                                         " message_id", reason=Reason("IOA_" + net.PublishStatus.Name(answer.status)))
+                raise failure
+        if queued:
+            await self._into_outbox(forwarding.sender_id, envelopes, sorted(queued), outcomes)
         done = [outcome for outcome in outcomes if outcome is not None]
-        assert len(done) == len(envelopes), "every message was refused above or has its receipt"
+        assert len(done) == len(envelopes), "every message was refused above, has its receipt or is in the outbox"
         await self._record_outbound(forwarding.sender_id, envelopes, done)
         return done
+
+    def _failure(self, env: env_pb.Envelope, answer: BaseException | net.PublishResult) -> BaseException | None:
+        """What a message that got no receipt fails its Send with; None for a node the network does not know
+        and this relay never heard from (UNKNOWN_TARGET)."""
+        if isinstance(answer, BaseException):
+            return answer
+        if answer.status == net.PUBLISH_STATUS_UNKNOWN_NODE:
+            node = _node_of(env.recipient)
+            if not self._may_return(node):
+                return None
+            return errors.Unavailable(
+                f"the IOA network does not know node {node!r} now, and this relay has heard from it: a"
+                " network that restarted knows a node once it reconnects; nothing was delivered, retry"
+                " with the same message_id", reason=Reason.IOA_PUBLISH_STATUS_UNKNOWN_NODE)
+        return errors.Unavailable(f"the IOA network did not take the message for {env.recipient}:"
+                                  f" {answer.detail}; nothing was delivered, retry with the same"
+                                  " message_id", reason=Reason("IOA_" + net.PublishStatus.Name(answer.status)))
+
+    @staticmethod
+    def _unreachable(answer: BaseException | net.PublishResult) -> bool:
+        """Whether a message that got no receipt never reached its node because the node (or the network)
+        could not be reached: nothing was delivered, and the outbox may keep it."""
+        if isinstance(answer, errors.Unavailable):
+            return answer.reason == NOTHING_SENT
+        return isinstance(answer, net.PublishResult) and answer.status in (net.PUBLISH_STATUS_NODE_OFFLINE,
+                                                                            net.PUBLISH_STATUS_UNKNOWN_NODE)
+
+    # -- the outbox ---------------------------------------------------------------
+    async def _into_outbox(self, sender_id: str, envelopes: list[env_pb.Envelope], indexes: list[int],
+                           outcomes: list[SendOutcome | None]) -> None:
+        """Keep these messages in the outbox, in order, and answer them OUTBOXED (their entry's number);
+        UNAVAILABLE / IOA_OUTBOX_FULL when the outbox holds its limit (what was added before stays)."""
+        at = now_us()
+        ttl_us = int(self.config.outbox_ttl_s * 1e6)
+        entries = [OutboxEntry(0, sender_id, envelopes[i], min(envelopes[i].expires_at_us or at + ttl_us,
+                                                               at + ttl_us), at) for i in indexes]
+        numbers = await self._outbox.outbox_add(entries, self.config.outbox_limit)
+        events = []
+        for index, entry, number in zip(indexes, entries, numbers):
+            if not number:
+                raise errors.Unavailable(
+                    f"node of {errors.clip(entry.envelope.recipient)} cannot be reached and the outbox holds its"
+                    f" limit of {self.config.outbox_limit} messages; nothing was sent or kept, retry later",
+                    reason=Reason.IOA_OUTBOX_FULL)
+            env = entry.envelope
+            held = self._outboxed.setdefault((sender_id, env.recipient), set())
+            retry = number in held
+            held.add(number)
+            outcomes[index] = SendOutcome(env.message_id, env.recipient, OUTBOXED, number, at, detail=(
+                f"node {_node_of(env.recipient)!r} cannot be reached now: "
+                f"{'already in' if retry else 'kept in'} this mesh's outbox (entry {number}) and sent when it can"
+                " be; the outcome comes as a notice"))
+            if retry:
+                continue
+            events.append(ev.Event(kind=ev.EVENT_KIND_IOA_OUTBOXED, at_us=at, agent_id=sender_id,
+                                   message_id=env.message_id, sender=sender_id, recipient=env.recipient,
+                                   sequence=number, trace_id=trace_id_of(env.trace.traceparent),
+                                   in_reply_to=env.in_reply_to, conversation_id=env.conversation_id,
+                                   detail=f"outbox entry {number}"))
+        await self._events.record_events(events, lazy=False)
+        self.outbox_wake.set()
+
+    async def _pump(self) -> None:
+        """Send the outbox's entries whenever the relay is connected: at start, when entries are added,
+        on every reconnect, and every OUTBOX_POLL_S (entries the store adds: dead-letter notices for IOA
+        senders). Entries whose node cannot be reached stay, and are tried again later (backing off)."""
+        backoff = OUTBOX_POLL_S
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self.outbox_wake.wait(), backoff)
+            except TimeoutError:
+                pass
+            self.outbox_wake.clear()
+            if not self.connected.is_set():
+                continue  # the reconnect wakes it
+            try:
+                sent, more = await self._pump_round()
+            except Exception:  # the store or the network failed: the entries stay, and are tried again
+                log.exception("relay %s could not send its outbox", self.node_id)
+                sent, more = False, False
+            backoff = OUTBOX_POLL_S if sent or not more else min(backoff * 2, OUTBOX_BACKOFF_S)
+            if sent and more:
+                self.outbox_wake.set()
+
+    async def _pump_round(self) -> tuple[bool, bool]:
+        """Send (or expire) the first OUTBOX_ROUND entries, one forwarding per sender, pipelined. Returns
+        (whether an entry ended, whether entries remain)."""
+        entries = await self._outbox.outbox_list(0, OUTBOX_ROUND)
+        pairs: dict[Pair, set[int]] = {}
+        for entry in entries:
+            pairs.setdefault((entry.sender, entry.envelope.recipient), set()).add(entry.number)
+        if len(entries) < OUTBOX_ROUND:
+            self._outboxed = pairs  # all of them: entries others added are known from now on
+        at = now_us()
+        ended: list[tuple[OutboxEntry, str, SendOutcome | None]] = []
+        by_sender: dict[str, list[OutboxEntry]] = {}
+        for entry in entries:
+            if entry.expires_at_us <= at:
+                ended.append((entry, "expired", None))
+            else:
+                by_sender.setdefault(entry.sender, []).append(entry)
+
+        async def send(sender: str, batch: list[OutboxEntry]) -> None:
+            copies = [env_pb.Envelope() for _ in batch]
+            for copy, entry in zip(copies, batch):
+                copy.CopyFrom(entry.envelope)
+            forwarding = await self.start_forward(sender, copies, pumping=True)
+            answers = await forwarding.answers
+            published = {index: answer for (index, *_), answer in zip(forwarding.pending, answers)}
+            for index, entry in enumerate(batch):
+                answer = published.get(index)
+                refused = forwarding.outcomes_so_far[index]
+                if refused is not None:
+                    ended.append((entry, RECEIPT_NAME[refused.status], refused))
+                elif isinstance(answer, dict):
+                    outcome = self._outcome_of(entry.envelope, answer)
+                    ended.append((entry, RECEIPT_NAME[outcome.status], outcome))
+                elif isinstance(answer, net.PublishResult) and answer.status == net.PUBLISH_STATUS_INVALID:
+                    ended.append((entry, "not_permitted", SendOutcome(
+                        entry.envelope.message_id, entry.envelope.recipient, NOT_PERMITTED,
+                        detail=f"the IOA network refused it: {answer.detail}"[:1000])))
+                # else not reached (or no receipt yet): it stays, tried again later
+
+        await asyncio.gather(*(send(sender, batch) for sender, batch in by_sender.items()))
+        for entry, status, outcome in sorted(ended, key=lambda e: e[0].number):
+            await self._report(entry, status, outcome)
+        return bool(ended), len(entries) > len(ended)
+
+    async def _report(self, entry: OutboxEntry, status: str, outcome: SendOutcome | None) -> None:
+        """An entry's outcome, to its sender: an IOA_OUTBOX_DONE event and a notice in its inbox (one id per
+        entry's message: reported again after a crash, it is stored once); then the entry is removed. A
+        dead-letter notice crossing back gets no notice about itself."""
+        env, at = entry.envelope, now_us()
+        detail = outcome.detail if outcome is not None else ""
+        events = [ev.Event(kind=ev.EVENT_KIND_IOA_OUTBOX_DONE, at_us=at, agent_id=entry.sender,
+                           message_id=env.message_id, sender=entry.sender, recipient=env.recipient,
+                           sequence=outcome.sequence if outcome is not None else 0,
+                           trace_id=trace_id_of(env.trace.traceparent), in_reply_to=env.in_reply_to,
+                           conversation_id=env.conversation_id, detail=f"{status}: {detail}" if detail else status)]
+        if NOTICE not in env.headers:
+            told = {"accepted": f"was stored there (sequence {outcome.sequence if outcome else 0})",
+                    "duplicate": "was stored there before (a retry)",
+                    "expired": f"expired in this mesh's outbox: its node could not be reached by"
+                               f" {entry.expires_at_us} us"}.get(status, f"was not stored there: {status} ({detail})")
+            notice = env_pb.Envelope(
+                message_id=f"{RESERVED_ID_PREFIX}outbox:{hashlib.sha256(f'{entry.sender}{chr(0)}{env.message_id}'.encode()).hexdigest()[:32]}",
+                sender=env.recipient, recipient=entry.sender, kind=env_pb.MESSAGE_KIND_CONTROL,
+                content=env_pb.Content(text=f"Your message {env.message_id} to {env.recipient} {told}."),
+                in_reply_to=env.message_id, conversation_id=env.conversation_id, trace=env.trace,
+                origin=env_pb.Origin(kind=env_pb.ORIGIN_KIND_MESH),
+                headers={NOTICE: "ioa-outbox", H + "outcome": status}, created_at_us=at)
+            stored = await self._store_notice(notice)
+            if stored.status not in (ACCEPTED, DUPLICATE):
+                events.append(ev.Event(
+                    kind=ev.EVENT_KIND_NOTICE_UNDELIVERED, at_us=at, agent_id=entry.sender,
+                    message_id=notice.message_id, sender=env.recipient, recipient=entry.sender,
+                    detail=f"{RECEIPT_NAME[stored.status]}; the outbox's {env.message_id} ended {status}"))
+        await self._events.record_events(events, lazy=False)
+        await self._outbox.outbox_remove([entry])
+        self.counts["outbox_done"] += 1
+        numbers = self._outboxed.get((entry.sender, env.recipient))
+        if numbers is not None:
+            numbers.discard(entry.number)
+            if not numbers:
+                del self._outboxed[(entry.sender, env.recipient)]
 
     async def _deliver(self, message: net.IoaMessage, receipt: asyncio.Future, deadline: float,
                        first: asyncio.Future[net.PublishResult] | None = None) -> dict | net.PublishResult:

@@ -22,6 +22,13 @@ H = "inboxmesh-"
 assert trails.HEADER == H + "trail"
 
 
+NOTICE_HEADERS = (H + "notice", H + "reason", H + "outcome")
+"""What a notice the mesh made carries (services.store.notices): they cross with it."""
+KEPT_HEADERS = (H + "relay", *NOTICE_HEADERS)
+"""Relay headers the stored envelope of a received message keeps: that an inboxmesh relay sent it (so a
+dead-letter notice can cross back), and a crossing notice's own."""
+
+
 def address_of(node: str, agent: str) -> str:
     return f"{IOA_PREFIX}{node}/{agent}"
 
@@ -36,6 +43,8 @@ def to_message(env: env_pb.Envelope, *, node: str, relay_id: str, sender_id: str
     """The IOA message for local agent `sender_id`'s envelope, published by relay `relay_id` of `node`
     (`trail`: the header value, services.ioa.trail.encode)."""
     headers = {k: v for k, v in env.headers.items() if not k.startswith(H)}  # the relay's own, never a sender's
+    if env.origin.kind == env_pb.ORIGIN_KIND_MESH:  # a notice the mesh made (only the mesh makes these)
+        headers.update({k: v for k, v in env.headers.items() if k in NOTICE_HEADERS})
     headers.update({
         H + "relay": f"{node}/{relay_id}",
         H + "attempt": attempt,
@@ -83,7 +92,7 @@ def to_envelope(message: net.IoaMessage, *, node: str, max_hops: int, span: trac
         trail=trails.decode(h.get(trails.HEADER), node=node, sender=(sender.node, sender.agent),
                             max_entries=max_hops),
         expires_at_us=_count_header(h, H + "expires-at-us", "0", 0, 2**63 - 1),
-        headers={k: v for k, v in h.items() if not k.startswith(H) and k != "traceparent"},
+        headers={k: v for k, v in h.items() if (not k.startswith(H) and k != "traceparent") or k in KEPT_HEADERS},
         created_at_us=message.sent_at_us,
     )
     inject(env, trace.set_span_in_context(span))

@@ -24,6 +24,8 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_IOA_DUPLICATE: _ClassVar[EventKind]
     EVENT_KIND_IOA_HELD: _ClassVar[EventKind]
     EVENT_KIND_IOA_GAP: _ClassVar[EventKind]
+    EVENT_KIND_IOA_OUTBOXED: _ClassVar[EventKind]
+    EVENT_KIND_IOA_OUTBOX_DONE: _ClassVar[EventKind]
     EVENT_KIND_AGENT_SPAWNED: _ClassVar[EventKind]
     EVENT_KIND_AGENT_WOKEN: _ClassVar[EventKind]
     EVENT_KIND_TURN_STARTED: _ClassVar[EventKind]
@@ -57,6 +59,8 @@ EVENT_KIND_IOA_RECEIVED: EventKind
 EVENT_KIND_IOA_DUPLICATE: EventKind
 EVENT_KIND_IOA_HELD: EventKind
 EVENT_KIND_IOA_GAP: EventKind
+EVENT_KIND_IOA_OUTBOXED: EventKind
+EVENT_KIND_IOA_OUTBOX_DONE: EventKind
 EVENT_KIND_AGENT_SPAWNED: EventKind
 EVENT_KIND_AGENT_WOKEN: EventKind
 EVENT_KIND_TURN_STARTED: EventKind

@@ -16,6 +16,13 @@ class ReceiptStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECEIPT_STATUS_TARGET_CLOSED: _ClassVar[ReceiptStatus]
     RECEIPT_STATUS_NOT_PERMITTED: _ClassVar[ReceiptStatus]
     RECEIPT_STATUS_INBOX_FULL: _ClassVar[ReceiptStatus]
+    RECEIPT_STATUS_OUTBOXED: _ClassVar[ReceiptStatus]
+
+class IoaDelivery(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IOA_DELIVERY_DEFAULT: _ClassVar[IoaDelivery]
+    IOA_DELIVERY_DIRECT: _ClassVar[IoaDelivery]
+    IOA_DELIVERY_OUTBOX: _ClassVar[IoaDelivery]
 
 class SubscriptionEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +55,10 @@ RECEIPT_STATUS_UNKNOWN_TARGET: ReceiptStatus
 RECEIPT_STATUS_TARGET_CLOSED: ReceiptStatus
 RECEIPT_STATUS_NOT_PERMITTED: ReceiptStatus
 RECEIPT_STATUS_INBOX_FULL: ReceiptStatus
+RECEIPT_STATUS_OUTBOXED: ReceiptStatus
+IOA_DELIVERY_DEFAULT: IoaDelivery
+IOA_DELIVERY_DIRECT: IoaDelivery
+IOA_DELIVERY_OUTBOX: IoaDelivery
 SUBSCRIPTION_EVENT_KIND_UNSPECIFIED: SubscriptionEventKind
 SUBSCRIPTION_EVENT_KIND_ATTACHED: SubscriptionEventKind
 SUBSCRIPTION_EVENT_KIND_SUPERSEDED: SubscriptionEventKind
@@ -82,14 +93,16 @@ class Receipt(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., recipient: _Optional[str] = ..., status: _Optional[_Union[ReceiptStatus, str]] = ..., sequence: _Optional[int] = ..., stored_at_us: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class SendRequest(_message.Message):
-    __slots__ = ("messages", "credentials", "sender")
+    __slots__ = ("messages", "credentials", "sender", "ioa_delivery")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    IOA_DELIVERY_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_envelope_pb2.Envelope]
     credentials: _containers.RepeatedScalarFieldContainer[str]
     sender: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[_envelope_pb2.Envelope, _Mapping]]] = ..., credentials: _Optional[_Iterable[str]] = ..., sender: _Optional[str] = ...) -> None: ...
+    ioa_delivery: IoaDelivery
+    def __init__(self, messages: _Optional[_Iterable[_Union[_envelope_pb2.Envelope, _Mapping]]] = ..., credentials: _Optional[_Iterable[str]] = ..., sender: _Optional[str] = ..., ioa_delivery: _Optional[_Union[IoaDelivery, str]] = ...) -> None: ...
 
 class SendResponse(_message.Message):
     __slots__ = ("receipts",)

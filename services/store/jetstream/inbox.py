@@ -27,8 +27,10 @@ from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
+from services.config import OUTBOX_LIMIT
 from services.faults import crash_point
 from services.store import base
+from services.store import notices as notices_of
 from services.store.base import (
     ACCEPTED,
     CONSUMED,
@@ -56,10 +58,10 @@ from services.store.jetstream.connection import NATS_FAILURES, REPLAY_HORIZON_US
 from services.store.jetstream.events import EventLog, dead_event, implied_events, message_event, stored_events
 from services.store.jetstream.kv import REJECTED, CasResult, MessageState
 from services.store.jetstream.messages import InboxMessages
+from services.store.jetstream.outbox import Outbox
 from services.store.jetstream.shared_reads import BatchedReads
 
 log = logging.getLogger(__name__)
-_MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
 _REMEMBERED = 50_000
 """First-delivery states kept per process for the acks that follow (oldest dropped first)."""
 
@@ -139,6 +141,8 @@ class InboxLog:
         self.agents = agents
         """Agent records as last seen: read before a send and a delivery (agent_cache.py says why that is safe)."""
         self.messages = InboxMessages(conn, agents.fresh)
+        self._outbox = Outbox(conn)
+        """The IOA outbox: dead-letter notices to IOA senders go in (services.store.notices)."""
         self._frontiers: BatchedReads[Frontier | None] = BatchedReads(self._read_frontiers, None)
         self.listeners: list[Callable[[str], None]] = []
         """Called with the recipient's subject token when another process appended to it."""
@@ -753,9 +757,13 @@ class InboxLog:
                      kv.JSON)
         await self.events.emit([dead_event(at_us, recipient, env, reason)])
         notice = None
-        if env.origin.kind != envelope_pb2.ORIGIN_KIND_MESH and env.sender != recipient \
-                and not env.sender.startswith(base.EXTERNAL_PREFIXES):
-            notice = await self._notice(env, recipient, reason, at_us)
+        if notices_of.wanted(env, recipient):
+            if notices_of.crosses(env):  # to an IOA sender: through the outbox, which the relay sends
+                entry = notices_of.crossing(env, recipient, reason, at_us)
+                number, = await self._outbox.add([entry], OUTBOX_LIMIT)
+                await self.events.emit(notices_of.crossing_events(entry, number, env, at_us))
+            elif not env.sender.startswith(base.EXTERNAL_PREFIXES):
+                notice = await self._notice(env, recipient, reason, at_us)
         return written.record(), notice
 
     async def _notice(self, dead: envelope_pb2.Envelope, recipient: str, reason: str,
@@ -763,14 +771,9 @@ class InboxLog:
         sender = await kv.read_agent(self.conn.agents, dead.sender)
         if sender is None or not sender.is_open:
             return None
-        message_id = f"{base.RESERVED_ID_PREFIX}notice:{recipient}:{dead.sequence}"
-        notice = envelope_pb2.Envelope(
-            message_id=message_id, sender=recipient, recipient=dead.sender, kind=envelope_pb2.MESSAGE_KIND_CONTROL,
-            content=envelope_pb2.Content(text=f"Your message {dead.message_id} to {recipient} was not consumed:"
-                                              f" {reason}."),
-            in_reply_to=dead.message_id, conversation_id=dead.conversation_id, trace=dead.trace, origin=_MESH_ORIGIN,
-            headers={"inboxmesh-notice": "dead-lettered", "inboxmesh-reason": reason}, created_at_us=at_us,
-            stored_at_us=at_us)
+        notice = notices_of.notice(dead, recipient, reason, at_us)
+        notice.stored_at_us = at_us
+        message_id = notice.message_id
         status, detail, seq, _ = await self.messages.publish(dead.sender, notice, sender.inbox_capacity)
         if status != ACCEPTED:
             await self.events.emit([EventRow(at_us, ev.EVENT_KIND_NOTICE_UNDELIVERED, dead.sender,

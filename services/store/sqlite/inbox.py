@@ -15,7 +15,9 @@ from inboxmesh.client.tracing import trace_id_of
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2
+from services.config import OUTBOX_LIMIT
 from services.store import base
+from services.store import notices as notices_of
 from services.store.base import (
     ACCEPTED,
     AGENT_OPEN,
@@ -36,9 +38,8 @@ from services.store.base import (
     MessageRecord,
     SendOutcome,
 )
+from services.store.sqlite import outbox
 from services.store.sqlite.schema import MESSAGE_COLUMNS, message_of
-
-_MESH_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_MESH)
 
 
 class Inbox:
@@ -171,8 +172,13 @@ def dead_letter(conn: sqlite3.Connection, events: list[EventRow], recipient: str
                                 sender=env.sender, recipient=recipient, seq=env.sequence, detail=reason,
                                 trace_id=trace_id_of(env.trace.traceparent)))
         dead.append(replace(record, state=DEAD_LETTERED, dead_at_us=at_us, dead_reason=reason))
-        if env.origin.kind == envelope_pb2.ORIGIN_KIND_MESH or env.sender == recipient:
+        if not notices_of.wanted(env, recipient):
             continue  # no notices about notices, nor to oneself
+        if notices_of.crosses(env):  # to an IOA sender: through the outbox, in this same transaction
+            entry = notices_of.crossing(env, recipient, reason, at_us)
+            number, = outbox.add(conn, events, [entry], OUTBOX_LIMIT)
+            events += notices_of.crossing_events(entry, number, env, at_us)
+            continue
         if env.sender not in senders:
             senders[env.sender] = Inbox.load(conn, env.sender)
         notice = _notice(conn, events, senders[env.sender], env, recipient, reason, at_us)
@@ -195,12 +201,7 @@ def _notice(conn: sqlite3.Connection, events: list[EventRow], inbox: Inbox | Non
                                 sender=recipient, recipient=inbox.agent_id,
                                 detail=f"inbox full; {dead.message_id} was dead-lettered: {reason}"))
         return None
-    notice = envelope_pb2.Envelope(
-        message_id=message_id, sender=recipient, recipient=inbox.agent_id, kind=envelope_pb2.MESSAGE_KIND_CONTROL,
-        content=envelope_pb2.Content(text=f"Your message {dead.message_id} to {recipient} was not consumed: {reason}."),
-        in_reply_to=dead.message_id, conversation_id=dead.conversation_id, trace=dead.trace, origin=_MESH_ORIGIN,
-        headers={"inboxmesh-notice": "dead-lettered", "inboxmesh-reason": reason}, created_at_us=at_us,
-    )
+    notice = notices_of.notice(dead, recipient, reason, at_us)
     seq = store_envelope(conn, inbox, notice, at_us)
     events.append(EventRow(at_us, ev.EVENT_KIND_MESSAGE_STORED, inbox.agent_id, message_id=message_id,
                             sender=recipient, recipient=inbox.agent_id, seq=seq, detail="dead-letter notice",
