@@ -29,6 +29,7 @@ from services.server import Mesh
 from services.store.base import DELIVERED
 from services.store.jetstream import kv
 from services.store.jetstream.store import JetStreamStore
+from services.store.sqlite.schema import SCHEMA_VERSION
 from services.store.sqlite.store import SqliteStore
 from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config
 
@@ -298,7 +299,8 @@ async def test_an_upgraded_file_counts_the_running_children_it_had(tmp_path):
         assert refused.value.reason == "TOO_MANY_CHILDREN"
     conn = sqlite3.connect(config.store.path)
     try:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("6",)
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == \
+            (str(SCHEMA_VERSION),), "upgraded to the current version"
     finally:
         conn.close()
 

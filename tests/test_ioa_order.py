@@ -187,12 +187,12 @@ async def test_a_pairs_order_holds_across_a_restart_of_the_sending_relay(network
         a, b = await _team(alpha, "a"), await _team(beta, "b")
         info, credential = a.info, a.credential
         await _fault(network, net.FAULT_KIND_REORDER, count=10)
-        await _fault(network, net.FAULT_KIND_DELAY, count=20, delay_ms=30)
+        await _fault(network, net.FAULT_KIND_DELAY, count=20, delay_ms=100)  # 2 s for the 20 to arrive
         ids = [f"m{i:02d}" for i in range(30)]
         sending = asyncio.create_task(_send_in_order(a, beta.address(b), ids[:20]))
-        await eventually(lambda: beta.relay.counts["received"] >= 5, message="the first messages arrived")
+        await eventually(lambda: beta.relay.counts["received"] >= 3, message="the first messages arrived")
         await alpha.stop()  # mid-stream: what it had published goes on arriving at beta, unanswered
-        with pytest.raises(grpc.aio.AioRpcError):
+        with pytest.raises(grpc.aio.AioRpcError):  # the stream broke with its mesh
             await sending
         alpha = await start_node(network, tmp_path, "alpha")
         a = alpha.client.agent(info, credential)
