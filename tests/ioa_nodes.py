@@ -20,21 +20,31 @@ from tests.fixtures import ADMIN_TOKEN, make_config
 class NodeClient:
     """A raw node on the IOA network (no relay): what it publishes and receives, frame by frame."""
 
-    def __init__(self, channel, node_id):
+    def __init__(self, channel, node_id, batches=False):
         self.call = network_pb2_grpc.IoaNetworkStub(channel).Connect()
         self.node_id = node_id
+        self.batches = batches
         self.frames: asyncio.Queue = asyncio.Queue()
+        """Frames as the network would send them one by one (a Batch's items taken apart)."""
+        self.batch_sizes: list[int] = []
+        """The number of items of each Batch frame received."""
         self.publish_id = 0
 
     async def connect(self):
-        await self.call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id)))
+        await self.call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id, batches=self.batches)))
         self.reader = asyncio.create_task(self._read())
         return await self.next("welcome")
 
     async def _read(self):
         try:
             async for frame in self.call:
-                await self.frames.put(frame)
+                if frame.WhichOneof("frame") != "batch":
+                    await self.frames.put(frame)
+                    continue
+                self.batch_sizes.append(len(frame.batch.items))
+                for item in frame.batch.items:
+                    which = item.WhichOneof("item")
+                    await self.frames.put(net.NetworkFrame(**{which: getattr(item, which)}))
         except grpc.aio.AioRpcError:
             pass
 

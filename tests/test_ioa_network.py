@@ -88,3 +88,26 @@ async def test_injected_faults_do_what_they_say(network):
         await stub.InjectFault(net.InjectFaultRequest(node_id="ghost", kind=net.FAULT_KIND_DUPLICATE))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     a.close()
+
+
+async def test_publish_batches_and_batch_frames_for_nodes_that_read_them(network):
+    """A PublishBatch is handled as its publishes one by one, in order; a node that said it reads batches
+    gets what waits for it in Batch frames (in order), and one that did not gets single frames."""
+    server, channel = network
+    a = NodeClient(channel, "a", batches=True)
+    b, c = NodeClient(channel, "b", batches=True), NodeClient(channel, "c")
+    for node in (a, b, c):
+        await node.connect()
+    publishes = []
+    for i in range(40):
+        message = net.IoaMessage(ioa_message_id=f"m{i}", text=str(i), direct=net.Address(node="bc"[i % 2], agent="x"))
+        publishes.append(net.Publish(message=message, publish_id=100 + i))
+    await a.call.write(net.NodeFrame(publish_batch=net.PublishBatch(publishes=publishes)))
+    results = [await a.next("result") for _ in range(40)]
+    assert [(r.publish_id, r.status) for r in results] == [(100 + i, net.PUBLISH_STATUS_OK) for i in range(40)]
+    assert [(await b.next("message")).ioa_message_id for _ in range(20)] == [f"m{i}" for i in range(0, 40, 2)]
+    assert [(await c.next("message")).ioa_message_id for _ in range(20)] == [f"m{i}" for i in range(1, 40, 2)]
+    assert max(a.batch_sizes + b.batch_sizes) > 1, "what waited went in one frame"
+    assert c.batch_sizes == [], "a node that did not say it reads batches gets none"
+    for node in (a, b, c):
+        node.close()

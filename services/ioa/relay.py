@@ -132,6 +132,8 @@ OUTBOX_BACKOFF_S = 4.0
 """The longest pause between rounds while the outbox's entries cannot be sent."""
 OUTBOX_ROUND = 256
 """Outbox entries sent in one round."""
+PUBLISH_BATCH = 256
+"""First copies written in one frame at most."""
 SWEEP_S = 0.25
 """How often the receiving relay looks for held messages whose resequence wait is over."""
 
@@ -292,13 +294,19 @@ class IoaRelay:
             lost = self._lost
             try:
                 async with self._write_lock:  # hello first: nothing may be written on the call before it
-                    await call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id)))
+                    await call.write(net.NodeFrame(hello=net.Hello(node_id=self.node_id, batches=True)))
                     for space in sorted(self.spaces):
                         await call.write(net.NodeFrame(join=net.JoinSpace(space=space)))
                     self._call = call
                 async for frame in call:
                     which = frame.WhichOneof("frame")
-                    if which == "welcome":
+                    if which == "batch":
+                        for item in frame.batch.items:
+                            if item.WhichOneof("item") == "result":
+                                self._result(item.result)
+                            else:
+                                await self._arrived(item.message)
+                    elif which == "welcome":
                         self.connected.set()
                         log.log(logging.WARNING if failures else logging.INFO,
                                 "relay %s connected to %s%s (%d recent messages come again)", self.node_id,
@@ -308,9 +316,7 @@ class IoaRelay:
                         self.outbox_wake.set()
                         await self._send_parked()
                     elif which == "result":
-                        future = self._published.pop(frame.result.publish_id, None)
-                        if future is not None and not future.done():
-                            future.set_result(frame.result)
+                        self._result(frame.result)
                     elif which == "message":
                         await self._arrived(frame.message)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
@@ -339,6 +345,11 @@ class IoaRelay:
             self.reconnects += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)) * (0.5 + random.random() / 2))
 
+    def _result(self, result: net.PublishResult) -> None:
+        future = self._published.pop(result.publish_id, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
     async def _publish(self, message: net.IoaMessage, *, timeout: float | None = None) -> net.PublishResult:
         """Write one message on the connection and return the network's
         PublishResult. Unavailable (NOTHING_SENT) when it could not be
@@ -358,23 +369,32 @@ class IoaRelay:
 
     async def _write_publish(self, message: net.IoaMessage, future: asyncio.Future | None) -> int:
         """Write a Publish frame; the future (when given) gets its result. Returns the publish id."""
-        publish_id = next(self._publish_ids)
+        return (await self._write_publishes([message], [future]))[0]
+
+    async def _write_publishes(self, messages: list[net.IoaMessage], futures: list[asyncio.Future | None]) -> list[int]:
+        """Write messages in one frame (a Publish, or a PublishBatch for several); each future (when given)
+        gets its message's result. Their publish ids."""
+        ids = [next(self._publish_ids) for _ in messages]
         async with self._write_lock:
             call = self._call
             if not self.connected.is_set() or call is None:
                 raise errors.Unavailable(f"relay {self.node_id} is not connected to the IOA network; nothing was"
                                          " sent", reason=NOTHING_SENT)
-            if future is not None:
-                self._published[publish_id] = future
+            for publish_id, future in zip(ids, futures):
+                if future is not None:
+                    self._published[publish_id] = future
+            publishes = [net.Publish(message=m, publish_id=i) for m, i in zip(messages, ids)]
             try:
-                await call.write(net.NodeFrame(publish=net.Publish(message=message, publish_id=publish_id)))
+                await call.write(net.NodeFrame(publish=publishes[0]) if len(publishes) == 1 else
+                                 net.NodeFrame(publish_batch=net.PublishBatch(publishes=publishes)))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-                self._published.pop(publish_id, None)
+                for publish_id in ids:
+                    self._published.pop(publish_id, None)
                 self.connected.clear()  # the call is over: no publish may wait for it (the loop reconnects)
                 call.cancel()
                 raise errors.Unavailable(f"could not publish to the IOA network ({type(exc).__name__}); nothing"
                                          " was sent", reason=NOTHING_SENT) from None
-        return publish_id
+        return ids
 
     # -- outbound -----------------------------------------------------------
     async def forward(self, sender_id: str, envelopes: list[env_pb.Envelope]) -> list[SendOutcome]:
@@ -436,8 +456,9 @@ class IoaRelay:
                         detail=ioa_id, trace_id=trace_id_of(envelopes[i].trace.traceparent),
                         in_reply_to=envelopes[i].in_reply_to, conversation_id=envelopes[i].conversation_id)
                         for i, ioa_id, *_ in pending])  # handed to the network
-                for _, _, message, _, _ in pending:
-                    firsts.append(await self._write_first(message))
+                for start in range(0, len(pending), PUBLISH_BATCH):  # a frame for many
+                    firsts += await self._write_firsts([message for _, _, message, _, _ in
+                                                        pending[start:start + PUBLISH_BATCH]])
         except BaseException:
             self._forgotten(pending, sender_id, envelopes)
             raise
@@ -474,18 +495,21 @@ class IoaRelay:
             if not unanswered:
                 del self._unanswered[pair]
 
-    async def _write_first(self, message: net.IoaMessage) -> asyncio.Future[net.PublishResult]:
-        """Write a message's first copy now; the future gets the network's PublishResult, or the
-        Unavailable the write (or the connection ending before the result) came to."""
-        future: asyncio.Future[net.PublishResult] = asyncio.get_running_loop().create_future()
+    async def _write_firsts(self, messages: list[net.IoaMessage]) -> list[asyncio.Future[net.PublishResult]]:
+        """Write messages' first copies now, in one frame; each future gets the network's PublishResult, or
+        the Unavailable the write (or the connection ending before the result) came to."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[net.PublishResult]] = [loop.create_future() for _ in messages]
         try:
-            await self._write_publish(message, future)
+            await self._write_publishes(messages, list(futures))
         except errors.Unavailable as exc:
-            if not future.done():  # the connection's end may have failed it first
-                future.set_exception(exc)
-        if future.done():
-            future.exception()  # retrieved: _deliver reads it, or its forwarding is cancelled first
-        return future
+            for future in futures:
+                if not future.done():  # the connection's end may have failed it first
+                    future.set_exception(exc)
+        for future in futures:
+            if future.done():
+                future.exception()  # retrieved: _deliver reads it, or its forwarding is cancelled first
+        return futures
 
     async def _receipts_of(self, forwarding: Forwarding) -> list[SendOutcome]:
         """The receipts of what start_forward published (Forwarding.outcomes); with the outbox, the messages

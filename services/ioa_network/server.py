@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["IoaNetwork"].full_name
 _NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _MAX_SPACES_PER_NODE = 1024
+_MAX_BATCH = 256
+"""Frames one Batch holds at most."""
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """The largest frame or request the network takes (as a mesh does by default)."""
 
@@ -65,6 +67,8 @@ class _Node:
     delay: int = 0
     delay_ms: int = 0
     reorder: int = 0
+    batches: bool = False
+    """The node reads Batch frames (Hello.batches)."""
 
 
 class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
@@ -88,6 +92,7 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
                 reason=Reason.BAD_NODE_ID, metadata={"field": "hello.node_id"})))
             return
         node, queue, stop = self._attach(first.hello.node_id)
+        node.batches = first.hello.batches
         redeliver = list(node.recent)
         await context.write(pb.NetworkFrame(welcome=pb.Welcome(node_id=node.node_id, redelivering=len(redeliver))))
         for message in redeliver:
@@ -120,15 +125,21 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         async for frame in frames:
             which = frame.WhichOneof("frame")
             if which == "publish":
-                result, targets = self.route(node, frame.publish.message)
-                result.publish_id = frame.publish.publish_id
-                self._enqueue(node, pb.NetworkFrame(result=result))  # the publisher hears first, then fan-out
-                for target in targets:
-                    self._deliver(target, frame.publish.message)
+                self._publish(node, frame.publish)
+            elif which == "publish_batch":
+                for publish in frame.publish_batch.publishes:
+                    self._publish(node, publish)
             elif which == "join" and len(frame.join.space) <= 128 and len(node.spaces) < _MAX_SPACES_PER_NODE:
                 node.spaces.add(frame.join.space)  # a bad join is ignored: publishing to it says NOT_A_MEMBER
             elif which == "leave":
                 node.spaces.discard(frame.leave.space)
+
+    def _publish(self, node: _Node, publish: pb.Publish) -> None:
+        result, targets = self.route(node, publish.message)
+        result.publish_id = publish.publish_id
+        self._enqueue(node, pb.NetworkFrame(result=result))  # the publisher hears first, then fan-out
+        for target in targets:
+            self._deliver(target, publish.message)
 
     async def _write(self, node: _Node, queue: asyncio.Queue, stop: asyncio.Event, context) -> None:
         held: pb.NetworkFrame | None = None
@@ -142,6 +153,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
                     getting.cancel()
                     return
                 frame = getting.result()
+                if node.batches and not (node.reorder or node.delay or node.duplicate) and not queue.empty():
+                    frame = self._batch(frame, queue)  # what waits goes in one frame (faults go one by one)
                 if frame.WhichOneof("frame") == "message":
                     if node.reorder and held is None:
                         held = frame
@@ -161,6 +174,19 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
             stopping.cancel()
             if getting is not None:
                 getting.cancel()
+
+    @staticmethod
+    def _batch(first: pb.NetworkFrame, queue: asyncio.Queue) -> pb.NetworkFrame:
+        """`first` and the frames queued behind it (up to _MAX_BATCH; a node's queue holds only messages
+        and results) as one Batch frame, in order."""
+        batch = pb.Batch()
+        frame = first
+        while True:
+            which = frame.WhichOneof("frame")
+            getattr(batch.items.add(), which).CopyFrom(getattr(frame, which))
+            if len(batch.items) >= _MAX_BATCH or queue.empty():
+                return pb.NetworkFrame(batch=batch)
+            frame = queue.get_nowait()
 
     def _enqueue(self, node: _Node, frame: pb.NetworkFrame) -> None:
         if node.queue is None or not node.connected:

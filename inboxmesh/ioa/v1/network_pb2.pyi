@@ -73,10 +73,12 @@ class IoaMessage(_message.Message):
     def __init__(self, ioa_message_id: _Optional[str] = ..., direct: _Optional[_Union[Address, _Mapping]] = ..., space: _Optional[str] = ..., text: _Optional[str] = ..., data: _Optional[bytes] = ..., media_type: _Optional[str] = ..., headers: _Optional[_Mapping[str, str]] = ..., sent_at_us: _Optional[int] = ..., space_seq: _Optional[int] = ..., **kwargs) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "batches")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    batches: bool
+    def __init__(self, node_id: _Optional[str] = ..., batches: bool = ...) -> None: ...
 
 class Publish(_message.Message):
     __slots__ = ("message", "publish_id")
@@ -85,6 +87,12 @@ class Publish(_message.Message):
     message: IoaMessage
     publish_id: int
     def __init__(self, message: _Optional[_Union[IoaMessage, _Mapping]] = ..., publish_id: _Optional[int] = ...) -> None: ...
+
+class PublishBatch(_message.Message):
+    __slots__ = ("publishes",)
+    PUBLISHES_FIELD_NUMBER: _ClassVar[int]
+    publishes: _containers.RepeatedCompositeFieldContainer[Publish]
+    def __init__(self, publishes: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ...) -> None: ...
 
 class JoinSpace(_message.Message):
     __slots__ = ("space",)
@@ -99,16 +107,18 @@ class LeaveSpace(_message.Message):
     def __init__(self, space: _Optional[str] = ...) -> None: ...
 
 class NodeFrame(_message.Message):
-    __slots__ = ("hello", "publish", "join", "leave")
+    __slots__ = ("hello", "publish", "join", "leave", "publish_batch")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_BATCH_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     publish: Publish
     join: JoinSpace
     leave: LeaveSpace
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., publish: _Optional[_Union[Publish, _Mapping]] = ..., join: _Optional[_Union[JoinSpace, _Mapping]] = ..., leave: _Optional[_Union[LeaveSpace, _Mapping]] = ...) -> None: ...
+    publish_batch: PublishBatch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., publish: _Optional[_Union[Publish, _Mapping]] = ..., join: _Optional[_Union[JoinSpace, _Mapping]] = ..., leave: _Optional[_Union[LeaveSpace, _Mapping]] = ..., publish_batch: _Optional[_Union[PublishBatch, _Mapping]] = ...) -> None: ...
 
 class PublishResult(_message.Message):
     __slots__ = ("publish_id", "status", "detail", "ioa_message_id")
@@ -130,15 +140,30 @@ class Welcome(_message.Message):
     redelivering: int
     def __init__(self, node_id: _Optional[str] = ..., redelivering: _Optional[int] = ...) -> None: ...
 
+class Batch(_message.Message):
+    __slots__ = ("items",)
+    class Item(_message.Message):
+        __slots__ = ("message", "result")
+        MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        RESULT_FIELD_NUMBER: _ClassVar[int]
+        message: IoaMessage
+        result: PublishResult
+        def __init__(self, message: _Optional[_Union[IoaMessage, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ...) -> None: ...
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Batch.Item]
+    def __init__(self, items: _Optional[_Iterable[_Union[Batch.Item, _Mapping]]] = ...) -> None: ...
+
 class NetworkFrame(_message.Message):
-    __slots__ = ("welcome", "message", "result")
+    __slots__ = ("welcome", "message", "result", "batch")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     message: IoaMessage
     result: PublishResult
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., message: _Optional[_Union[IoaMessage, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ...) -> None: ...
+    batch: Batch
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., message: _Optional[_Union[IoaMessage, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
 class ReadSpaceRequest(_message.Message):
     __slots__ = ("space", "after_seq", "limit")
