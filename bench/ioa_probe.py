@@ -19,8 +19,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.procs import Child  # noqa: E402
 from bench.common import python_env  # noqa: E402
+from bench.procs import Child  # noqa: E402
 from inboxmesh.ioa.v1 import network_pb2 as net  # noqa: E402
 from inboxmesh.ioa.v1 import network_pb2_grpc  # noqa: E402
 
