@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.tls import TlsFiles
+
+SERVER_TLS_NAMES = ("--tls-cert", "--tls-key", "--tls-client-ca")
+"""The settings a server's TLS files come from (TlsFiles.names)."""
+RELAY_TLS_NAMES = ("--ioa-tls-cert", "--ioa-tls-key", "--ioa-tls-ca")
+"""The settings the relay's TLS files for its IOA network connection come from."""
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -109,6 +116,9 @@ class IoaConfig:
     outbox_ttl_s: float = 86_400.0
     """How long an entry waits for its node at most (or until its message's
     own expires_at_us, when earlier); then its outcome is `expired`."""
+    tls: TlsFiles = field(default_factory=lambda: TlsFiles(names=RELAY_TLS_NAMES))
+    """How the relay connects to the network: plaintext without files, TLS trusting `ca`, mutual TLS with its
+    own certificate and key too (services/tls.py)."""
     hold_limit: int = 10_000
     """Received messages held for their predecessors at most; a message
     that would be held beyond it is not stored and not answered now (its
@@ -141,6 +151,10 @@ class MeshConfig:
     """Address to listen on."""
     port: int = 0
     """Port to listen on; 0 picks a free one (printed at start)."""
+    tls: TlsFiles = field(default_factory=lambda: TlsFiles(names=SERVER_TLS_NAMES))
+    """TLS with a certificate and key; mutual TLS with a client CA too (services/tls.py)."""
+    insecure: bool = False
+    """Allow plaintext on an address that is not a loopback one."""
     store: StoreConfig = field(default_factory=StoreConfig)
     """Where and how the mesh keeps its state."""
     limits: InboxLimits = field(default_factory=InboxLimits)
@@ -182,3 +196,5 @@ class ClientSettings:
     """State directory of a local mesh (its mesh.json names the address and the token)."""
     timeout_s: float
     """Deadline of each call."""
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    """How to connect: plaintext without files, else TLS (services/tls.py)."""

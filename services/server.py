@@ -18,7 +18,7 @@ from inboxmesh.ioa.v1 import relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2, registry_pb2_grpc
 from inboxmesh.routing.v1 import routing_pb2, routing_pb2_grpc
 from inboxmesh.runs.v1 import runs_pb2, runs_pb2_grpc
-from services import settings
+from services import settings, tls
 from services.assembly import assemble, check
 from services.config import MeshConfig
 from services.events.grpc_handler import EventServicer
@@ -174,11 +174,16 @@ class Mesh:
 
 
 def create_server(config: MeshConfig, server: grpc.aio.Server) -> tuple[grpc.aio.Server, int]:
-    """Bind the server to the configured address; returns it with its port."""
+    """Bind the server to the configured address, with TLS when configured (plaintext only on a loopback
+    address unless config.insecure); returns it with its port."""
+    credentials = tls.listen_credentials(config.tls, config.host, config.insecure, "the mesh")
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        port = (server.add_secure_port(address, credentials) if credentials is not None else
+                server.add_insecure_port(address))
     except RuntimeError as exc:
         raise errors.Unavailable(
             f"could not listen on {config.host}:{config.port} (in use by another process?): {exc}",
             reason=Reason.BIND_FAILED) from None
     return server, port
+

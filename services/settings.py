@@ -35,8 +35,18 @@ from typing import Any, Generic, TypeVar, cast
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
-from services.config import ClientSettings, InboxLimits, IoaConfig, MeshConfig, RunsConfig, StoreConfig
+from services.config import (
+    RELAY_TLS_NAMES,
+    SERVER_TLS_NAMES,
+    ClientSettings,
+    InboxLimits,
+    IoaConfig,
+    MeshConfig,
+    RunsConfig,
+    StoreConfig,
+)
 from services.routing.config import RoutingConfig, load_routing_config
+from services.tls import TlsFiles
 
 T = TypeVar("T")
 
@@ -208,6 +218,20 @@ NODE_ID = Setting[str | None]("node_id", lambda: None, flag="--node-id")
 IOA_OUTBOX = Setting("ioa_outbox", lambda: False, flag="--ioa-outbox")
 """Sends to an IOA node that cannot be reached go into the outbox unless their request says otherwise."""
 ROUTING = Setting[Path | None]("routing", lambda: None, flag="--routing", parse=Path)
+TLS_CERT = Setting[Path | None]("tls_cert", lambda: None, flag="--tls-cert", env="INBOXMESH_TLS_CERT", parse=Path)
+TLS_KEY = Setting[Path | None]("tls_key", lambda: None, flag="--tls-key", env="INBOXMESH_TLS_KEY", parse=Path)
+TLS_CLIENT_CA = Setting[Path | None]("tls_client_ca", lambda: None, flag="--tls-client-ca",
+                                     env="INBOXMESH_TLS_CLIENT_CA", parse=Path)
+"""A server's: its certificate and key (TLS), and the CA of the client certificates it requires (mutual TLS)."""
+INSECURE = Setting("insecure", lambda: False, flag="--insecure")
+"""Allow plaintext on a listen address that is not a loopback one."""
+IOA_TLS_CA = Setting[Path | None]("ioa_tls_ca", lambda: None, flag="--ioa-tls-ca", env="INBOXMESH_IOA_TLS_CA",
+                                  parse=Path)
+IOA_TLS_CERT = Setting[Path | None]("ioa_tls_cert", lambda: None, flag="--ioa-tls-cert",
+                                    env="INBOXMESH_IOA_TLS_CERT", parse=Path)
+IOA_TLS_KEY = Setting[Path | None]("ioa_tls_key", lambda: None, flag="--ioa-tls-key", env="INBOXMESH_IOA_TLS_KEY",
+                                   parse=Path)
+"""The relay's connection to the IOA network: the CA it trusts, and its own certificate and key (mutual TLS)."""
 MAX_SPAWN_DEPTH = Setting("max_spawn_depth", lambda: _RUNS.max_spawn_depth, flag="--max-spawn-depth",
                           parse=_integer, check=_at_least(1))
 MAX_ACTIVE_CHILDREN = Setting("max_active_children", lambda: _RUNS.max_active_children,
@@ -253,11 +277,15 @@ def mesh_config(flags: Mapping[str, object], env: Mapping[str, str]) -> MeshConf
     ioa = None
     if network:
         ioa = IoaConfig(node_id=node_id or f"mesh-{port or 'any'}", network=network,
-                        outbox=bool(layers.value(IOA_OUTBOX)))
+                        outbox=bool(layers.value(IOA_OUTBOX)),
+                        tls=TlsFiles(layers.value(IOA_TLS_CERT), layers.value(IOA_TLS_KEY), layers.value(IOA_TLS_CA),
+                                     RELAY_TLS_NAMES))
         services = tuple(dict.fromkeys((*services, "relay")))
     return MeshConfig(
         host=layers.value(HOST),
         port=port,
+        tls=server_tls(flags, env),
+        insecure=bool(layers.value(INSECURE)),
         store=store,
         limits=replace(_LIMITS, default_capacity=layers.value(CAPACITY),
                        allow_cross_scope=bool(layers.value(CROSS_SCOPE)),
@@ -272,6 +300,12 @@ def mesh_config(flags: Mapping[str, object], env: Mapping[str, str]) -> MeshConf
                      archive_after_s=float(layers.value(RUN_ARCHIVE_AFTER_MIN)) * 60),
         routing=routing,
     )
+
+
+def server_tls(flags: Mapping[str, object], env: Mapping[str, str]) -> TlsFiles:
+    """A server's TLS files (`up`, `ioa-server`): --tls-cert, --tls-key, --tls-client-ca, or their variables."""
+    layers = _Layers(flags, env)
+    return TlsFiles(layers.value(TLS_CERT), layers.value(TLS_KEY), layers.value(TLS_CLIENT_CA), SERVER_TLS_NAMES)
 
 
 def data_dir(flags: Mapping[str, object], env: Mapping[str, str]) -> Path:
@@ -290,6 +324,21 @@ ADDRESS = Setting("address", lambda: f"127.0.0.1:{DEFAULT_PORT}", flag="--mesh",
 CLIENT_ADMIN_TOKEN = Setting[str | None]("admin_token", lambda: None, env=ENV_ADMIN_TOKEN)
 """No flag: a command that acts as an agent passes --as; the token is for operators' reads."""
 TIMEOUT = Setting("timeout_s", lambda: 10.0, flag="--timeout", parse=_number, check=_positive)
+TLS_CA = Setting[Path | None]("tls_ca", lambda: None, flag="--tls-ca", env="INBOXMESH_TLS_CA", parse=Path)
+TLS_CLIENT_CERT = Setting[Path | None]("tls_client_cert", lambda: None, flag="--tls-client-cert",
+                                       env="INBOXMESH_TLS_CLIENT_CERT", parse=Path)
+TLS_CLIENT_KEY = Setting[Path | None]("tls_client_key", lambda: None, flag="--tls-client-key",
+                                      env="INBOXMESH_TLS_CLIENT_KEY", parse=Path)
+"""A client's: the CA it trusts (TLS), and its own certificate and key for a mesh that requires one."""
+CLIENT_TLS_NAMES = ("--tls-client-cert", "--tls-client-key", "--tls-ca")
+
+
+def client_tls(flags: Mapping[str, object], env: Mapping[str, str]) -> TlsFiles:
+    """A client's TLS files (the client commands, `up`'s demo): --tls-ca, --tls-client-cert, --tls-client-key,
+    or their variables; none: plaintext."""
+    layers = _Layers(flags, env)
+    return TlsFiles(layers.value(TLS_CLIENT_CERT), layers.value(TLS_CLIENT_KEY), layers.value(TLS_CA),
+                    CLIENT_TLS_NAMES)
 
 
 def client_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> ClientSettings:
@@ -301,7 +350,7 @@ def client_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Clie
     layers = _Layers(flags, env, {key: (value, f"{where}: {key}") for key, value in state.items()
                                   if key in (ADDRESS.key, CLIENT_ADMIN_TOKEN.key) and value})
     return ClientSettings(address=layers.value(ADDRESS), admin_token=layers.value(CLIENT_ADMIN_TOKEN),
-                          data_dir=data, timeout_s=float(layers.value(TIMEOUT)))
+                          data_dir=data, timeout_s=float(layers.value(TIMEOUT)), tls=client_tls(flags, env))
 
 
 # -- the state file -----------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import grpc
+
 from inboxmesh.client.mesh import AgentHandle, MeshClient
 from inboxmesh.client.stream import InboxStream
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -30,9 +32,10 @@ def _events_line(events: list[ev.Event], message_id: str, t0: int) -> str:
     return ", ".join(steps)
 
 
-async def run_demo(address: str, say: Callable[[str], None] = print) -> dict[str, str]:
-    """Run the exchange against the mesh at `address`; returns the ids used."""
-    async with MeshClient(address) as mesh:
+async def run_demo(address: str, say: Callable[[str], None] = print,
+                   tls: grpc.ChannelCredentials | None = None) -> dict[str, str]:
+    """Run the exchange against the mesh at `address` (with TLS when given); returns the ids used."""
+    async with MeshClient(address, tls=tls) as mesh:
         lead = await mesh.register("demo-lead")
         alice = await lead.spawn("alice", reg.AGENT_MODE_ASYNC)
         bob = await lead.spawn("bob", reg.AGENT_MODE_ASYNC)

@@ -35,7 +35,7 @@ from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev_pb
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.registry.v1 import registry_pb2 as reg_pb
-from services import settings
+from services import settings, tls
 
 log = logging.getLogger("inboxmesh")
 
@@ -98,8 +98,8 @@ async def _up(args) -> int:
     state = settings.write_state(settings.data_dir(flags, os.environ), mesh.address, config.admin_token)
     where = (f"sqlite {config.store.path}" if config.store.backend == "sqlite"
              else f"jetstream {','.join(config.store.nats_urls)} namespace {config.store.nats_namespace}")
-    print(f"inboxmesh listening on {mesh.address} (services: {', '.join(config.services)}; store: {where})",
-          flush=True)
+    print(f"inboxmesh listening on {mesh.address} ({tls.mode(config.tls)}; services: {', '.join(config.services)};"
+          f" store: {where})", flush=True)
     if mesh.relay is not None and config.ioa is not None:
         print(f"inboxmesh: IOA relay node {mesh.relay.node_id!r} on network {config.ioa.network}", flush=True)
     print(f"inboxmesh: address and admin token written to {state}", flush=True)
@@ -110,7 +110,13 @@ async def _up(args) -> int:
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
     try:
         if args.demo and "inbox" in config.services:
-            await run_demo(mesh.address, say=lambda line: print(line, flush=True))
+            demo_tls = settings.client_tls(flags, os.environ)
+            if config.tls.cert is not None and demo_tls.ca is None:
+                print("inboxmesh: demo skipped: the mesh serves TLS and no CA to trust was given (--tls-ca or"
+                      " INBOXMESH_TLS_CA)", flush=True)
+            else:
+                await run_demo(mesh.address, say=lambda line: print(line, flush=True),
+                               tls=tls.channel_credentials(demo_tls, "the demo"))
         if args.exit_after_demo:
             return 0
         print("inboxmesh: serving; Ctrl-C to stop", flush=True)
@@ -124,13 +130,18 @@ async def _up(args) -> int:
 async def _ioa_server(args) -> int:
     from services.ioa_network.server import NetworkConfig, NetworkServer
 
-    server = NetworkServer(NetworkConfig(host=args.host, port=args.port, history=args.history))
     try:
+        config = NetworkConfig(host=args.host, port=args.port, history=args.history,
+                               tls=settings.server_tls(vars(args), os.environ), insecure=bool(args.insecure))
+        server = NetworkServer(config)
         await server.start()
+    except errors.MeshError as exc:
+        print(f"inboxmesh ioa-server: {exc.message}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         print(f"inboxmesh ioa-server: {exc}. Use --port 0 for any free port.", file=sys.stderr)
         return 1
-    print(f"ioa network listening on {server.address}", flush=True)
+    print(f"ioa network listening on {server.address} ({tls.mode(config.tls)})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -143,7 +154,8 @@ async def _ioa_server(args) -> int:
 # -- agent commands -----------------------------------------------------------
 def _client(args) -> MeshClient:
     found = settings.client_settings(vars(args), os.environ)
-    return MeshClient(found.address, timeout=found.timeout_s, admin_token=found.admin_token)
+    return MeshClient(found.address, timeout=found.timeout_s, admin_token=found.admin_token,
+                      tls=tls.channel_credentials(found.tls, "inboxmesh"))
 
 
 def _as(client: MeshClient, credential: str | None) -> AgentHandle:
@@ -271,6 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--data-dir", help="state directory of a local mesh (default: INBOXMESH_DATA_DIR, then"
                                           " .inboxmesh)")
         p.add_argument("--timeout", type=float, help="deadline of each call, seconds (default 10)")
+        tls_client_args(p)
+
+    def tls_client_args(p):
+        p.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA (INBOXMESH_TLS_CA)")
+        p.add_argument("--tls-client-cert", metavar="PEM",
+                       help="this client's certificate, for a mesh that requires one (INBOXMESH_TLS_CLIENT_CERT)")
+        p.add_argument("--tls-client-key", metavar="PEM", help="its key (INBOXMESH_TLS_CLIENT_KEY)")
+
+    def tls_server_args(p):
+        p.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (INBOXMESH_TLS_CERT)")
+        p.add_argument("--tls-key", metavar="PEM", help="its private key (INBOXMESH_TLS_KEY)")
+        p.add_argument("--tls-client-ca", metavar="PEM",
+                       help="require client certificates this CA signed: mutual TLS (INBOXMESH_TLS_CLIENT_CA)")
+        p.add_argument("--insecure", action="store_true", default=None,
+                       help="allow plaintext on an address that is not a loopback one")
 
     # `up`'s flags default to None (not given): services.settings.mesh_config holds the defaults and
     # merges flag > environment > file > default
@@ -290,7 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
                          " crash of the mesh process but not of the machine")
     up.add_argument("--allow-cross-scope", action="store_true", default=None,
                     help="let agents send outside their own tree")
+    tls_server_args(up)
+    tls_client_args(up)  # for the demo's client
     up.add_argument("--ioa-network", metavar="HOST:PORT", help="connect this mesh to an IOA network (relay)")
+    up.add_argument("--ioa-tls-ca", metavar="PEM", help="connect to the IOA network with TLS, trusting this CA"
+                                                        " (INBOXMESH_IOA_TLS_CA)")
+    up.add_argument("--ioa-tls-cert", metavar="PEM",
+                    help="the relay's certificate, for a network that requires one (INBOXMESH_IOA_TLS_CERT)")
+    up.add_argument("--ioa-tls-key", metavar="PEM", help="its key (INBOXMESH_IOA_TLS_KEY)")
     up.add_argument("--node-id", help="this mesh's node id on the IOA network (default: mesh-<port>)")
     up.add_argument("--ioa-outbox", action="store_true", default=None,
                     help="a send to an IOA node that cannot be reached goes into the outbox (receipt OUTBOXED) and"
@@ -328,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     ioa.add_argument("--host", default="127.0.0.1")
     ioa.add_argument("--port", type=int, default=7500, help="0 = any free port")
     ioa.add_argument("--history", type=int, default=50, help="recent messages a reconnecting node gets again")
+    tls_server_args(ioa)
     ioa.set_defaults(run=_ioa_server)
 
     reg = sub.add_parser("register", help="register an agent; prints its id and credential")

@@ -9,6 +9,7 @@ import json
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 
 import grpc
 from opentelemetry import trace
@@ -152,21 +153,37 @@ def _request_id() -> str:
     return secrets.token_hex(16)
 
 
+def tls_credentials(ca: str | Path | None = None, cert: str | Path | None = None,
+                    key: str | Path | None = None) -> grpc.ChannelCredentials:
+    """TLS for MeshClient: trust the CA in the PEM file `ca` (the system's roots when None); with `cert` and
+    `key` (PEM files) present that client certificate to a mesh that requires one (mutual TLS)."""
+    def read(path: str | Path | None) -> bytes | None:
+        return Path(path).read_bytes() if path is not None else None
+
+    if (cert is None) != (key is None):
+        raise ValueError("a client certificate needs its key, and a key its certificate")
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                        certificate_chain=read(cert))
+
+
 class MeshClient:
     """Connection to a mesh. `async with MeshClient("127.0.0.1:7400") as mesh:`."""
 
     def __init__(self, target: str, *, timeout: float = 10.0, admin_token: str | None = None,
-                 wait_for_ready: bool = True):
+                 wait_for_ready: bool = True, tls: grpc.ChannelCredentials | None = None):
         """`timeout` is the deadline of each unary call, in seconds. With
         `wait_for_ready` (the default) a call made while there is no
         connection to the mesh (it is restarting) waits for one within its
         deadline; False makes such calls fail at once with UNAVAILABLE (for
-        a caller that would rather try another mesh)."""
+        a caller that would rather try another mesh). `tls`: connect with TLS
+        (`tls_credentials(...)`, or grpc.ssl_channel_credentials); plaintext
+        without."""
         self.target = target
         self.timeout = timeout
         self.admin_token = admin_token
         options = channel_options(wait_for_ready=wait_for_ready)
-        self.channel = grpc.aio.insecure_channel(target, options=options)
+        self.channel = (grpc.aio.secure_channel(target, tls, options=options) if tls is not None else
+                        grpc.aio.insecure_channel(target, options=options))
         self.registry = registry_pb2_grpc.RegistryServiceStub(self.channel)
         self.inbox = inbox_pb2_grpc.InboxServiceStub(self.channel)
         self.events = events_pb2_grpc.EventServiceStub(self.channel)

@@ -84,6 +84,7 @@ from services.store.base import (
     OutboxStore,
     SendOutcome,
 )
+from services.tls import channel_credentials
 
 log = logging.getLogger(__name__)
 PREFIX = IOA_PREFIX
@@ -257,7 +258,9 @@ class IoaRelay:
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.config.network)
+        credentials = channel_credentials(self.config.tls, "the relay's IOA connection")
+        self._channel = (grpc.aio.secure_channel(self.config.network, credentials) if credentials is not None else
+                         grpc.aio.insecure_channel(self.config.network))
         self._network = network_pb2_grpc.IoaNetworkStub(self._channel)
         self._lost = asyncio.get_running_loop().create_future()
         for entry in await self._outbox.outbox_list(0, self.config.outbox_limit):  # kept across a restart

@@ -28,8 +28,11 @@ from inboxmesh.client.errors import Reason
 from inboxmesh.client.status import to_grpc
 from inboxmesh.ioa.v1 import network_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2_grpc
+from services import tls
 from services.clock import now_us
+from services.config import SERVER_TLS_NAMES
 from services.grpc_common import ErrorBoundaryInterceptor, receive_limit
+from services.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["IoaNetwork"].full_name
@@ -51,6 +54,10 @@ class NetworkConfig:
     """Messages kept per space for ReadSpace."""
     queue_limit: int = 10_000
     """Frames waiting for one node before it is disconnected as too slow."""
+    tls: TlsFiles = field(default_factory=lambda: TlsFiles(names=SERVER_TLS_NAMES))
+    """TLS with a certificate and key; mutual TLS with a client CA too (services/tls.py)."""
+    insecure: bool = False
+    """Allow plaintext on an address that is not a loopback one."""
 
 
 @dataclass
@@ -315,8 +322,11 @@ def create_network_server(config: NetworkConfig, network: IoaNetwork) -> tuple[g
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    credentials = tls.listen_credentials(config.tls, config.host, config.insecure, "the IOA network server")
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        port = (server.add_secure_port(address, credentials) if credentials is not None else
+                server.add_insecure_port(address))
     except RuntimeError as exc:
         raise RuntimeError(f"could not listen on {config.host}:{config.port}: {exc}") from None
     return server, port

@@ -1,0 +1,156 @@
+"""TLS and mutual TLS on the mesh and the IOA network (services/tls.py, docs/security.md), with certificates
+made at test time by trustme: the happy paths, and what is refused (a plaintext client, a wrong CA, a
+missing or foreign client certificate, an expired certificate, a key of another certificate, a missing
+file, plaintext beyond loopback)."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import MeshClient, tls_credentials
+from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services.config import SERVER_TLS_NAMES, IoaConfig
+from services.ioa_network.server import NetworkConfig, NetworkServer
+from services.server import Mesh
+from services.tls import TlsFiles
+from tests.fixtures import ADMIN_TOKEN, make_config
+from tests.processes import MeshProcess
+from tests.streams import Collector
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Pki:
+    """A CA and what it signed, as PEM files in a directory."""
+
+    def __init__(self, root: Path, name: str = "ca", **issue):
+        self.root = root
+        self.ca = trustme.CA()
+        self.ca_file = self._write(f"{name}.pem", self.ca.cert_pem.bytes())
+        self.cert_file, self.key_file = self.issue(f"{name}-server", "127.0.0.1", "localhost", **issue)
+
+    def issue(self, name: str, *identities: str, **issue) -> tuple[Path, Path]:
+        leaf = self.ca.issue_cert(*identities, **issue)
+        return (self._write(f"{name}.pem", b"".join(blob.bytes() for blob in leaf.cert_chain_pems)),
+                self._write(f"{name}.key", leaf.private_key_pem.bytes()))
+
+    def server(self, client_ca: Path | None = None) -> TlsFiles:
+        return TlsFiles(self.cert_file, self.key_file, client_ca, SERVER_TLS_NAMES)
+
+    def _write(self, name: str, data: bytes) -> Path:
+        path = self.root / name
+        path.write_bytes(data)
+        return path
+
+
+@pytest.fixture
+def pki(tmp_path) -> Pki:
+    return Pki(tmp_path)
+
+
+async def _refused(address: str, credentials: grpc.ChannelCredentials | None) -> None:
+    async with MeshClient(address, timeout=3, wait_for_ready=False, tls=credentials) as client:
+        with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+            await client.register("should-not-register")
+
+
+async def test_tls_serves_a_client_that_trusts_its_ca_and_refuses_the_others(tmp_path, pki):
+    config = replace(make_config(tmp_path), tls=pki.server())
+    async with Mesh(config) as mesh:
+        async with MeshClient(mesh.address, tls=tls_credentials(pki.ca_file), admin_token=ADMIN_TOKEN) as client:
+            lead = await client.register("lead")
+            kid = await lead.spawn("kid")
+            assert (await lead.send(kid.agent_id, "over TLS")).status == pb.RECEIPT_STATUS_ACCEPTED
+            stream = Collector(kid, auto_ack=True)
+            try:
+                assert [m.content.text for m in await stream.wait_for(1)] == ["over TLS"]
+            finally:
+                await stream.stop()
+        await _refused(mesh.address, None)  # a plaintext client
+        other = Pki(tmp_path, "other")
+        await _refused(mesh.address, tls_credentials(other.ca_file))  # a client that trusts another CA
+
+
+async def test_mutual_tls_requires_a_client_certificate_from_its_ca(tmp_path, pki):
+    clients = Pki(tmp_path, "clients")
+    cert, key = clients.issue("host-a", "host-a.example")
+    config = replace(make_config(tmp_path), tls=pki.server(client_ca=clients.ca_file))
+    async with Mesh(config) as mesh:
+        async with MeshClient(mesh.address, tls=tls_credentials(pki.ca_file, cert, key)) as client:
+            assert (await client.register("proven")).agent_id
+        await _refused(mesh.address, tls_credentials(pki.ca_file))  # no client certificate
+        stranger = Pki(tmp_path, "stranger")
+        foreign_cert, foreign_key = stranger.issue("host-b", "host-b.example")
+        await _refused(mesh.address, tls_credentials(pki.ca_file, foreign_cert, foreign_key))
+
+
+async def test_bad_tls_files_are_refused_at_start_naming_the_setting_and_the_file(tmp_path, pki):
+    base = make_config(tmp_path)
+    expired = Pki(tmp_path, "expired", not_after=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
+                  not_before=datetime.datetime(2019, 1, 1, tzinfo=datetime.UTC))
+    other = Pki(tmp_path, "other")
+    cases = {
+        "expired": (replace(base, tls=expired.server()), "--tls-cert", "not now"),
+        "foreign key": (replace(base, tls=TlsFiles(pki.cert_file, other.key_file, None, SERVER_TLS_NAMES)),
+                        "--tls-key", "is not the key of the certificate"),
+        "missing": (replace(base, tls=TlsFiles(tmp_path / "nope.pem", pki.key_file, None, SERVER_TLS_NAMES)),
+                    "--tls-cert", "cannot read --tls-cert"),
+        "no key": (replace(base, tls=TlsFiles(pki.cert_file, None, None, SERVER_TLS_NAMES)),
+                   "--tls-key", "--tls-cert needs --tls-key"),
+        "not pem": (replace(base, tls=TlsFiles(pki.key_file, pki.key_file, None, SERVER_TLS_NAMES)),
+                    "--tls-cert", "holds no PEM certificate"),
+        "client ca alone": (replace(base, tls=TlsFiles(None, None, pki.ca_file, SERVER_TLS_NAMES)),
+                            "--tls-client-ca", "needs --tls-cert and --tls-key"),
+        "plaintext beyond loopback": (replace(base, host="0.0.0.0"), "--insecure", "in plaintext"),
+    }
+    for name, (config, setting, text) in cases.items():
+        with pytest.raises(errors.InvalidArgument) as caught:
+            mesh = Mesh(config)
+            await mesh.start()
+            await mesh.stop()
+        assert caught.value.reason == errors.Reason.BAD_CONFIG, name
+        assert caught.value.metadata["setting"] == setting, (name, caught.value)
+        assert text in caught.value.message, (name, caught.value.message)
+        assert "BEGIN" not in caught.value.message, "no file content in the message"
+
+
+async def test_the_ioa_network_and_the_relay_over_mutual_tls(tmp_path, pki):
+    relays = Pki(tmp_path, "relays")
+    relay_cert, relay_key = relays.issue("relay", "north.example")
+    network_config = NetworkConfig(tls=pki.server(client_ca=relays.ca_file))
+    async with NetworkServer(network_config) as network:
+        tls = TlsFiles(relay_cert, relay_key, pki.ca_file, ("--ioa-tls-cert", "--ioa-tls-key", "--ioa-tls-ca"))
+        config = replace(make_config(tmp_path / "north"),
+                         ioa=IoaConfig(node_id="north", network=network.address, receipt_timeout_s=5, tls=tls))
+        async with Mesh(config) as mesh, MeshClient(mesh.address) as client:
+            assert mesh.relay is not None
+            await mesh.relay.wait_connected(10)
+            lead = await client.register("lead")
+            kid = await lead.spawn("kid")
+            receipt = await lead.send(f"ioa:north/{kid.agent_id}", "through the network, over mutual TLS")
+            assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED
+        plain = replace(config, ioa=IoaConfig(node_id="south", network=network.address))
+        async with Mesh(plain) as mesh:  # a relay without a certificate never gets in
+            assert mesh.relay is not None
+            with pytest.raises(TimeoutError):
+                await mesh.relay.wait_connected(2)
+
+
+def test_the_command_line_serves_tls_and_its_client_commands_use_it(tmp_path, pki):
+    with MeshProcess(tmp_path / "mesh", "--tls-cert", str(pki.cert_file), "--tls-key", str(pki.key_file)) as mesh:
+        assert "(TLS;" in mesh.output(), mesh.output()
+        command = [sys.executable, "-m", "inboxmesh.cli.main", "register", "cli-agent", "--mesh", mesh.address,
+                   "--timeout", "5"]
+        done = subprocess.run([*command, "--tls-ca", str(pki.ca_file)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "agt_" in done.stdout, done.stderr
+        plain = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert plain.returncode != 0, "a plaintext client command is refused"
