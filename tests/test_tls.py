@@ -18,11 +18,14 @@ import trustme
 from inboxmesh.client import errors
 from inboxmesh.client.mesh import MeshClient, tls_credentials
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from inboxmesh.ioa.v1 import network_pb2 as net
+from inboxmesh.ioa.v1 import network_pb2_grpc
 from services.config import SERVER_TLS_NAMES, IoaConfig
 from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
 from services.tls import TlsFiles
 from tests.fixtures import ADMIN_TOKEN, make_config
+from tests.ioa_nodes import NodeClient, start_node
 from tests.processes import MeshProcess
 from tests.streams import Collector
 
@@ -125,7 +128,7 @@ async def test_bad_tls_files_are_refused_at_start_naming_the_setting_and_the_fil
 
 async def test_the_ioa_network_and_the_relay_over_mutual_tls(tmp_path, pki):
     relays = Pki(tmp_path, "relays")
-    relay_cert, relay_key = relays.issue("relay", "north.example")
+    relay_cert, relay_key = relays.issue("relay", "north")  # the node id, as a subject alternative name
     network_config = NetworkConfig(tls=pki.server(client_ca=relays.ca_file))
     async with NetworkServer(network_config) as network:
         tls = TlsFiles(relay_cert, relay_key, pki.ca_file, ("--ioa-tls-cert", "--ioa-tls-key", "--ioa-tls-ca"))
@@ -154,3 +157,52 @@ def test_the_command_line_serves_tls_and_its_client_commands_use_it(tmp_path, pk
         assert done.returncode == 0 and "agt_" in done.stdout, done.stderr
         plain = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert plain.returncode != 0, "a plaintext client command is refused"
+
+
+async def test_the_network_authenticates_nodes_by_their_certificates(tmp_path, pki):
+    """With a client CA the network takes a node id only from a certificate that names it: a node cannot
+    connect as another, so cannot read its messages; its own reconnect still gets its recent messages
+    again. Fault injection is off unless turned on."""
+    nodes = Pki(tmp_path, "nodes")
+    north_cert, north_key = nodes.issue("north", common_name="north")
+    config = NetworkConfig(tls=pki.server(client_ca=nodes.ca_file), faults=False)
+    async with NetworkServer(config) as network:
+        credentials = tls_credentials(pki.ca_file, north_cert, north_key)
+        async with grpc.aio.secure_channel(network.address, credentials) as channel:
+            north = NodeClient(channel, "north")
+            assert (await north.connect()).node_id == "north"
+            impostor = NodeClient(channel, "south")  # north's certificate, south's name
+            await impostor.call.write(net.NodeFrame(hello=net.Hello(node_id="south")))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in impostor.call:
+                    pass
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "does not name node 'south'" in (caught.value.details() or "")
+            assert (await north.publish("m1", to=("north", "x"), text="to myself")).status == net.PUBLISH_STATUS_OK
+            assert (await north.next("message")).ioa_message_id == "m1"
+            north.close()
+            again = NodeClient(channel, "north")
+            await again.connect()
+            assert (await again.next("message")).ioa_message_id == "m1", "redelivered on reconnect"
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await network_pb2_grpc.IoaNetworkStub(channel).InjectFault(
+                    net.InjectFaultRequest(node_id="north", kind=net.FAULT_KIND_DROP_CONNECTION))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            again.close()
+
+
+async def test_a_relay_refuses_a_message_whose_relay_header_names_another_node(network, tmp_path):
+    beta = await start_node(network, tmp_path, "beta")
+    try:
+        kid = await (await beta.client.register("lead")).spawn("kid")
+        async with grpc.aio.insecure_channel(network.address) as channel:
+            raw = NodeClient(channel, "raw")
+            await raw.connect()
+            await raw.publish("forged", to=("beta", kid.agent_id), text="as if from alpha",
+                              headers={"inboxmesh-relay": "alpha/abc", "inboxmesh-attempt": "a1"})
+            answer = await raw.next("message", timeout=10)
+            assert b'"not_permitted"' in answer.data and b"names another node" in answer.data
+            raw.close()
+        assert await beta.mesh.store.get_message_by_sender("ioa:raw/me", "forged") is None
+    finally:
+        await beta.stop()

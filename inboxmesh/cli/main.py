@@ -132,7 +132,8 @@ async def _ioa_server(args) -> int:
 
     try:
         config = NetworkConfig(host=args.host, port=args.port, history=args.history,
-                               tls=settings.server_tls(vars(args), os.environ), insecure=bool(args.insecure))
+                               tls=settings.server_tls(vars(args), os.environ), insecure=bool(args.insecure),
+                               faults=bool(args.faults))
         server = NetworkServer(config)
         await server.start()
     except errors.MeshError as exc:
@@ -363,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     ioa.add_argument("--port", type=int, default=7500, help="0 = any free port")
     ioa.add_argument("--history", type=int, default=50, help="recent messages a reconnecting node gets again")
     tls_server_args(ioa)
+    ioa.add_argument("--faults", action="store_true",
+                     help="allow InjectFault (dropped connections, duplicates, delays, reordering: for tests)")
     ioa.set_defaults(run=_ioa_server)
 
     reg = sub.add_parser("register", help="register an agent; prints its id and credential")

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from inboxmesh.client import errors
 from inboxmesh.client.tracing import context_of, inject
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.ioa.v1 import network_pb2 as net
@@ -78,6 +79,9 @@ def to_envelope(message: net.IoaMessage, *, node: str, max_hops: int, span: trac
     IOA id as its message id, the trail in local form; traced as a child of `span`."""
     h = message.headers
     sender = getattr(message, "from")
+    if H + "relay" in h and h[H + "relay"].partition("/")[0] != sender.node:
+        raise Refused(f"the {H}relay header names another node than the one the message came from"
+                      f" ({errors.clip(sender.node, 128)})")
     kind = h.get(H + "kind", "MESSAGE_KIND_TEXT")
     env = env_pb.Envelope(
         message_id=message.ioa_message_id,

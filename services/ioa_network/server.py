@@ -58,6 +58,8 @@ class NetworkConfig:
     """TLS with a certificate and key; mutual TLS with a client CA too (services/tls.py)."""
     insecure: bool = False
     """Allow plaintext on an address that is not a loopback one."""
+    faults: bool = True
+    """Whether InjectFault works (tests); `ioa-server` turns it on only with --faults."""
 
 
 @dataclass
@@ -76,6 +78,14 @@ class _Node:
     reorder: int = 0
     batches: bool = False
     """The node reads Batch frames (Hello.batches)."""
+
+
+def _certified_names(context: grpc.aio.ServicerContext) -> set[str]:
+    """The names the connection's client certificate holds (common name, subject alternative names); none
+    without one."""
+    auth = context.auth_context()
+    return {value.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
+            for value in auth.get(key, ())}
 
 
 class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
@@ -97,6 +107,12 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
             await context.abort(*to_grpc(errors.InvalidArgument(
                 "the first frame must be hello with a node_id of 1-128 letters, digits, '.', '_' or '-'",
                 reason=Reason.BAD_NODE_ID, metadata={"field": "hello.node_id"})))
+            return
+        if self.config.tls.ca is not None and node_id not in _certified_names(context):
+            await context.abort(*to_grpc(errors.PermissionDenied(
+                f"this connection's certificate does not name node {node_id!r} (its common name or a subject"
+                " alternative name must be the node id): a node connects only as itself",
+                reason=Reason.NODE_NOT_CERTIFIED, metadata={"node_id": node_id})))
             return
         node, queue, stop = self._attach(first.hello.node_id)
         node.batches = first.hello.batches
@@ -253,6 +269,10 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         return pb.ReadSpaceResponse(messages=[m for m in history if m.space_seq > request.after_seq][:limit])
 
     async def InjectFault(self, request: pb.InjectFaultRequest, context) -> pb.InjectFaultResponse:
+        if not self.config.faults:
+            await context.abort(*to_grpc(errors.PermissionDenied(
+                "fault injection is off on this network (it is for tests: `ioa-server --faults`)",
+                reason=Reason.FAULTS_OFF)))
         node = self.nodes.get(request.node_id)
         if node is None:  # refused with ErrorInfo by ErrorBoundaryInterceptor, as every MeshError
             raise errors.NotFound(f"no node {errors.clip(request.node_id)!r}", reason=Reason.NODE_NOT_FOUND)
