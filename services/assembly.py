@@ -70,6 +70,10 @@ def check(config: MeshConfig, routing: RoutingConfig | None) -> None:
             config.ioa is None or "inbox" not in config.services):
         raise errors.InvalidArgument("the IOA relay needs an IOA network (ioa) and the inbox service",
                                      reason=Reason.BAD_CONFIG)
+    if config.bind_credentials and config.tls.ca is None:
+        raise errors.InvalidArgument("--bind-credentials binds agents to client certificates: it needs mutual TLS"
+                                     " (--tls-cert, --tls-key and --tls-client-ca)", reason=Reason.BAD_CONFIG,
+                                     metadata={"setting": "--bind-credentials"})
 
 
 def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) -> Services:
@@ -84,7 +88,8 @@ def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) ->
 
     closer = AgentCloser(store, directory, listeners=(hub.on_closed,))
     runs = RunService(store, store, directory, hub, config.runs, routing, close_agent=closer.close)
-    registry = RegistryService(store, store, store, directory, limits, runs, close_agent=closer.close)
+    registry = RegistryService(store, store, store, directory, limits, runs, close_agent=closer.close,
+                               bind_credentials=config.bind_credentials)
 
     writer = InboxWriter(store, directory, limits, hub)
     relay = None

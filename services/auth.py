@@ -28,6 +28,10 @@ from inboxmesh.client.credentials import (
     metadata_for as metadata_for,
 )
 
+BOUND_TO = "inboxmesh.bound_to"
+"""Agent metadata key: the client-certificate identity the agent was registered from, when the mesh binds
+credentials (`--bind-credentials`); set by the mesh only (a registration's own value is dropped)."""
+
 
 def new_agent_id() -> str:
     return "agt_" + secrets.token_hex(10)

@@ -40,6 +40,7 @@ from inboxmesh.registry.v1 import registry_pb2
 from inboxmesh.routing.v1 import routing_pb2
 from inboxmesh.runs.v1 import runs_pb2
 from services import auth
+from services.auth import BOUND_TO
 from services.directory import Caller, Directory
 from services.store.base import AgentRecord
 
@@ -133,6 +134,9 @@ class CallAuth:
     """The authenticated callers: one, none for an anonymous call, one per credential for SUBSCRIBERS."""
     token: str | None = None
     """INGRESS_TOKEN: the bearer token as sent (None: none was sent), not yet checked."""
+    peer: str = ""
+    """The identity the connection's client certificate proves (its common name, else its first subject
+    alternative name); "" without one (plaintext, TLS without a client certificate)."""
     prove: Callable[[Sequence[str]], Awaitable[tuple[Caller, ...]]] | None = None
     """Proves credentials the call carries later (a Consume `attach`, a SendRequest's `credentials`) as the
     first request's are: the callers, one per credential, or the refusal of the first that proves nobody.
@@ -187,13 +191,26 @@ def _bearer(context: grpc.aio.ServicerContext) -> str | None:
     return auth.bearer_from_metadata(context.invocation_metadata())
 
 
+def _peer(context: grpc.aio.ServicerContext) -> str:
+    """CallAuth.peer of this call."""
+    found = context.auth_context()
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in found.get(key, ()):
+            if value:  # a certificate without a common name has an empty one
+                return value.decode(errors="replace")
+    return ""
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Applies `rules` (METHOD_POLICIES) to every call before its handler runs, and refuses a served method
     the rules do not name. Install it inside ErrorBoundaryInterceptor (see mesh_interceptors)."""
 
-    def __init__(self, directory: Directory, rules: Mapping[str, Rule] | None = None):
-        """rules: METHOD_POLICIES (read when the server is built) unless given."""
+    def __init__(self, directory: Directory, rules: Mapping[str, Rule] | None = None, *, bind: bool = False):
+        """rules: METHOD_POLICIES (read when the server is built) unless given. bind: an agent credential
+        works only on a connection whose client certificate proves the identity the agent was registered
+        from (its record's BOUND_TO), when it was registered with one."""
         self._directory = directory
+        self._bind = bind
         self._rules = METHOD_POLICIES if rules is None else rules
         self._wrapped: dict[str, tuple[Any, Any]] = {}
         """method -> (the served handler, its authenticating wrapper): wrapped once, not on every call."""
@@ -228,35 +245,50 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def _authenticate(self, method: str, rule: Rule, context: grpc.aio.ServicerContext,
                             credentials: Sequence[str] | None) -> CallAuth:
         policy = rule.policy
+        peer = _peer(context)
         if policy is Policy.INGRESS_TOKEN:
-            return CallAuth(method, policy, token=_bearer(context))
+            return CallAuth(method, policy, token=_bearer(context), peer=peer)
         if policy is Policy.SUBSCRIBERS:
             if credentials is None:
-                return CallAuth(method, policy)
+                return CallAuth(method, policy, peer=peer)
             sent: list[str | None] = [*credentials] or [_bearer(context)]  # metadata only when the request has none
-            return CallAuth(method, policy, tuple([await self._caller(c) for c in sent]))
+            return CallAuth(method, policy, tuple([await self._caller(c, peer) for c in sent]), peer=peer)
         if policy is Policy.CALLER_OR_ANONYMOUS:
             caller = await self._directory.authenticate(_bearer(context), allow_anonymous=True)
-            return CallAuth(method, policy, () if caller is None else (caller,))
-        caller = await self._caller(_bearer(context))
+            if caller is not None:
+                self._check_bound(caller, peer)
+            return CallAuth(method, policy, () if caller is None else (caller,), peer=peer)
+        caller = await self._caller(_bearer(context), peer)
         if policy is Policy.AGENT:
             caller.require_agent(rule.action)
         elif policy is Policy.ADMIN and not caller.is_admin:
             raise errors.PermissionDenied(f"{rule.action} needs the admin token", reason=Reason.NOT_ADMIN)
-        return CallAuth(method, policy, (caller,))
+        return CallAuth(method, policy, (caller,), peer=peer)
 
-    async def _caller(self, credential: str | None) -> Caller:
+    async def _caller(self, credential: str | None, peer: str) -> Caller:
         caller = await self._directory.authenticate(credential)
         assert caller is not None  # only allow_anonymous answers None
+        self._check_bound(caller, peer)
         return caller
 
-    async def _prove(self, credentials: Sequence[str]) -> tuple[Caller, ...]:
-        """CallAuth.prove: each credential as a first request's, by the directory."""
-        return tuple([await self._caller(c) for c in credentials])
+    def _check_bound(self, caller: Caller, peer: str) -> None:
+        """With binding on, an agent registered from a certified connection is refused on any other."""
+        bound = caller.agent.metadata.get(BOUND_TO, "") if self._bind and caller.agent is not None else ""
+        if bound and bound != peer and caller.agent is not None:
+            shown = repr(errors.clip(peer, 128)) if peer else "none"
+            raise errors.PermissionDenied(
+                f"the credential of {caller.agent.agent_id} is bound to the client certificate of"
+                f" {errors.clip(bound, 128)!r} it was registered from; this connection's certificate is {shown}",
+                reason=Reason.CREDENTIAL_BOUND)
 
     async def _established(self, method: str, rule: Rule, context: grpc.aio.ServicerContext,
                            credentials: Sequence[str] | None) -> CallAuth:
-        return replace(await self._authenticate(method, rule, context, credentials), prove=self._prove)
+        found = await self._authenticate(method, rule, context, credentials)
+
+        async def prove(later: Sequence[str]) -> tuple[Caller, ...]:  # each as a first request's, same peer
+            return tuple([await self._caller(c, found.peer) for c in later])
+
+        return replace(found, prove=prove)
 
     # -- wrapping the handler, keeping its kind ------------------------------
     def _unary_request(self, behavior, method: str, rule: Rule):

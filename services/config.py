@@ -155,6 +155,9 @@ class MeshConfig:
     """TLS with a certificate and key; mutual TLS with a client CA too (services/tls.py)."""
     insecure: bool = False
     """Allow plaintext on an address that is not a loopback one."""
+    bind_credentials: bool = False
+    """An agent registered over mutual TLS is bound to the client certificate it was registered from: its
+    credential is refused on a connection with another (needs tls.ca)."""
     store: StoreConfig = field(default_factory=StoreConfig)
     """Where and how the mesh keeps its state."""
     limits: InboxLimits = field(default_factory=InboxLimits)

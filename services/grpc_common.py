@@ -211,8 +211,9 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
                                 stream_stream=_guard_streaming_request(handler.stream_stream, method))
 
 
-def mesh_interceptors(max_request_bytes: int, directory: Directory) -> list[grpc.aio.ServerInterceptor]:
+def mesh_interceptors(max_request_bytes: int, directory: Directory, *,
+                      bind: bool = False) -> list[grpc.aio.ServerInterceptor]:
     """The server interceptors of a mesh process, outermost first: the error boundary, so that a refusal of
     the authentication inside it (and an undecodable request, checked before anyone is authenticated)
     carries ErrorInfo; then authentication by the policy of services/auth_policy.py."""
-    return [ErrorBoundaryInterceptor(max_request_bytes), AuthInterceptor(directory)]
+    return [ErrorBoundaryInterceptor(max_request_bytes), AuthInterceptor(directory, bind=bind)]

@@ -91,7 +91,8 @@ class Mesh:
         built = self.services
         directory = built.directory
         server = grpc.aio.server(options=server_options(self.config),
-                                 interceptors=mesh_interceptors(self.config.max_request_bytes, directory))
+                                 interceptors=mesh_interceptors(self.config.max_request_bytes, directory,
+                                                               bind=self.config.bind_credentials))
         wanted = self.config.services
         extra = []
         if "registry" in wanted:

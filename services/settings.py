@@ -224,6 +224,8 @@ TLS_CLIENT_CA = Setting[Path | None]("tls_client_ca", lambda: None, flag="--tls-
                                      env="INBOXMESH_TLS_CLIENT_CA", parse=Path)
 """A server's: its certificate and key (TLS), and the CA of the client certificates it requires (mutual TLS)."""
 INSECURE = Setting("insecure", lambda: False, flag="--insecure")
+BIND_CREDENTIALS = Setting("bind_credentials", lambda: False, flag="--bind-credentials")
+"""Agents registered over mutual TLS work only from the client certificate they were registered from."""
 """Allow plaintext on a listen address that is not a loopback one."""
 IOA_TLS_CA = Setting[Path | None]("ioa_tls_ca", lambda: None, flag="--ioa-tls-ca", env="INBOXMESH_IOA_TLS_CA",
                                   parse=Path)
@@ -286,6 +288,7 @@ def mesh_config(flags: Mapping[str, object], env: Mapping[str, str]) -> MeshConf
         port=port,
         tls=server_tls(flags, env),
         insecure=bool(layers.value(INSECURE)),
+        bind_credentials=bool(layers.value(BIND_CREDENTIALS)),
         store=store,
         limits=replace(_LIMITS, default_capacity=layers.value(CAPACITY),
                        allow_cross_scope=bool(layers.value(CROSS_SCOPE)),

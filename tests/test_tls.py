@@ -206,3 +206,34 @@ async def test_a_relay_refuses_a_message_whose_relay_header_names_another_node(n
         assert await beta.mesh.store.get_message_by_sender("ioa:raw/me", "forged") is None
     finally:
         await beta.stop()
+
+
+async def test_a_bound_credential_is_refused_from_another_certified_host(tmp_path, pki):
+    """--bind-credentials: an agent registered over mutual TLS from host A is refused from host B (another
+    certificate of the same client CA), even with the right credential; a registration cannot bind
+    itself to another host by its metadata."""
+    clients = Pki(tmp_path, "clients")
+    host_a, host_b = clients.issue("host-a", "host-a"), clients.issue("host-b", "host-b")
+    config = replace(make_config(tmp_path), tls=pki.server(client_ca=clients.ca_file), bind_credentials=True)
+    async with Mesh(config) as mesh:
+        on_a = MeshClient(mesh.address, tls=tls_credentials(pki.ca_file, *host_a))
+        on_b = MeshClient(mesh.address, tls=tls_credentials(pki.ca_file, *host_b))
+        async with on_a, on_b:
+            lead = await on_a.register("lead", metadata={"inboxmesh.bound_to": "host-b"})
+            assert (await lead.get()).metadata["inboxmesh.bound_to"] == "host-a", "the mesh's, not the request's"
+            kid = await lead.spawn("kid")
+            assert (await lead.send(kid.agent_id, "from host A")).status == pb.RECEIPT_STATUS_ACCEPTED
+            stolen = on_b.agent(lead.info, lead.credential)
+            with pytest.raises(errors.PermissionDenied) as caught:
+                await stolen.send(kid.agent_id, "from host B")
+            assert caught.value.reason == errors.Reason.CREDENTIAL_BOUND
+            assert "'host-a'" in caught.value.message and "'host-b'" in caught.value.message
+            assert lead.credential not in caught.value.message
+            with pytest.raises(errors.PermissionDenied):
+                await on_b.agent(kid.info, kid.credential).get()  # a child is bound to where it was spawned
+            assert (await on_b.register("b's own")).agent_id, "host B registers its own agents"
+    unbound = replace(config, tls=pki.server(), bind_credentials=True)
+    with pytest.raises(errors.InvalidArgument) as refused:
+        async with Mesh(unbound):
+            pass
+    assert refused.value.metadata["setting"] == "--bind-credentials"

@@ -319,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--allow-cross-scope", action="store_true", default=None,
                     help="let agents send outside their own tree")
     tls_server_args(up)
+    up.add_argument("--bind-credentials", action="store_true", default=None,
+                    help="with mutual TLS: an agent's credential works only from the client certificate it was"
+                         " registered from")
     tls_client_args(up)  # for the demo's client
     up.add_argument("--ioa-network", metavar="HOST:PORT", help="connect this mesh to an IOA network (relay)")
     up.add_argument("--ioa-tls-ca", metavar="PEM", help="connect to the IOA network with TLS, trusting this CA"

@@ -85,7 +85,7 @@ def _certified_names(context: grpc.aio.ServicerContext) -> set[str]:
     without one."""
     auth = context.auth_context()
     return {value.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
-            for value in auth.get(key, ())}
+            for value in auth.get(key, ()) if value}
 
 
 class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):

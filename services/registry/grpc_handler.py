@@ -37,9 +37,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     @unary
     async def RegisterAgent(self, request: pb.RegisterAgentRequest, context) -> pb.RegisterAgentResponse:
-        caller = authenticated().caller_or_anonymous
+        call = authenticated()
         record, credential, run_id = await self._service.register(
-            caller,
+            call.caller_or_anonymous,
+            peer=call.peer,
             name=request.name,
             mode=request.mode,
             parent_id=request.parent_id,
@@ -52,7 +53,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     @unary
     async def RegisterChildren(self, request: pb.RegisterChildrenRequest, context) -> pb.RegisterChildrenResponse:
-        results = await self._service.register_children(authenticated().caller, request.children)
+        call = authenticated()
+        results = await self._service.register_children(call.caller, request.children, call.peer)
         return pb.RegisterChildrenResponse(results=[_child_result(r) for r in results])
 
     @unary

@@ -54,7 +54,7 @@ class AgentCloser:
 
 class RegistryService:
     def __init__(self, agents: AgentStore, runs_store: RunStore, events: EventStore, directory: Directory,
-                 limits: InboxLimits, runs: RunService, close_agent: CloseAgent):
+                 limits: InboxLimits, runs: RunService, close_agent: CloseAgent, bind_credentials: bool = False):
         self._agents = agents
         self._runs_store = runs_store
         self._events = events
@@ -63,6 +63,8 @@ class RegistryService:
         self._runs = runs
         """Children are registered with their runs; a close may end runs, which it then announces."""
         self._close_agent = close_agent
+        self._bind = bind_credentials
+        """Agents registered from a certified connection are bound to it (auth.BOUND_TO)."""
 
     async def register(
         self,
@@ -75,8 +77,10 @@ class RegistryService:
         inbox_capacity: int,
         run: pb.RunSpec | None = None,
         request_id: str = "",
+        peer: str = "",
     ) -> tuple[AgentRecord, str, str]:
-        """Returns (agent, credential, run_id)."""
+        """Returns (agent, credential, run_id). `peer`: the identity the registering connection's client
+        certificate proves; with binding on, the agent's credential works only where it is proven again."""
         check_text("name", name, max_len=128, required=True)
         check_text("request_id", request_id, max_len=128)
         if request_id and len(request_id) < 16:
@@ -133,7 +137,8 @@ class RegistryService:
             scope_id=scope_id or agent_id,
             depth=depth,
             state=AGENT_OPEN,
-            metadata=dict(metadata),
+            metadata={**{k: v for k, v in metadata.items() if k != auth.BOUND_TO},
+                      **({auth.BOUND_TO: peer} if self._bind and peer else {})},
             inbox_capacity=inbox_capacity or self._limits.default_capacity,
             created_at_us=now_us(),
             credential_hash=auth.credential_hash(credential),
@@ -165,7 +170,7 @@ class RegistryService:
         )
         return record, credential, run_id
 
-    async def register_children(self, caller: Caller, children: Sequence[pb.RegisterAgentRequest]
+    async def register_children(self, caller: Caller, children: Sequence[pb.RegisterAgentRequest], peer: str = ""
                                 ) -> list[Registered | errors.MeshError]:
         """Many children of the calling agent, each registered as `register` registers one (in order, so
         limits refuse the later ones) and stored together: the writes of every entry are queued before the
@@ -184,7 +189,7 @@ class RegistryService:
                     caller, name=child.name, mode=child.mode or pb.AGENT_MODE_ASYNC,
                     parent_id=child.parent_id or parent.agent_id, metadata=dict(child.metadata),
                     inbox_capacity=child.inbox_capacity, run=child.run if child.HasField("run") else None,
-                    request_id=child.request_id)
+                    request_id=child.request_id, peer=peer)
             except errors.MeshError as exc:
                 return exc
 
