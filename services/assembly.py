@@ -29,6 +29,7 @@ from services.events.service import EventsService
 from services.inbox.delivery import DeliveryHub
 from services.inbox.service import InboxService
 from services.inbox.writer import InboxWriter
+from services.ioa.exposure import Exposure
 from services.ioa.relay import IoaRelay
 from services.registry.service import AgentCloser, RegistryService
 from services.routing.config import RoutingConfig
@@ -91,7 +92,8 @@ def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) ->
     registry = RegistryService(store, store, store, directory, limits, runs, close_agent=closer.close,
                                bind_credentials=config.bind_credentials)
 
-    writer = InboxWriter(store, directory, limits, hub)
+    writer = InboxWriter(store, directory, limits, hub,
+                         Exposure.parse(config.ioa.expose) if config.ioa is not None else None)
     relay = None
     if config.ioa is not None:
         relay = IoaRelay(config.ioa, store, limits.max_hops, deliver=writer.deliver_from_ioa,

@@ -116,6 +116,9 @@ class IoaConfig:
     outbox_ttl_s: float = 86_400.0
     """How long an entry waits for its node at most (or until its message's
     own expires_at_us, when earlier); then its outcome is `expired`."""
+    expose: str = "all"
+    """Which local agents the network can reach: "all" (unless an agent said false at registration),
+    "none", or a comma list of agent:<id> and scope:<id> items (services/ioa/exposure.py)."""
     tls: TlsFiles = field(default_factory=lambda: TlsFiles(names=RELAY_TLS_NAMES))
     """How the relay connects to the network: plaintext without files, TLS trusting `ca`, mutual TLS with its
     own certificate and key too (services/tls.py)."""

@@ -215,6 +215,8 @@ NATS_NAMESPACE = Setting("nats_namespace", lambda: _STORE.nats_namespace, flag="
 IOA_NETWORK = Setting[str | None]("ioa_network", lambda: None, flag="--ioa-network")
 NODE_ID = Setting[str | None]("node_id", lambda: None, flag="--node-id")
 """Default (None): mesh-<port>, or mesh-any on port 0."""
+IOA_EXPOSE = Setting("ioa_expose", lambda: "all", flag="--ioa-expose", check=_text)
+"""Which local agents the IOA network can reach: all, none, or agent:<id>,scope:<id> items."""
 IOA_OUTBOX = Setting("ioa_outbox", lambda: False, flag="--ioa-outbox")
 """Sends to an IOA node that cannot be reached go into the outbox unless their request says otherwise."""
 ROUTING = Setting[Path | None]("routing", lambda: None, flag="--routing", parse=Path)
@@ -279,7 +281,7 @@ def mesh_config(flags: Mapping[str, object], env: Mapping[str, str]) -> MeshConf
     ioa = None
     if network:
         ioa = IoaConfig(node_id=node_id or f"mesh-{port or 'any'}", network=network,
-                        outbox=bool(layers.value(IOA_OUTBOX)),
+                        outbox=bool(layers.value(IOA_OUTBOX)), expose=layers.value(IOA_EXPOSE),
                         tls=TlsFiles(layers.value(IOA_TLS_CERT), layers.value(IOA_TLS_KEY), layers.value(IOA_TLS_CA),
                                      RELAY_TLS_NAMES))
         services = tuple(dict.fromkeys((*services, "relay")))

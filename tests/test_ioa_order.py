@@ -204,3 +204,4 @@ async def test_a_pairs_order_holds_across_a_restart_of_the_sending_relay(network
     finally:
         for node in (alpha, beta):
             await node.stop()
+

@@ -330,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the relay's certificate, for a network that requires one (INBOXMESH_IOA_TLS_CERT)")
     up.add_argument("--ioa-tls-key", metavar="PEM", help="its key (INBOXMESH_IOA_TLS_KEY)")
     up.add_argument("--node-id", help="this mesh's node id on the IOA network (default: mesh-<port>)")
+    up.add_argument("--ioa-expose", metavar="RULE",
+                    help="which agents the IOA network can reach: all (default; an agent registered with metadata"
+                         " inboxmesh.ioa_exposed=false is not), none, or agent:<id>,scope:<id> items (plus agents"
+                         " registered with inboxmesh.ioa_exposed=true)")
     up.add_argument("--ioa-outbox", action="store_true", default=None,
                     help="a send to an IOA node that cannot be reached goes into the outbox (receipt OUTBOXED) and"
                          " is sent when the node is back, unless its request chooses otherwise (docs/ioa.md)")

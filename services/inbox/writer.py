@@ -22,6 +22,7 @@ from services.clock import now_us
 from services.config import InboxLimits
 from services.directory import Directory
 from services.inbox.delivery import DeliveryHub
+from services.ioa.exposure import Exposure
 from services.store.base import (
     ACCEPTED,
     CHANNEL_PREFIX,
@@ -37,11 +38,14 @@ log = logging.getLogger(__name__)
 
 
 class InboxWriter:
-    def __init__(self, store: InboxStore, directory: Directory, limits: InboxLimits, hub: DeliveryHub):
+    def __init__(self, store: InboxStore, directory: Directory, limits: InboxLimits, hub: DeliveryHub,
+                 exposure: Exposure | None = None):
         self._store = store
         self._directory = directory
         self._limits = limits
         self._hub = hub
+        self._exposure = exposure or Exposure()
+        """Which agents messages from the IOA network may reach."""
 
     def loop_rejection(self, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
         """The loop guard's refusal of a message whose hop count and trail are set, or None."""
@@ -83,8 +87,13 @@ class InboxWriter:
                 raise errors.Internal(f"relay delivered {env.message_id} without an IOA sender and origin")
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
             rejection = self.loop_rejection(env)
-            if rejection is None and await self._directory.get(env.recipient) is None:
-                rejection = (UNKNOWN_TARGET, f"no agent {env.recipient}")
+            if rejection is None:
+                target = await self._directory.get(env.recipient)
+                hidden = self._exposure.refusal(target) if target is not None else None
+                if target is None:
+                    rejection = (UNKNOWN_TARGET, f"no agent {env.recipient}")
+                elif hidden is not None:
+                    rejection = (NOT_PERMITTED, hidden)
             by_sender.setdefault(env.sender, []).append((index, AppendItem(env, rejection)))
         groups = list(by_sender.values())
         stored = await self.store([[item for _, item in group] for group in groups], now_us())
