@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 KEEP_UNTIL_CLOSED = "until_closed"
 CLOSE_ON_COMPLETE = "close_on_complete"
 IDLE_TIMEOUT = "idle_timeout"
@@ -32,6 +34,8 @@ class Budget:
 class HostConfig:
     mesh_address: str
     """host:port of the mesh (Registry, Inbox and Events)."""
+    tls: grpc.ChannelCredentials | None = None
+    """Connect with TLS (inboxmesh.client.mesh.tls_credentials); plaintext when None."""
     data_dir: Path = Path(".inboxmesh/host")
     """Where the host keeps its agents and their conversations (host.db)."""
     keep_alive: str = KEEP_UNTIL_CLOSED

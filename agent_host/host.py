@@ -80,7 +80,7 @@ class Host:
     def __init__(self, config: HostConfig, profiles: ProfileFactory, *, client: MeshClient | None = None):
         self.config = config
         self.profiles = profiles
-        self.client = client or MeshClient(config.mesh_address, timeout=config.call_timeout_s)
+        self.client = client or MeshClient(config.mesh_address, timeout=config.call_timeout_s, tls=config.tls)
         self._own_client = client is None
         self.store = HostStore(config.data_dir / "host.db")
         self.inbox = InboxHub(max_in_flight=config.max_in_flight, agents_per_stream=config.agents_per_inbox_stream)

@@ -365,6 +365,7 @@ def write_state(data: Path, address: str, admin_token: str | None) -> Path:
     data.mkdir(parents=True, exist_ok=True)
     path = data / STATE_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by someone else with a looser mode is made the owner's alone first
     with os.fdopen(fd, "w") as handle:
         json.dump({"address": address, "admin_token": admin_token, "pid": os.getpid()}, handle)
     return path

@@ -20,14 +20,14 @@ _KEPT_LINES = 500
 
 class MeshProcess:
     def __init__(self, data_dir: Path, *extra: str, admin_token: str = "test-admin-token",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, log_level: str = "warning", kept_lines: int = _KEPT_LINES):
         self.data_dir = data_dir
         self.env = {**os.environ, **(env or {})}
-        self.args = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up", "--port", "0",
+        self.args = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", log_level, "up", "--port", "0",
                      "--no-demo", "--data-dir", str(data_dir), "--admin-token", admin_token, *extra]
         self.proc: subprocess.Popen | None = None
         self.address = ""
-        self.lines: collections.deque[str] = collections.deque(maxlen=_KEPT_LINES)
+        self.lines: collections.deque[str] = collections.deque(maxlen=kept_lines)
         """Its last lines of output. Read all along by a thread: a pipe nobody reads fills up (64 KiB) and
         then blocks the process at its next log line, which froze a mesh whose NATS was down a while."""
 

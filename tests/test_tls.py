@@ -5,7 +5,11 @@ file, plaintext beyond loopback)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import json
+import os
+import sqlite3
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,6 +24,7 @@ from inboxmesh.client.mesh import MeshClient, tls_credentials
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
+from inboxmesh.registry.v1 import registry_pb2 as reg
 from services.config import SERVER_TLS_NAMES, IoaConfig
 from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
@@ -237,3 +242,51 @@ async def test_a_bound_credential_is_refused_from_another_certified_host(tmp_pat
         async with Mesh(unbound):
             pass
     assert refused.value.metadata["setting"] == "--bind-credentials"
+
+
+def test_no_credential_reaches_a_log_an_event_or_an_error_text_in_a_whole_scenario(tmp_path, pki):
+    """The sibling scenario (a parent and two children, scripted) run by `inboxmesh run` against a mesh
+    over mutual TLS with debug logging, plus refused calls: no credential the mesh issued, and not the
+    operator token, appears in either process's output, in the event record, or in an error text."""
+    clients = Pki(tmp_path, "clients")
+    host_cert, host_key = clients.issue("host", "host")
+    admin = "operator-token-" + "x" * 24
+    with MeshProcess(tmp_path / "mesh", "--tls-cert", str(pki.cert_file), "--tls-key", str(pki.key_file),
+                     "--tls-client-ca", str(clients.ca_file), admin_token=admin, log_level="debug",
+                     kept_lines=1_000_000) as mesh:
+        assert "(mutual TLS;" in mesh.output()
+        assert (tmp_path / "mesh" / "mesh.json").stat().st_mode & 0o777 == 0o600, "the token file is the owner's"
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+               "INBOXMESH_TLS_CA": str(pki.ca_file), "INBOXMESH_TLS_CLIENT_CERT": str(host_cert),
+               "INBOXMESH_TLS_CLIENT_KEY": str(host_key)}
+        run = subprocess.run(
+            [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "debug", "run", "--mesh", mesh.address,
+             "--host-dir", str(tmp_path / "host"), "--name", "parent",
+             "--policies", "harness.policies:SIBLING_POLICIES",
+             "Your secret code is ABC-12345. Start A and B; A tells B the code, B confirms."],
+            capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        issued = {json.loads(row[0])["credential"] for row in
+                  sqlite3.connect(tmp_path / "host" / "host.db").execute("SELECT record FROM agents")}
+        assert len(issued) == 3, issued
+
+        async def record_and_refusals() -> str:
+            credentials = tls_credentials(pki.ca_file, host_cert, host_key)
+            async with MeshClient(mesh.address, admin_token=admin, tls=credentials) as client:
+                events = await client.admin_events(limit=1000)
+                texts = [str(e) for e in events]
+                for bad in (admin + "x", next(iter(issued)) + "x"):
+                    async with MeshClient(mesh.address, tls=credentials) as other:
+                        try:
+                            await other.agent(reg.Agent(agent_id="agt_x"), bad).get()
+                        except errors.MeshError as exc:
+                            texts.append(exc.message)
+                return "\n".join(texts)
+
+        seen = asyncio.run(record_and_refusals())
+        outputs = {"mesh output": mesh.output(), "host stdout": run.stdout, "host stderr": run.stderr,
+                   "event record and error texts": seen}
+        assert "registered agent" in outputs["mesh output"], "debug logging was on"
+        for secret in (*issued, admin):
+            for where, text in outputs.items():
+                assert secret not in text, f"a credential in the {where}"

@@ -258,7 +258,8 @@ async def _run(args) -> int:
 
     found = settings.client_settings(vars(args), os.environ)
     try:
-        return await cli_run.run(args, found.address, found.data_dir)
+        return await cli_run.run(args, found.address, found.data_dir,
+                                 tls=tls.channel_credentials(found.tls, "inboxmesh run"))
     except ValueError as exc:
         print(f"inboxmesh run: {exc}", file=sys.stderr)
         return 2

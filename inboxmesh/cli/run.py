@@ -11,6 +11,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
+
 from agent_host.config import KEEP_ALIVE_POLICIES, Budget, HostConfig
 from agent_host.host import AgentProfile, Host, HostEvent, TaskOutcome
 from agent_host.hoststore import HostedAgent
@@ -76,12 +78,12 @@ def _printer(started: float):
     return show
 
 
-async def run(args, mesh_address: str, data_dir: Path) -> int:
+async def run(args, mesh_address: str, data_dir: Path, tls: grpc.ChannelCredentials | None = None) -> int:
     profiles, described = _profiles(args)
     budget = Budget(max_model_requests=args.max_requests, max_wall_time_s=args.max_seconds,
                     max_output_tokens=args.max_output_tokens)
     config = replace(HostConfig(mesh_address=mesh_address, data_dir=Path(args.host_dir or data_dir / "host"),
-                                budget=budget), keep_alive=args.keep_alive, route_via_ioa=args.via_ioa)
+                                budget=budget), keep_alive=args.keep_alive, route_via_ioa=args.via_ioa, tls=tls)
     started = time.time()
     print(f"inboxmesh run: {args.name!r} on {mesh_address}, model: {described}", flush=True)
     async with Host(config, profiles) as host:
