@@ -46,7 +46,10 @@ class NatsNode:
     server's own default (an fsync every two minutes), for the tests of the mesh's refusal of it."""
 
     def __init__(self, store_dir: Path, *, name: str = "n1", port: int = 0, cluster_port: int = 0,
-                 routes: tuple[int, ...] = (), cluster: str = "inboxmesh", durable: bool = True):
+                 routes: tuple[int, ...] = (), cluster: str = "inboxmesh", durable: bool = True,
+                 tls: tuple[Path, Path] | None = None, tls_client_ca: Path | None = None):
+        """tls: (certificate, key) to serve TLS to clients with; tls_client_ca: require client certificates
+        that CA signed (mutual TLS)."""
         self.store_dir = store_dir
         self.name = name
         self.port = port or free_port()
@@ -55,12 +58,14 @@ class NatsNode:
         self.routes = routes
         self.cluster = cluster
         self.durable = durable
+        self.tls = tls
+        self.tls_client_ca = tls_client_ca
         self.proc: subprocess.Popen | None = None
         self.log_path = store_dir / f"{name}.log"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
     @property
     def monitor_url(self) -> str:
@@ -79,6 +84,10 @@ class NatsNode:
         argv = [nats_server_binary(), *(["-c", str(CONFIG)] if self.durable else []), "-n", self.name,
                 "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.http_port), "-js", "-sd",
                 str(self.store_dir / self.name)]
+        if self.tls:
+            argv += ["--tls", "--tlscert", str(self.tls[0]), "--tlskey", str(self.tls[1])]
+            if self.tls_client_ca:
+                argv += ["--tlsverify", "--tlscacert", str(self.tls_client_ca)]
         if self.cluster_port:
             argv += ["--cluster_name", self.cluster, "--cluster", f"nats-route://127.0.0.1:{self.cluster_port}",
                      "--routes", ",".join(f"nats-route://127.0.0.1:{p}" for p in self.routes)]

@@ -11,6 +11,7 @@ from services.tls import TlsFiles
 SERVER_TLS_NAMES = ("--tls-cert", "--tls-key", "--tls-client-ca")
 """The settings a server's TLS files come from (TlsFiles.names)."""
 RELAY_TLS_NAMES = ("--ioa-tls-cert", "--ioa-tls-key", "--ioa-tls-ca")
+NATS_TLS_NAMES = ("--nats-tls-cert", "--nats-tls-key", "--nats-tls-ca")
 """The settings the relay's TLS files for its IOA network connection come from."""
 
 
@@ -41,6 +42,9 @@ class StoreConfig:
     """Start without that check, on servers that may fsync only every two minutes (their default)."""
     nats_replicas: int = 1
     """JetStream replicas of every stream and bucket (3 on a three-node cluster)."""
+    nats_tls: TlsFiles = field(default_factory=lambda: TlsFiles(names=NATS_TLS_NAMES))
+    """TLS to the NATS servers (with `tls://` URLs): the CA to trust, and a client certificate and key for
+    servers that require one."""
     nats_timeout_s: float = 5.0
     """Deadline of each JetStream request."""
     nats_duplicate_window_s: float = 3600.0

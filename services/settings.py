@@ -36,6 +36,7 @@ from typing import Any, Generic, TypeVar, cast
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from services.config import (
+    NATS_TLS_NAMES,
     RELAY_TLS_NAMES,
     SERVER_TLS_NAMES,
     ClientSettings,
@@ -211,6 +212,13 @@ NATS_MONITOR = Setting[tuple[str, ...]]("nats_monitor", lambda: _STORE.nats_moni
                                         parse=_names, check=_monitor_urls)
 NATS_LAZY_FSYNC = Setting("nats_accept_lazy_fsync", lambda: _STORE.nats_accept_lazy_fsync,
                           flag="--nats-accept-lazy-fsync")
+NATS_TLS_CA = Setting[Path | None]("nats_tls_ca", lambda: None, flag="--nats-tls-ca", env="INBOXMESH_NATS_TLS_CA",
+                                   parse=Path)
+NATS_TLS_CERT = Setting[Path | None]("nats_tls_cert", lambda: None, flag="--nats-tls-cert",
+                                     env="INBOXMESH_NATS_TLS_CERT", parse=Path)
+NATS_TLS_KEY = Setting[Path | None]("nats_tls_key", lambda: None, flag="--nats-tls-key",
+                                    env="INBOXMESH_NATS_TLS_KEY", parse=Path)
+"""TLS to the NATS servers (`tls://` URLs): the CA to trust, and a client certificate for mutual TLS."""
 NATS_NAMESPACE = Setting("nats_namespace", lambda: _STORE.nats_namespace, flag="--nats-namespace", check=_text)
 IOA_NETWORK = Setting[str | None]("ioa_network", lambda: None, flag="--ioa-network")
 NODE_ID = Setting[str | None]("node_id", lambda: None, flag="--node-id")
@@ -277,7 +285,9 @@ def mesh_config(flags: Mapping[str, object], env: Mapping[str, str]) -> MeshConf
             raise errors.InvalidArgument("--store jetstream needs --nats URL[,URL...]", reason=Reason.BAD_CONFIG,
                                          metadata={"setting": "--nats"})
         store = replace(store, backend="jetstream", nats_urls=urls, nats_replicas=replicas, nats_namespace=namespace,
-                        nats_monitor_urls=monitors, nats_accept_lazy_fsync=lazy_fsync)
+                        nats_monitor_urls=monitors, nats_accept_lazy_fsync=lazy_fsync,
+                        nats_tls=TlsFiles(layers.value(NATS_TLS_CERT), layers.value(NATS_TLS_KEY),
+                                          layers.value(NATS_TLS_CA), NATS_TLS_NAMES))
     ioa = None
     if network:
         ioa = IoaConfig(node_id=node_id or f"mesh-{port or 'any'}", network=network,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,18 @@ def channel_credentials(files: TlsFiles, what: str) -> grpc.ChannelCredentials |
     if files.cert is not None or files.key is not None:
         cert, key = _pair(files, what)
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def ssl_context(files: TlsFiles, what: str) -> ssl.SSLContext | None:
+    """An SSL context for a client that is not gRPC (the NATS connection): None without files; the files
+    checked as channel_credentials checks them."""
+    if not files.any:
+        return None
+    channel_credentials(files, what)  # the same checks and messages
+    context = ssl.create_default_context(cafile=str(files.ca) if files.ca is not None else None)
+    if files.cert is not None and files.key is not None:
+        context.load_cert_chain(str(files.cert), str(files.key))
+    return context
 
 
 def _pair(files: TlsFiles, what: str) -> tuple[bytes, bytes]:

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import trustme
 
+from harness.nats import NatsNode
 from inboxmesh.client import errors
 from inboxmesh.client.mesh import MeshClient, tls_credentials
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
@@ -290,3 +291,40 @@ def test_no_credential_reaches_a_log_an_event_or_an_error_text_in_a_whole_scenar
         for secret in (*issued, admin):
             for where, text in outputs.items():
                 assert secret not in text, f"a credential in the {where}"
+
+
+@pytest.mark.store_independent
+def test_the_jetstream_pair_behind_tls_on_nats_over_mutual_tls(tmp_path, pki):
+    """Two mesh processes serving TLS, on a nats-server that serves TLS and requires client certificates:
+    an agent registered and sending on one is consumed on the other. A mesh without the NATS CA does not
+    start, and says why."""
+    clients = Pki(tmp_path, "clients")
+    nats_cert, nats_key = pki.issue("nats", "127.0.0.1", "localhost")
+    mesh_client_cert, mesh_client_key = clients.issue("mesh-to-nats", "mesh")
+    with NatsNode(tmp_path / "nats", tls=(nats_cert, nats_key), tls_client_ca=clients.ca_file) as node:
+        assert node.url.startswith("tls://")
+        nats_tls = ["--nats-tls-ca", str(pki.ca_file), "--nats-tls-cert", str(mesh_client_cert),
+                    "--nats-tls-key", str(mesh_client_key)]
+        serve = ["--tls-cert", str(pki.cert_file), "--tls-key", str(pki.key_file)]
+        with MeshProcess(tmp_path / "r1", *node.mesh_args(), *nats_tls, *serve) as r1, \
+                MeshProcess(tmp_path / "r2", *node.mesh_args(), *nats_tls, *serve) as r2:
+
+            async def exchange() -> list[str]:
+                credentials = tls_credentials(pki.ca_file)
+                async with MeshClient(r1.address, tls=credentials) as on_1, \
+                        MeshClient(r2.address, tls=credentials) as on_2:
+                    lead = await on_1.register("lead")
+                    kid = await lead.spawn("kid")
+                    assert (await lead.send(kid.agent_id, "across TLS twice")).status == pb.RECEIPT_STATUS_ACCEPTED
+                    stream = Collector(on_2.agent(kid.info, kid.credential), auto_ack=True)
+                    try:
+                        return [m.content.text for m in await stream.wait_for(1, timeout=20)]
+                    finally:
+                        await stream.stop()
+
+            assert asyncio.run(exchange()) == ["across TLS twice"]
+        refused = MeshProcess(tmp_path / "r3", *node.mesh_args(), *serve)
+        with pytest.raises(RuntimeError) as caught:
+            refused.start()
+        assert "cannot reach NATS" in str(caught.value) and "--nats-tls-ca" in str(caught.value), \
+            str(caught.value)[-1500:]

@@ -348,6 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-accept-lazy-fsync", action="store_true", default=None,
                     help="start without that check: on a server that does not fsync every write, a power loss"
                          " can lose accepted messages")
+    up.add_argument("--nats-tls-ca", metavar="PEM", help="TLS to NATS (tls:// URLs), trusting this CA"
+                                                         " (INBOXMESH_NATS_TLS_CA)")
+    up.add_argument("--nats-tls-cert", metavar="PEM",
+                    help="the mesh's client certificate for NATS servers that require one (INBOXMESH_NATS_TLS_CERT)")
+    up.add_argument("--nats-tls-key", metavar="PEM", help="its key (INBOXMESH_NATS_TLS_KEY)")
     up.add_argument("--nats-namespace", help="prefix of the mesh's streams and buckets (default im)")
     up.add_argument("--routing", metavar="FILE", help="routing config (YAML or TOML: agents.list, bindings,"
                     " ingress.tokens; docs/routing.md); serves the routing ingress")

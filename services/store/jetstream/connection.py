@@ -29,6 +29,7 @@ from inboxmesh.client.errors import Reason
 from services.config import StoreConfig
 from services.store.jetstream.durability import check_durability
 from services.store.jetstream.shared_writes import BATCH_MAX, SharedWrites
+from services.tls import ssl_context
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -108,6 +109,10 @@ def nats_call(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Corout
     return call
 
 
+CONNECT_TIMEOUT_S = 20.0
+"""How long `open` waits for the first connection to NATS."""
+
+
 class JetStreamConnection:
     """One mesh process's connection to NATS, and the names of what the store keeps there."""
 
@@ -116,6 +121,8 @@ class JetStreamConnection:
         if not ns.isidentifier() or not ns.isascii():
             raise errors.InvalidArgument(f"nats namespace {ns!r}: letters, digits and _ only", reason=Reason.BAD_CONFIG)
         self.config = config
+        self._last_error = ""
+        """The last error nats-py reported (for the message of a connection that never came)."""
         self.ns = ns
         self.inbox_stream = f"{ns.upper()}_INBOX"
         self.event_stream = f"{ns.upper()}_EVENTS"
@@ -147,12 +154,20 @@ class JetStreamConnection:
         if not urls:
             raise errors.InvalidArgument("the jetstream store needs NATS server URLs (--nats)",
                                          reason=Reason.BAD_CONFIG)
-        try:
-            self.nc = await nats.connect(servers=urls, connect_timeout=5, max_reconnect_attempts=-1,
-                                         reconnect_time_wait=0.2, name="inboxmesh", no_echo=True,
-                                         error_cb=self._on_error,
-                                         disconnected_cb=self._on_disconnected,
-                                         reconnected_cb=self._on_reconnected)
+        context = ssl_context(self.config.nats_tls, "the NATS connection")  # bad files: BAD_CONFIG, not NATS_DOWN
+        try:  # nats-py tries a server that fails the TLS handshake again and again: bounded here
+            self.nc = await asyncio.wait_for(nats.connect(
+                servers=urls, connect_timeout=5, max_reconnect_attempts=-1,
+                **({"tls": context} if context is not None else {}), reconnect_time_wait=0.2, name="inboxmesh",
+                no_echo=True, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            last = self._last_error
+            raise errors.Unavailable(
+                f"cannot reach NATS at {', '.join(urls)}: no connection within {CONNECT_TIMEOUT_S:g} s"
+                f"{f'; the last error: {errors.clip(last, 300)}' if last else ''}"
+                f"{' (a server that requires TLS needs --nats-tls-ca)' if 'SSL' in last and context is None else ''}",
+                reason=Reason.NATS_DOWN) from None
         except Exception as exc:
             raise errors.Unavailable(f"cannot reach NATS at {', '.join(urls)}: {exc}",
                                      reason=Reason.NATS_DOWN) from None
@@ -214,6 +229,7 @@ class JetStreamConnection:
         reconnect attempt (every 0.2 s, per server), and its default logs each with a whole traceback.
         Another error of the same kind is logged once a minute at most."""
         kind = type(exc).__name__
+        self._last_error = f"{kind}: {exc}"
         now = asyncio.get_running_loop().time()
         if now - self._logged_errors.get(kind, -_ERROR_REPEAT_S) >= _ERROR_REPEAT_S:
             self._logged_errors[kind] = now
