@@ -6,9 +6,11 @@ that delivers messages twice."""
 import contextlib
 import secrets
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
+import trustme
 
 from agent_host.config import Budget, HostConfig
 from agent_host.host import Host
@@ -18,12 +20,13 @@ from harness.evidence import K, Record
 from harness.hosts import by_name, scripted_profiles
 from harness.policies import SIBLING_POLICIES
 from harness.test_addressing import tool_results
-from inboxmesh.client.mesh import MeshClient
+from inboxmesh.client.mesh import MeshClient, tls_credentials
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
-from services.config import IoaConfig
+from services.config import RELAY_TLS_NAMES, SERVER_TLS_NAMES, IoaConfig
 from services.ioa_network.server import NetworkConfig, NetworkServer
 from services.server import Mesh
+from services.tls import TlsFiles
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 
 TOOLS = ALL_TOOLS + SPACE_TOOLS
@@ -35,14 +38,48 @@ async def network():
         yield server
 
 
+class Certificates:
+    """TLS everywhere, made at test time: one CA; the network's and each mesh's server certificate; each
+    relay's client certificate naming its node id; a host certificate for clients (mutual TLS)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.ca = trustme.CA()
+        self.ca_file = self._write("ca.pem", self.ca.cert_pem.bytes())
+        self.host = self.issue("host", "host")
+
+    def issue(self, name: str, *identities: str) -> tuple[Path, Path]:
+        leaf = self.ca.issue_cert(*identities)
+        return (self._write(f"{name}.pem", b"".join(b.bytes() for b in leaf.cert_chain_pems)),
+                self._write(f"{name}.key", leaf.private_key_pem.bytes()))
+
+    def server(self, name: str) -> TlsFiles:
+        """A server's files: its certificate, and the CA its clients' certificates come from."""
+        return TlsFiles(*self.issue(name, "127.0.0.1", "localhost"), self.ca_file, SERVER_TLS_NAMES)
+
+    def relay(self, node_id: str) -> TlsFiles:
+        return TlsFiles(*self.issue(f"relay-{node_id}", node_id), self.ca_file, RELAY_TLS_NAMES)
+
+    def client(self) -> grpc.ChannelCredentials:
+        return tls_credentials(self.ca_file, *self.host)
+
+    def _write(self, name: str, data: bytes) -> Path:
+        (self.root / name).write_bytes(data)
+        return self.root / name
+
+
 @contextlib.asynccontextmanager
-async def ioa_mesh(network, tmp_path, node_id):
+async def ioa_mesh(network, tmp_path, node_id, certificates: Certificates | None = None):
     config = replace(make_config(tmp_path / node_id), ioa=IoaConfig(node_id=node_id, network=network.address))
+    if certificates is not None:
+        config = replace(config, tls=certificates.server(f"mesh-{node_id}"),
+                         ioa=IoaConfig(node_id=node_id, network=network.address, tls=certificates.relay(node_id)))
     mesh = Mesh(config)
     await mesh.start()
     assert mesh.relay is not None, "the mesh's config names the network"
     await mesh.relay.wait_connected(10)
-    client = MeshClient(mesh.address, admin_token=ADMIN_TOKEN)
+    client = MeshClient(mesh.address, admin_token=ADMIN_TOKEN,
+                        tls=certificates.client() if certificates is not None else None)
     try:
         yield mesh, client
     finally:
@@ -51,9 +88,10 @@ async def ioa_mesh(network, tmp_path, node_id):
 
 
 @contextlib.asynccontextmanager
-async def ioa_host(mesh, tmp_path, policies):
+async def ioa_host(mesh, tmp_path, policies, certificates: Certificates | None = None):
     config = HostConfig(mesh_address=mesh.address, data_dir=tmp_path, route_via_ioa=True,
-                        budget=Budget(max_wall_time_s=60))
+                        budget=Budget(max_wall_time_s=60),
+                        tls=certificates.client() if certificates is not None else None)
     host = Host(config, scripted_profiles(policies, tools=TOOLS))
     await host.start()
     try:
@@ -125,10 +163,31 @@ def callee(view):
 
 
 async def test_agents_on_two_meshes_talk_through_one_network(network, tmp_path):
-    async with ioa_mesh(network, tmp_path, "alpha") as (mesh_a, client_a), \
-            ioa_mesh(network, tmp_path, "beta") as (mesh_b, client_b):
-        async with ioa_host(mesh_b, tmp_path / "host-b", {"callee": callee}) as host_b, \
-                ioa_host(mesh_a, tmp_path / "host-a", {"caller": caller}) as host_a:
+    await _two_meshes(network, tmp_path)
+
+
+async def test_two_meshes_and_the_sibling_exchange_over_an_authenticated_network_with_tls_everywhere(tmp_path):
+    """The same across an IOA network that requires relay certificates naming their node ids, meshes that
+    serve mutual TLS, relays and hosts that present certificates; and the sibling exchange through it."""
+    certificates = Certificates(tmp_path)
+    async with NetworkServer(NetworkConfig(tls=certificates.server("network"))) as network:
+        await _two_meshes(network, tmp_path, certificates)
+        async with ioa_mesh(network, tmp_path, "solo", certificates) as (mesh, client):
+            async with ioa_host(mesh, tmp_path / "host", SIBLING_POLICIES, certificates) as host:
+                outcome = await host.run_task("parent", "Coordinate A and B. The secret code for A is SEC-777777.",
+                                              timeout=30)
+                assert outcome.ok, outcome.error
+                assert "SEC-777777" in outcome.result
+            record = await Record.read(client)
+        b = by_name(host, "B")
+        assert record.of(K.EVENT_KIND_IOA_RECEIVED, recipient=b.agent_id), "B's message came through the network"
+
+
+async def _two_meshes(network, tmp_path, certificates: Certificates | None = None) -> None:
+    async with ioa_mesh(network, tmp_path, "alpha", certificates) as (mesh_a, client_a), \
+            ioa_mesh(network, tmp_path, "beta", certificates) as (mesh_b, client_b):
+        async with ioa_host(mesh_b, tmp_path / "host-b", {"callee": callee}, certificates) as host_b, \
+                ioa_host(mesh_a, tmp_path / "host-a", {"caller": caller}, certificates) as host_a:
             far = await host_b.start_task("callee", "answer whoever writes")
             far_address = f"ioa:beta/{far.agent_id}"
             outcome = await host_a.run_task("caller", f"Write to {far_address}", timeout=30)
