@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GENERATED = re.compile(r"^inboxmesh\.[a-z]+\.v1(\.|$)")
 OURS = ("inboxmesh", "services", "agent_host", "harness", "bench", "tests")
 
-SHARED_BY_SERVERS = ("services.clock", "services.config", "services.faults")
+SHARED_BY_SERVERS = ("services.clock", "services.config", "services.faults", "services.tls")
 """Leaf modules of `services` that the store and the reference IOA network may use (clock, frozen
-configuration, crash points): they import nothing of the mesh."""
+configuration, crash points, TLS files): they import nothing of the mesh."""
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (module prefix, what its imports of ours may name); the first matching prefix rules

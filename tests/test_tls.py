@@ -158,7 +158,7 @@ def test_the_command_line_serves_tls_and_its_client_commands_use_it(tmp_path, pk
     with MeshProcess(tmp_path / "mesh", "--tls-cert", str(pki.cert_file), "--tls-key", str(pki.key_file)) as mesh:
         assert "(TLS;" in mesh.output(), mesh.output()
         command = [sys.executable, "-m", "inboxmesh.cli.main", "register", "cli-agent", "--mesh", mesh.address,
-                   "--timeout", "5"]
+                   "--timeout", "5", "--data-dir", str(tmp_path / "cli")]  # no mesh.json of another mesh
         done = subprocess.run([*command, "--tls-ca", str(pki.ca_file)], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "agt_" in done.stdout, done.stderr
         plain = subprocess.run(command, capture_output=True, text=True, timeout=60)

@@ -142,7 +142,8 @@ async def _ioa_server(args) -> int:
     except RuntimeError as exc:
         print(f"inboxmesh ioa-server: {exc}. Use --port 0 for any free port.", file=sys.stderr)
         return 1
-    print(f"ioa network listening on {server.address} ({tls.mode(config.tls)})", flush=True)
+    print(f"ioa network listening on {server.address}", flush=True)
+    print(f"ioa network: {tls.mode(config.tls)}{', fault injection on' if config.faults else ''}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

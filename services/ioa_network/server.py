@@ -28,11 +28,10 @@ from inboxmesh.client.errors import Reason
 from inboxmesh.client.status import to_grpc
 from inboxmesh.ioa.v1 import network_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2_grpc
-from services import tls
 from services.clock import now_us
 from services.config import SERVER_TLS_NAMES
 from services.grpc_common import ErrorBoundaryInterceptor, receive_limit
-from services.tls import TlsFiles
+from services.tls import TlsFiles, listen_credentials
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["IoaNetwork"].full_name
@@ -342,7 +341,7 @@ def create_network_server(config: NetworkConfig, network: IoaNetwork) -> tuple[g
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-    credentials = tls.listen_credentials(config.tls, config.host, config.insecure, "the IOA network server")
+    credentials = listen_credentials(config.tls, config.host, config.insecure, "the IOA network server")
     try:
         address = f"{config.host}:{config.port}"
         port = (server.add_secure_port(address, credentials) if credentials is not None else
