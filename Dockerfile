@@ -11,7 +11,7 @@ COPY agent_host ./agent_host
 # policies (harness.policies) from /app, which PYTHONPATH puts on the path
 COPY harness ./harness
 ENV PYTHONPATH=/app
-RUN pip install --no-cache-dir . && useradd --create-home mesh && mkdir /data && chown mesh /data
+RUN pip install --no-cache-dir . && useradd --create-home mesh && mkdir /data /certs && chown mesh /data /certs
 USER mesh
 ENV PATH="/usr/local/bin:${PATH}"
 EXPOSE 4222 8222 7400 7401 7402 7403 7500

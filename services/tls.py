@@ -170,3 +170,73 @@ def _shown(path: Path) -> str:
 
 def _bad(what: str, setting: str, problem: str) -> errors.InvalidArgument:
     return errors.InvalidArgument(f"{what}: {problem}", reason=Reason.BAD_CONFIG, metadata={"setting": setting})
+
+
+# -- certificates for a trial or a private deployment (`inboxmesh certs`) ---------------------------------
+CERT_DAYS = 365
+
+
+def make_certificates(directory: Path, names: list[str]) -> list[Path]:
+    """A CA in `directory` (ca.pem, ca.key; the existing one when there is one) and, for each name, a
+    certificate and key it signed (NAME.pem, NAME.key) whose common name is the name and whose subject
+    alternative names are the name, localhost and 127.0.0.1: good for a server of that host name, a client
+    or relay of that identity, on this machine too. Keys are written readable by the owner only. Returns
+    the files written."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    written: list[Path] = []
+
+    def write(path: Path, data: bytes, private: bool) -> None:
+        path.write_bytes(data)
+        if private:
+            path.chmod(0o600)
+        written.append(path)
+
+    def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    ca_file, ca_key_file = directory / "ca.pem", directory / "ca.key"
+    if ca_file.exists() and ca_key_file.exists():
+        ca_cert = x509.load_pem_x509_certificate(ca_file.read_bytes())
+        loaded = serialization.load_pem_private_key(ca_key_file.read_bytes(), password=None)
+        if not isinstance(loaded, ec.EllipticCurvePrivateKey):
+            raise ValueError(f"{ca_key_file} is not the EC key this command makes")
+        ca_key = loaded
+    else:
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "inboxmesh CA")])
+        ca_cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+                   .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                   .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                                content_commitment=False, key_encipherment=False,
+                                                data_encipherment=False, key_agreement=False,
+                                                encipher_only=False, decipher_only=False), critical=True)
+                   .sign(ca_key, hashes.SHA256()))
+        write(ca_file, ca_cert.public_bytes(serialization.Encoding.PEM), False)
+        write(ca_key_file, key_pem(ca_key), True)
+    for name in names:
+        key = ec.generate_private_key(ec.SECP256R1())
+        alternative = [x509.DNSName(name), x509.DNSName("localhost"),
+                       x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(ca_cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
+                .add_extension(x509.SubjectAlternativeName(alternative), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        write(directory / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM), False)
+        write(directory / f"{name}.key", key_pem(key), True)
+    return written

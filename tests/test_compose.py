@@ -22,11 +22,11 @@ import pytest
 import yaml
 
 from harness.nats import free_port, nats_server_binary
-from inboxmesh.client.mesh import MeshClient
+from inboxmesh.client.mesh import MeshClient, tls_credentials
 from inboxmesh.events.v1 import events_pb2 as ev
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["nats", "registry", "inbox-1", "inbox-2", "ioa-network", "relay"]
+ORDER = ["certs", "nats", "registry", "inbox-1", "inbox-2", "ioa-network", "relay"]
 pytestmark = [pytest.mark.store_independent, pytest.mark.timeout(240)]
 
 
@@ -57,6 +57,7 @@ class Local:
     def argv(self, name: str, command: str) -> list[str]:
         services = load()
         text = command.replace("/data", str(self.tmp / name)).replace("/app/", f"{ROOT}/")  # the image's copy
+        text = text.replace("/certs", str(self.tmp / "certs"))  # the volume all services share
         # the service's own ports (its clients', nats-server's monitoring), as the others address them
         text = re.sub(r"(--port|-p|-m) (\d+)", lambda m: f"{m.group(1)} {self.port(name, m.group(2))}", text)
         for other in services:
@@ -77,6 +78,9 @@ class Local:
         log = open(self.tmp / f"{name}.log", "wb")
         self.procs[name] = subprocess.Popen(self.argv(name, service["command"]), cwd=ROOT, env=env, stdout=log,
                                             stderr=subprocess.STDOUT)
+        if service.get("restart") == "no":  # a one-shot service (certs): it must finish, and well
+            assert self.procs[name].wait(60) == 0, (self.tmp / f"{name}.log").read_text()[-2000:]
+            return
         own = re.search(r"(?:--port|-p) (\d+)", service["command"])
         if own is None:
             raise AssertionError(f"{name}'s command in compose.yaml names no port: {service['command']}")
@@ -124,7 +128,9 @@ async def test_the_compose_services_form_a_working_mesh(tmp_path):
                 await agent_host.wait()
         stdout, stderr = out.decode(), err.decode()
         assert agent_host.returncode == 0, stdout[-3000:] + stderr[-3000:]
-        async with MeshClient(inbox_2, admin_token=token) as second, MeshClient(relay, admin_token=token) as third:
+        tls = tls_credentials(tmp_path / "certs" / "ca.pem")  # every service serves TLS
+        async with MeshClient(inbox_2, admin_token=token, tls=tls) as second, \
+                MeshClient(relay, admin_token=token, tls=tls) as third:
             events = await second.admin_events(limit=1000)  # what the host did through inbox-1, seen from inbox-2
             consumed = [e for e in events if e.kind == ev.EVENT_KIND_MESSAGE_CONSUMED]
             completed = [e for e in events if e.kind == ev.EVENT_KIND_TASK_COMPLETED]
@@ -133,5 +139,8 @@ async def test_the_compose_services_form_a_working_mesh(tmp_path):
             assert (await third.agent(lead.info, lead.credential).get()).name == "seen-everywhere"
         assert "ABC-12345" in stdout
         assert inbox_1 in " ".join(local.argv("agent-host", host["command"]))
+        for name in ("registry", "inbox-1", "inbox-2", "relay"):
+            assert "(TLS;" in (tmp_path / f"{name}.log").read_text(), f"{name} serves TLS"
+        assert "ioa network: mutual TLS" in (tmp_path / "ioa-network.log").read_text()
     finally:
         local.stop()

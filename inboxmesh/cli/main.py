@@ -25,6 +25,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 from google.protobuf import json_format
 
@@ -150,6 +151,19 @@ async def _ioa_server(args) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
+    return 0
+
+
+async def _certs(args) -> int:
+    """`inboxmesh certs DIR NAME...`: a CA and certificates it signed, for a trial or a private deployment."""
+    names = [n for n in args.names if n]
+    bad = [n for n in names if not all(c.isalnum() or c in "-._" for c in n) or len(n) > 64]
+    if bad:
+        print(f"inboxmesh certs: names are host names or node ids (letters, digits, '-', '.', '_'): {bad[0]!r}",
+              file=sys.stderr)
+        return 2
+    for path in tls.make_certificates(Path(args.directory), names):
+        print(path, flush=True)
     return 0
 
 
@@ -381,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     ioa.add_argument("--faults", action="store_true",
                      help="allow InjectFault (dropped connections, duplicates, delays, reordering: for tests)")
     ioa.set_defaults(run=_ioa_server)
+
+    certs = sub.add_parser("certs", help="make a CA and certificates it signed (for a trial or a private network;"
+                                         " docs/security.md)")
+    certs.add_argument("directory", help="where ca.pem/ca.key and NAME.pem/NAME.key go (an existing CA is reused)")
+    certs.add_argument("names", nargs="*", help="host names or node ids, one certificate each")
+    certs.set_defaults(run=_certs)
 
     reg = sub.add_parser("register", help="register an agent; prints its id and credential")
     client_args(reg)
