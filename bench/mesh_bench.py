@@ -39,15 +39,23 @@ SENT_TIMEOUT_S = float(os.environ.get("INBOXMESH_BENCH_SENT_TIMEOUT_S", "600"))
 """How long the sender gets for the measured phase before the run fails (with the meshes' task stacks)."""
 
 
+def _tls(ca: str) -> Any:
+    """TLS credentials trusting the CA file `ca` (--tls), or None for plaintext."""
+    from inboxmesh.client.mesh import tls_credentials
+
+    return tls_credentials(ca) if ca else None
+
+
 async def run_sender(address: str, agent_id: str, credential: str, recipient: str, n: int, c: int,
-                     events_address: str = "") -> None:
+                     events_address: str = "", ca: str = "") -> None:
     import grpc
 
     from inboxmesh.client.mesh import MeshClient, envelope
     from inboxmesh.events.v1 import events_pb2 as ev
     from inboxmesh.inbox.v1 import inbox_pb2 as pb
 
-    async with MeshClient(address) as client, MeshClient(events_address or address) as events_client:
+    async with MeshClient(address, tls=_tls(ca)) as client, \
+            MeshClient(events_address or address, tls=_tls(ca)) as events_client:
         me = client.agent(agent_id, credential)
         watcher_view = events_client.agent(agent_id, credential)  # the receiver's replica records its acks
         window = asyncio.Semaphore(c)
@@ -173,11 +181,11 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
         print("sent " + json.dumps(sent_ns), flush=True)
 
 
-async def run_receiver(address: str, agent_id: str, credential: str) -> None:
+async def run_receiver(address: str, agent_id: str, credential: str, ca: str = "") -> None:
     from inboxmesh.client.mesh import MeshClient
     from inboxmesh.client.stream import InboxStream
 
-    async with MeshClient(address) as client:
+    async with MeshClient(address, tls=_tls(ca)) as client:
         me = client.agent(agent_id, credential)
         stream = InboxStream([me], max_in_flight=2048)
         consumed_ns: dict[str, int] = {}
@@ -207,10 +215,10 @@ async def run_receiver(address: str, agent_id: str, credential: str) -> None:
         await reporter
 
 
-async def setup_agents(address: str) -> tuple:
+async def setup_agents(address: str, ca: str = "") -> tuple:
     from inboxmesh.client.mesh import MeshClient
 
-    async with MeshClient(address) as client:
+    async with MeshClient(address, tls=_tls(ca)) as client:
         lead = await client.register("bench")
         sender = await lead.spawn("sender")
         receiver = await lead.spawn("receiver", inbox_capacity=100_000)
@@ -218,7 +226,7 @@ async def setup_agents(address: str) -> tuple:
 
 
 def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store: str = "sqlite",
-        replicas: int = 1, nats_nodes: int = 1) -> dict:
+        replicas: int = 1, nats_nodes: int = 1, tls: bool = False) -> dict:
     """One measurement. With the jetstream store a nats-server (file
     storage) runs beside the mesh, or a cluster of `nats_nodes` with every
     stream on all of them; with two replicas the sender talks to the first
@@ -230,6 +238,13 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
         children = []
         nats_node: Any = None
         extra = []
+        ca = ""
+        if tls:  # the mesh serves TLS with a certificate made here; the clients trust its CA
+            from services.tls import make_certificates
+
+            make_certificates(Path(data) / "certs", ["mesh"])
+            ca = str(Path(data) / "certs" / "ca.pem")
+            extra += ["--tls-cert", f"{data}/certs/mesh.pem", "--tls-key", f"{data}/certs/mesh.key"]
         if via_ioa:
             network = Child("ioa-server", [*cli, "ioa-server", "--port", "0"], env)
             children.append(network)
@@ -252,16 +267,16 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                 meshes.append(mesh)
                 children.append(mesh)
                 addresses.append(mesh.expect("inboxmesh listening on ").split()[0])
-            sender, receiver = asyncio.run(setup_agents(addresses[0]))
+            sender, receiver = asyncio.run(setup_agents(addresses[0], ca))
             target = f"ioa:bench/{receiver.agent_id}" if via_ioa else receiver.agent_id
             recv = Child("receiver", [*me, "--role", "receiver", "--address", addresses[-1], "--agent",
-                                      receiver.agent_id, "--credential", receiver.credential], env)
+                                      receiver.agent_id, "--credential", receiver.credential, "--tls-ca", ca], env)
             children.append(recv)
             recv.expect("ready", others=children)
             send = Child("sender", [*me, "--role", "sender", "--address", addresses[0], "--agent", sender.agent_id,
                                     "--credential", sender.credential, "--recipient", target,
                                     "--events-address", addresses[-1],
-                                    "--messages", str(n), "--concurrency", str(c)], env)
+                                    "--messages", str(n), "--concurrency", str(c), "--tls-ca", ca], env)
             children.append(send)
             send.expect("warmed", others=children)
             processes = {**{m.name: m for m in meshes}, "sender": send, "receiver": recv}
@@ -278,7 +293,7 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                 cpu["nats"] = _cpu_of(nats_node) - nats_before
             recv.send(f"report {len(sent_ns)}")
             consumed_ns = json.loads(recv.expect("consumed ", others=children))
-            name = "inboxmesh-ioa" if via_ioa else "inboxmesh"
+            name = ("inboxmesh-ioa" if via_ioa else "inboxmesh") + ("-tls" if tls else "")
             if store == "jetstream":
                 name += f"-jetstream-{replicas}r" + (f"-{nats_nodes}n" if nats_nodes > 1 else "")
             return summarize(name, c, sent_ns, consumed_ns, cpu)
@@ -326,6 +341,9 @@ def main() -> None:
                              " last)")
     parser.add_argument("--nats-nodes", type=int, default=1,
                         help="jetstream: a cluster of this many nats-servers, every stream on all of them")
+    parser.add_argument("--tls", action="store_true",
+                        help="the mesh serves TLS (a certificate made for the run), the clients trust its CA")
+    parser.add_argument("--tls-ca", default="", help=argparse.SUPPRESS)
     parser.add_argument("--events-address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -335,12 +353,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "sender":
         asyncio.run(run_sender(args.address, args.agent, args.credential, args.recipient, args.messages,
-                               args.concurrency, args.events_address))
+                               args.concurrency, args.events_address, args.tls_ca))
     elif args.role == "receiver":
-        asyncio.run(run_receiver(args.address, args.agent, args.credential))
+        asyncio.run(run_receiver(args.address, args.agent, args.credential, args.tls_ca))
     else:
         emit(run(args.messages, args.concurrency, args.synchronous, args.via_ioa, args.store, args.replicas,
-                 args.nats_nodes))
+                 args.nats_nodes, args.tls))
 
 
 if __name__ == "__main__":
