@@ -119,8 +119,10 @@ async def test_a_refused_request_is_not_retried(endpoint):
 
 
 async def test_a_request_over_its_timeout_counts_as_failed_and_is_retried(endpoint):
-    server = endpoint((200, TOOL_REPLY, 0.6), (200, completion({"role": "assistant", "content": "late but fine"}), 0))
-    model = OpenAIChatModel(base_url=server.base_url, api_key="", model="m", timeout_s=0.2)
+    # the first answer comes 2 s late; the timeout leaves the second (at once) room on a loaded machine (0.2 s
+    # did not, once, in the test command's first run on a fresh machine)
+    server = endpoint((200, TOOL_REPLY, 2.0), (200, completion({"role": "assistant", "content": "late but fine"}), 0))
+    model = OpenAIChatModel(base_url=server.base_url, api_key="", model="m", timeout_s=1.0)
     reply = await model.complete([{"role": "user", "content": "go"}], [], max_output_tokens=16, max_requests=2)
     await model.close()
     assert reply.text == "late but fine" and reply.attempts == 2
