@@ -43,6 +43,7 @@ from services import auth
 from services.auth import BOUND_TO
 from services.directory import Caller, Directory
 from services.store.base import AgentRecord
+from services.tls import certified_names
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,9 @@ class CallAuth:
     token: str | None = None
     """INGRESS_TOKEN: the bearer token as sent (None: none was sent), not yet checked."""
     peer: str = ""
-    """The identity the connection's client certificate proves (its common name, else its first subject
-    alternative name); "" without one (plaintext, TLS without a client certificate)."""
+    """With credentials bound (AuthInterceptor's `bind`): the identity the connection's client certificate
+    proves (its common name, else its first subject alternative name); "" without one, and when nothing is
+    bound."""
     prove: Callable[[Sequence[str]], Awaitable[tuple[Caller, ...]]] | None = None
     """Proves credentials the call carries later (a Consume `attach`, a SendRequest's `credentials`) as the
     first request's are: the callers, one per credential, or the refusal of the first that proves nobody.
@@ -191,14 +193,6 @@ def _bearer(context: grpc.aio.ServicerContext) -> str | None:
     return auth.bearer_from_metadata(context.invocation_metadata())
 
 
-def _peer(context: grpc.aio.ServicerContext) -> str:
-    """CallAuth.peer of this call."""
-    found = context.auth_context()
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
-        for value in found.get(key, ()):
-            if value:  # a certificate without a common name has an empty one
-                return value.decode(errors="replace")
-    return ""
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -245,7 +239,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def _authenticate(self, method: str, rule: Rule, context: grpc.aio.ServicerContext,
                             credentials: Sequence[str] | None) -> CallAuth:
         policy = rule.policy
-        peer = _peer(context)
+        names = certified_names(context) if self._bind else []  # read only where something is bound to it
+        peer = names[0] if names else ""
         if policy is Policy.INGRESS_TOKEN:
             return CallAuth(method, policy, token=_bearer(context), peer=peer)
         if policy is Policy.SUBSCRIBERS:

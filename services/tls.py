@@ -55,6 +55,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def certified_names(context: grpc.aio.ServicerContext) -> list[str]:
+    """The names the call's client certificate holds, common name first, then its subject alternative
+    names; none without a client certificate (a certificate without a common name has an empty one)."""
+    found = context.auth_context()
+    return [value.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
+            for value in found.get(key, ()) if value]
+
+
 def mode(files: TlsFiles) -> str:
     """How a server with these files serves: "plaintext", "TLS" or "mutual TLS"."""
     if files.cert is None:

@@ -690,8 +690,9 @@ class IoaRelay:
                     "duplicate": "was stored there before (a retry)",
                     "expired": f"expired in this mesh's outbox: its node could not be reached by"
                                f" {entry.expires_at_us} us"}.get(status, f"was not stored there: {status} ({detail})")
+            digest = hashlib.sha256(f"{entry.sender}\x00{env.message_id}".encode()).hexdigest()[:32]
             notice = env_pb.Envelope(
-                message_id=f"{RESERVED_ID_PREFIX}outbox:{hashlib.sha256(f'{entry.sender}{chr(0)}{env.message_id}'.encode()).hexdigest()[:32]}",
+                message_id=f"{RESERVED_ID_PREFIX}outbox:{digest}",  # one per entry's message: stored once
                 sender=env.recipient, recipient=entry.sender, kind=env_pb.MESSAGE_KIND_CONTROL,
                 content=env_pb.Content(text=f"Your message {env.message_id} to {env.recipient} {told}."),
                 in_reply_to=env.message_id, conversation_id=env.conversation_id, trace=env.trace,

@@ -31,7 +31,7 @@ from inboxmesh.ioa.v1 import network_pb2_grpc
 from services.clock import now_us
 from services.config import SERVER_TLS_NAMES
 from services.grpc_common import ErrorBoundaryInterceptor, receive_limit
-from services.tls import TlsFiles, listen_credentials
+from services.tls import TlsFiles, certified_names, listen_credentials
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["IoaNetwork"].full_name
@@ -79,14 +79,6 @@ class _Node:
     """The node reads Batch frames (Hello.batches)."""
 
 
-def _certified_names(context: grpc.aio.ServicerContext) -> set[str]:
-    """The names the connection's client certificate holds (common name, subject alternative names); none
-    without one."""
-    auth = context.auth_context()
-    return {value.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
-            for value in auth.get(key, ()) if value}
-
-
 class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
     def __init__(self, config: NetworkConfig):
         self.config = config
@@ -107,7 +99,7 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
                 "the first frame must be hello with a node_id of 1-128 letters, digits, '.', '_' or '-'",
                 reason=Reason.BAD_NODE_ID, metadata={"field": "hello.node_id"})))
             return
-        if self.config.tls.ca is not None and node_id not in _certified_names(context):
+        if self.config.tls.ca is not None and node_id not in certified_names(context):
             await context.abort(*to_grpc(errors.PermissionDenied(
                 f"this connection's certificate does not name node {node_id!r} (its common name or a subject"
                 " alternative name must be the node id): a node connects only as itself",
