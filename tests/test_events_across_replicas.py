@@ -99,3 +99,4 @@ async def test_a_watcher_sees_every_consumption_while_the_other_process_records_
             for task in (consumer, watcher):
                 task.cancel()
             await asyncio.gather(consumer, watcher, return_exceptions=True)
+            await asyncio.sleep(0.6)  # a read held back above (0.5 s at most) ends before the meshes stop
