@@ -15,6 +15,8 @@ from agent_host.budget import TaskBudget
 from agent_host.conversation import Conversation
 from agent_host.hoststore import HostedAgent
 from agent_host.ports import AgentCalls, AgentHost
+from inboxmesh.client import errors
+from inboxmesh.client.errors import Reason
 from inboxmesh.client.tracing import tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -51,6 +53,8 @@ class AgentActions:
         self._awaiting: dict[str, tuple[str, asyncio.Future[env_pb.Envelope]]] = {}
         """task message id -> (child id, future of its completion message): sync spawns."""
         self._consume_contexts: dict[str, trace.SpanContext] = {}
+        self.stats: Callable[[], str] = lambda: ""
+        """The stats line its announce ends with (AgentRunner.stats: run time, model requests, tokens)."""
 
     # -- the messages consumed --------------------------------------------------
     def took(self, message: env_pb.Envelope, span: trace.SpanContext | None = None) -> None:
@@ -136,6 +140,9 @@ class AgentActions:
                         "task_message_id": existing.task_message_id, "status": "already started"}
         if self.max_spawns is not None and self.record.spawned >= self.max_spawns:
             return {"error": f"you may start {self.max_spawns} subagents and have started them all"}
+        taken = await self._name_taken(name)
+        if taken:
+            return {"error": taken}
         history = self.conversation.fork().messages[1:] if mode == "fork" else []  # it gets its own system prompt
         # the mesh's limits may refuse it (the tool reports why)
         child = await self.host.start_child(self.record, name=name, task=task, mode=mode, history=history,
@@ -156,6 +163,20 @@ class AgentActions:
             return {**result, "status": "failed", "error": str(exc)}
         return {**result, "status": "completed", "result": completion.content.text}
 
+    async def _name_taken(self, name: str) -> str:
+        """Why `name` cannot be a new child's ("" when it can): an open agent of the same scope (the whole
+        task tree) already has it, so sends to it by name would become ambiguous."""
+        try:
+            existing = await self.handle.resolve(name)
+        except errors.NotFound:
+            return ""
+        except errors.FailedPrecondition as exc:
+            if exc.reason != Reason.AMBIGUOUS_NAME:
+                raise
+            return f"several agents of your team are already named {name!r}; choose another name"
+        whose = "you" if existing.agent_id == self.record.agent_id else f"an agent of your team ({existing.agent_id})"
+        return f"{whose} already has the name {name!r}; choose another name for the new subagent"
+
     async def finish(self, result: str) -> dict[str, Any]:
         """Complete the agent's task (the finish tool's result); refused while children have not
         reported. A child's result is announced to its parent by the mesh, when its run ends."""
@@ -171,7 +192,8 @@ class AgentActions:
         completion_id = ""
         if self.record.parent_id:
             # the mesh ends the run and announces the result in the parent's inbox, exactly once
-            ended = await self.handle.end_run(result)
+            stats = self.stats()
+            ended = await self.handle.end_run(f"{result}\n\n{stats}" if stats else result)
             run = ended.run
             completion_id = run.announce_message_id
             outcome["delivered_to"] = self.record.parent_id

@@ -29,14 +29,28 @@ KIND_NAMES = {v: envelope_pb2.MessageKind.Name(v).removeprefix("MESSAGE_KIND_").
               for v in envelope_pb2.MessageKind.values()}
 
 
-def system_prompt(name: str, agent_id: str, role: str, show_ids: bool = True) -> str:
+def system_prompt(name: str, agent_id: str, role: str, show_ids: bool = True, *, parent: str = "",
+                  task: str = "", extra: str = "") -> str:
+    """An agent's system prompt: a top-level agent's, or with `parent` a subagent's (as in the seed: its
+    task, that it is a subagent, what it must not do, that its result is reported automatically).
+    `extra`: the instructions of its skills."""
     who = f"{name} (agent id {agent_id})" if show_ids else name
-    return (
-        f"You are {who}, one agent in a team of agents. {role}\n"
-        "Act only through your tools. Messages from other agents arrive as user turns starting with"
-        " 'Message from'. Use send_message to write to an agent (by id or name), reply to answer a message,"
-        " and finish with your result when your task is done."
-    )
+    if parent:
+        text = (
+            f"You are {who}, a subagent that {parent} started for one task: {task}\n{role}\n"
+            "Rules: do your task and nothing else; you are not the main agent. Message only the agents your"
+            " task names. Act only through your tools; messages from other agents arrive as user turns"
+            f" starting with 'Message from'. When done, call finish with your result: it is reported to {parent}"
+            " automatically."
+        )
+    else:
+        text = (
+            f"You are {who}, one agent in a team of agents. {role}\n"
+            "Act only through your tools. Messages from other agents arrive as user turns starting with"
+            " 'Message from'. Use send_message to write to an agent (by id or name), reply to answer a message,"
+            " and finish with your result when your task is done."
+        )
+    return f"{text}\n\n{extra}" if extra else text
 
 
 def format_message(envelope: envelope_pb2.Envelope, sender_name: str, show_ids: bool = True) -> str:

@@ -23,7 +23,7 @@ from agent_host.config import Budget, HostConfig
 from agent_host.conversation import Conversation, key_of, system_prompt
 from agent_host.hoststore import HostedAgent, HostStore
 from agent_host.inbox_hub import InboxHub
-from agent_host.models.base import Model
+from agent_host.models.base import Model, ModelChain
 from agent_host.ports import AgentCalls, Team
 from agent_host.runner import AgentRunner
 from agent_host.tools import ALL_TOOLS, relay_call
@@ -44,12 +44,17 @@ MODES = {"sync": reg.AGENT_MODE_SYNC, "async": reg.AGENT_MODE_ASYNC, "fork": reg
 class AgentProfile:
     """How an agent runs: its model, its tools, the role in its system prompt."""
 
-    model: Model
+    model: Model | ModelChain
     tools: tuple[str, ...] = ALL_TOOLS
     role: str = ""
     max_spawns: int | None = None
     """Children the agent may start in all; once reached, spawn_agent is no
     longer offered (None: no limit)."""
+    instructions: str = ""
+    """Added to the system prompt: the instructions of the agent's skills (agent_host/skills.py)."""
+    subagent_models: tuple[str, ...] = ()
+    """Model references its children run with (a configured agent's subagents.model and fallbacks; empty:
+    their own)."""
 
 
 ProfileFactory = Callable[[HostedAgent], AgentProfile]
@@ -160,12 +165,16 @@ class Host:
         if not record.tools:
             record.tools = profile.tools
         if not conversation.messages:
+            parent = self._names.get(record.parent_id, "your parent agent") if record.parent_id else ""
             conversation.messages.append({"role": "system", "content": system_prompt(
-                record.name, record.agent_id, profile.role, self.config.show_ids)})
+                record.name, record.agent_id, profile.role, self.config.show_ids, parent=parent,
+                task=record.task_text, extra=profile.instructions)})
         conversation.messages += history or []
         inbox = self.inbox.inbox_of(handle)
         runner = AgentRunner(self, record, handle, inbox, profile.model, conversation, budget, self.config,
                              max_spawns=profile.max_spawns)
+        runner.actions.stats = runner.stats
+        runner.profile = profile
         self.runners[record.agent_id] = runner
         self._names[record.agent_id] = record.name
         return runner
@@ -177,12 +186,15 @@ class Host:
         task.add_done_callback(_log_failure)
 
     # -- tasks --------------------------------------------------------------
-    async def start_task(self, name: str, task: str, *,
-                         metadata: dict[str, str] | None = None) -> AgentRunner[AgentHandle]:
-        """Register a top-level agent, give it the task, and start it."""
+    async def start_task(self, name: str, task: str, *, metadata: dict[str, str] | None = None,
+                         config_id: str = "") -> AgentRunner[AgentHandle]:
+        """Register a top-level agent, give it the task, and start it; with `config_id` it runs as that
+        configured agent (the profiles must be ConfiguredAgents: agent_host/configured.py)."""
+        if config_id:
+            metadata = {**(metadata or {}), "inboxmesh-agent": config_id}
         handle = await self.client.register(name, metadata=metadata)
         record = HostedAgent(agent_id=handle.agent_id, name=name, credential=handle.credential, mode="main",
-                             keep_alive=self.config.keep_alive)
+                             keep_alive=self.config.keep_alive, config_id=config_id)
         conversation = Conversation()
         runner = self._runner(record, handle, conversation, TaskBudget(self.config.budget))
         conversation.add_user(task)
@@ -193,10 +205,10 @@ class Host:
         return runner
 
     async def run_task(self, name: str, task: str, *, timeout: float | None = None,
-                       metadata: dict[str, str] | None = None) -> TaskOutcome:
+                       metadata: dict[str, str] | None = None, config_id: str = "") -> TaskOutcome:
         """Run a task to its result (or to a failure with a report of where
         it stopped)."""
-        runner = await self.start_task(name, task, metadata=metadata)
+        runner = await self.start_task(name, task, metadata=metadata, config_id=config_id)
         return await self.outcome(runner.agent_id, timeout=timeout)
 
     async def outcome(self, agent_id: str, timeout: float | None = None) -> TaskOutcome:
@@ -252,10 +264,12 @@ class Host:
         as_parent = self.client.agent(parent.agent_id, parent.credential)
         child = await as_parent.spawn(name, MODES[mode], inbox_capacity=self.config.child_inbox_capacity, run=run)
         parent.spawned += 1
+        parent_runner = self.runners.get(parent.agent_id)
         record = HostedAgent(agent_id=child.agent_id, name=name, credential=child.credential, mode=mode,
                              parent_id=parent.agent_id, task_message_id=task_message_id, task_text=task,
                              conversation_id=conversation_id, keep_alive=self.config.keep_alive,
-                             run_id=child.run_id)
+                             run_id=child.run_id, config_id=parent.config_id,
+                             models=parent_runner.profile.subagent_models if parent_runner else ())
         runner = self._runner(record, child, Conversation(), budget, history)
         self.save(record, runner.conversation)
         await runner.start()  # attached to the host's inbox stream before its first turn

@@ -53,6 +53,11 @@ class HostedAgent:
     result: str = ""
     closed: bool = False
     tools: tuple[str, ...] = ()
+    config_id: str = ""
+    """The configured agent (the routing config's agents.list id) it runs as; empty: the host's own profile."""
+    models: tuple[str, ...] = ()
+    """Model references it was given at spawn (its parent's subagents.model, then fallbacks); empty: its
+    configured agent's."""
 
 
 class HostStore:
@@ -80,6 +85,7 @@ class HostStore:
         for record_json, messages, injected in rows:
             data = json.loads(record_json)
             data["tools"] = tuple(data.get("tools", ()))
+            data["models"] = tuple(data.get("models", ()))
             record = HostedAgent(**data)
             if record.closed:
                 continue

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from opentelemetry import trace
@@ -32,7 +34,7 @@ from agent_host.budget import BudgetExceeded, TaskBudget
 from agent_host.config import CLOSE_ON_COMPLETE, IDLE_TIMEOUT, HostConfig
 from agent_host.conversation import NOTE_PREFIX, Conversation
 from agent_host.hoststore import HostedAgent
-from agent_host.models.base import Model, ModelError, ModelReply
+from agent_host.models.base import Model, ModelAttempt, ModelChain, ModelError, ModelReply
 from agent_host.ports import AgentCalls, AgentHost, Inbox
 from agent_host.tools import ToolContext, available, result_message, run_tool, schemas
 from inboxmesh.client import errors
@@ -54,14 +56,18 @@ class AgentRunner(Generic[HandleT]):
     pending, received, stream, the run counters, start/stop/cancel_run/child_gone/is_own_task/
     take_recovered."""
 
-    def __init__(self, host: AgentHost, record: HostedAgent, handle: HandleT, inbox: Inbox, model: Model,
+    def __init__(self, host: AgentHost, record: HostedAgent, handle: HandleT, inbox: Inbox,
+                 model: Model | ModelChain,
                  conversation: Conversation, budget: TaskBudget, config: HostConfig, *,
                  max_spawns: int | None = None):
         self.host = host
         self.record = record
         self.handle = handle
         self.stream = inbox
-        self.model = model
+        self.model = ModelChain.of(model)
+        """The agent's models: its primary, then its fallbacks."""
+        self.profile: Any = None
+        """The host's AgentProfile of this agent (set by Host._runner)."""
         self.conversation = conversation
         self.budget = budget
         self.config = config
@@ -78,6 +84,11 @@ class AgentRunner(Generic[HandleT]):
         self.runs_active = 0
         self.max_runs_active = 0
         self.model_requests = 0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.started_at = time.monotonic()
+        self._turn: _Turn | None = None
+        """The turn in progress: what it consumed, whether the model was called, the calls run and skipped."""
         self._tools = ToolContext(agent=record, handle=handle, host=host, actions=self.actions,
                                   max_spawns=max_spawns)
         self._items: AsyncGenerator[StreamItem, None] | None = None
@@ -220,6 +231,8 @@ class AgentRunner(Generic[HandleT]):
             self.pending = messages + self.pending
             self._stream_down = True
             return None
+        if self._turn is not None:
+            self._turn.consumed += len(won)
         for message in won:
             with tracer.start_as_current_span("consume", context=context_of(message), attributes={
                 "messaging.message.id": message.message_id, "inboxmesh.sender": message.sender,
@@ -288,6 +301,11 @@ class AgentRunner(Generic[HandleT]):
             self.wake.clear()
             if self.stopping:
                 return
+            if self.budget.failed is not None:
+                # the task failed: nothing more runs for it, and nothing is consumed (what is pending stays in
+                # the inbox, and is dead-lettered with the reason when the agent is closed)
+                self.start_requested = False
+                continue
             if not (self.pending or self.start_requested):
                 continue
             self._cancel_idle_timer()
@@ -303,20 +321,27 @@ class AgentRunner(Generic[HandleT]):
             try:
                 await self.run_task
             except asyncio.CancelledError:
-                if _cancelling():
-                    raise  # the loop itself is being stopped
-                await self.event(ev.EVENT_KIND_RUN_CANCELLED, turn=self.record.turn)
+                if _cancelling():  # the loop itself is being stopped (closed, or the host stops): stop() records
+                    self._end_open_turn("stopped: the agent's runner stopped (it was closed, or its host stopped)")
+                    raise
+                why = f": the task failed ({self.budget.failed[:200]})" if self.budget.failed is not None else ""
+                self._end_open_turn(f"cancelled{why}")
+                await self.event(ev.EVENT_KIND_RUN_CANCELLED, turn=self.record.turn, detail=f"cancelled{why}")
             except (BudgetExceeded, ModelError) as exc:
-                self.host.task_ended(self.record, self.budget, exc)
+                await self._failed(exc)
             except Exception as exc:  # a bug must fail the task loudly, not kill the loop silently
                 log.exception("%s: run failed unexpectedly", self)
-                self.host.task_ended(self.record, self.budget, exc)
+                await self._failed(exc)
             finally:
                 self.run_task = None
+                self._turn = None
                 self.record.running = False
                 self.host.save(self.record, self.conversation)
             if self.stopping:
                 return
+            if self.budget.failed is not None:
+                self.state = "failed"
+                continue
             if self.pending and not self._stream_down:
                 self.wake.set()
                 continue
@@ -326,6 +351,31 @@ class AgentRunner(Generic[HandleT]):
             await self.event(ev.EVENT_KIND_AGENT_IDLE, turn=self.record.turn)
             if not self.pending:
                 self._arm_idle_timer()
+
+    async def _failed(self, exc: Exception) -> None:
+        """This agent's run failed for good (budget, every model, a bug): the turn it was in ends saying
+        so, TASK_FAILED records why, and the host fails the whole task (every other run of it stops)."""
+        why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (BudgetExceeded, ModelError)) else str(exc)
+        self._hold_attempts(getattr(exc, "tried", ()))
+        self._end_open_turn(f"failed: {why[:300]}")
+        self.budget.fail(f"{self.record.name} ({self.agent_id}): {why[:500]}")
+        await self.event(ev.EVENT_KIND_TASK_FAILED, turn=self.record.turn, detail=why[:1000])
+        self.host.task_ended(self.record, self.budget, exc)
+
+    def _end_open_turn(self, outcome: str) -> None:
+        """Hold the TURN_ENDED of a turn that a failure or a cancel cut short (recorded with the next event),
+        saying how it ended, what ran, and whether messages it consumed never reached a model."""
+        turn, self._turn = self._turn, None
+        if turn is None:
+            return
+        detail = f"{outcome}; {turn.calls()}"
+        if turn.consumed and not turn.model_called:
+            detail += f"; {turn.consumed} message(s) it consumed were not seen by a model"
+        self.hold_event(ev.EVENT_KIND_TURN_ENDED, turn=turn.number, detail=detail)
+
+    def _hold_attempts(self, tried: tuple[ModelAttempt, ...]) -> None:
+        for attempt in tried:
+            self.hold_event(ev.EVENT_KIND_MODEL_CALLED, turn=self.record.turn, detail=attempt.detail())
 
     async def _run(self) -> None:
         self.runs_active += 1
@@ -337,38 +387,43 @@ class AgentRunner(Generic[HandleT]):
                 if self.record.turn >= self.budget.limits.max_turns_per_agent:
                     raise BudgetExceeded(f"{self.record.name} reached {self.record.turn} turns, the most one agent"
                                          " may take")
+                # before the turn starts: a turn that could not call the model consumes nothing
+                self.budget.check(self.record, before_turn=True)
                 self.record.turn += 1
-                turn = self.record.turn
-                await self.event(ev.EVENT_KIND_TURN_STARTED, turn=turn)
+                turn = self._turn = _Turn(self.record.turn)
+                await self.event(ev.EVENT_KIND_TURN_STARTED, turn=turn.number)
                 with tracer.start_as_current_span("turn", attributes={"inboxmesh.agent": self.agent_id,
-                                                                      "inboxmesh.turn": turn}):
+                                                                      "inboxmesh.turn": turn.number}):
                     if not await self._take_pending() and not self.conversation.has_new_input():
                         # the turn was for messages it could not consume: no model call on old input;
                         # they stay pending and the agent wakes when the inbox stream is back
-                        await self.event(ev.EVENT_KIND_TURN_ENDED, turn=turn,
+                        self._turn = None
+                        await self.event(ev.EVENT_KIND_TURN_ENDED, turn=turn.number,
                                          detail=f"no model call: the inbox stream was lost, {len(self.pending)}"
                                                 " message(s) stay pending")
                         return
                     reply = await self._call_model(schemas(self.tools_now(), self._team_targets()))
                     assistant = reply.as_message()
                     self.conversation.messages.append(assistant)
-                    done = []
                     for call in reply.tool_calls:
                         if self.actions.turn_ends:
                             # an earlier call said "wait": the rest of this turn does not run, and is left out
                             # of the conversation (the history shows what happened, nothing to copy wrongly)
+                            turn.skipped.append(call.name)
                             self.host.observe(self.record, "tool",
                                               f"{call.name} -> skipped: the turn ended with a wait")
                             continue
                         with tracer.start_as_current_span(f"tool {call.name}"):
                             result = await run_tool(self._tools, call)
-                        done.append(call.id)
+                        turn.ran.append((call.id, call.name))
                         self.conversation.messages.append(result_message(call, result))
                         self.host.observe(self.record, "tool", f"{call.name} -> {_brief(result)}")
-                    if reply.tool_calls and len(done) < len(reply.tool_calls):
-                        assistant["tool_calls"] = [c for c in assistant["tool_calls"] if c["id"] in done]
-                tools = ", ".join(c.name for c in reply.tool_calls) or "no tool calls"
-                await self.event(ev.EVENT_KIND_TURN_ENDED, turn=turn, detail=tools)
+                    if turn.skipped:
+                        ran = {call_id for call_id, _ in turn.ran}
+                        assistant["tool_calls"] = [c for c in assistant["tool_calls"] if c["id"] in ran]
+                self._turn = None
+                self._hold_attempts(reply.tried)
+                await self.event(ev.EVENT_KIND_TURN_ENDED, turn=turn.number, detail=turn.calls())
                 self.host.save(self.record, self.conversation)
                 if self.actions.finished:
                     self.actions.finished = False
@@ -385,15 +440,25 @@ class AgentRunner(Generic[HandleT]):
 
     async def _call_model(self, tools: list[dict[str, Any]]) -> ModelReply:
         """One model reply within the task's budget (its requests counted for this agent too)."""
+        if self._turn is not None:
+            self._turn.model_called = True
         try:
             reply = await self.budget.complete(self.model, self.conversation.messages, tools, self.record)
         except ModelError as exc:
             self.model_requests += exc.attempts
             raise
         self.model_requests += reply.attempts
-        self.host.observe(self.record, "model", f"{self.model.name}: {len(reply.tool_calls)} tool call(s)"
+        self.prompt_tokens += reply.usage.prompt_tokens
+        self.output_tokens += reply.usage.completion_tokens
+        answered = reply.tried[-1].model if reply.tried else self.model.name
+        self.host.observe(self.record, "model", f"{answered}: {len(reply.tool_calls)} tool call(s)"
                                                 f"{', text' if reply.text else ''} ({reply.attempts} request(s))")
         return reply
+
+    def stats(self) -> str:
+        """The stats line of the agent's announce: run time, model requests, tokens."""
+        return (f"Stats: ran {time.monotonic() - self.started_at:.1f}s, {self.model_requests} model request(s),"
+                f" {self.prompt_tokens} prompt + {self.output_tokens} output tokens")
 
     def _after_finish(self) -> None:
         """The turn in which the agent finished its task has ended: the result is the task's outcome,
@@ -440,6 +505,24 @@ class AgentRunner(Generic[HandleT]):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+
+
+@dataclass
+class _Turn:
+    """A turn in progress, for its TURN_ENDED: the calls that ran and were skipped, what it consumed."""
+
+    number: int
+    consumed: int = 0
+    model_called: bool = False
+    ran: list[tuple[str, str]] = field(default_factory=list)
+    """(call id, tool name) of the calls carried out, in order."""
+    skipped: list[str] = field(default_factory=list)
+    """Tools the model called that were not carried out (the turn ended with a wait before them)."""
+
+    def calls(self) -> str:
+        """`ran: a, b` (or `ran: none`), then `; skipped: c` when some were skipped."""
+        text = "ran: " + (", ".join(name for _, name in self.ran) or "none")
+        return text + (f"; skipped: {', '.join(self.skipped)}" if self.skipped else "")
 
 
 def _cancelling() -> bool:

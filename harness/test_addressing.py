@@ -52,17 +52,30 @@ def twins(view):
         return Decision(calls=[("spawn_agent", {"agent_name": "twin", "task": "wait, one"}),
                                ("spawn_agent", {"agent_name": "twin", "task": "wait, two"})])
     if step == 2:
-        return call("send_message", to="twin", text="which one?")
+        return call("wait")
     if step == 3:
+        return call("send_message", to="twin", text="which one?")
+    if step == 4:
         return call("send_message", to=view.results[0].result["agent_id"], text="you, by id")
     return say("done")
 
 
-async def test_duplicate_names_in_one_scope_are_refused_with_the_candidates(mesh, client, tmp_path):
+async def test_a_second_child_of_the_same_name_is_refused_and_duplicates_made_elsewhere_are_ambiguous(
+        mesh, client, tmp_path):
+    """spawn_agent refuses a name an open agent of the team already has (a send by that name would become
+    ambiguous in the middle of the run); a twin registered directly through the mesh makes a send by name
+    fail with the candidates, and a send by id still works."""
     async with scripted_host(mesh.address, tmp_path, {"lead": twins, "twin": lambda v: say("ok")}) as host:
         lead = await host.start_task("lead", "two twins")
+        await eventually(lambda: len(tool_results(lead, "spawn_agent")) == 2 and lead.state == "idle")
+        (_, first), (_, second) = tool_results(lead, "spawn_agent")
+        assert first["status"] == "started"
+        assert "already has the name 'twin'" in second["error"] and first["agent_id"] in second["error"]
+        other = await lead.handle.spawn("twin")  # the mesh itself allows it (names are for display and lookup)
+        poker = await lead.handle.spawn("poker")
+        await poker.send(lead.agent_id, "go on")
         await eventually(lambda: len(tool_results(lead, "send_message")) == 2)
-        ids = [r["agent_id"] for _, r in tool_results(lead, "spawn_agent")]
+        ids = [first["agent_id"], other.agent_id]
         (_, by_name_result), (_, by_id_result) = tool_results(lead, "send_message")
         assert "several agents are named 'twin'" in by_name_result["error"]
         assert all(i in by_name_result["error"] for i in ids)

@@ -79,7 +79,9 @@ async def test_a_sync_spawn_returns_when_the_child_completes(mesh, client, tmp_p
                 else say("done")}
     async with scripted_host(mesh.address, tmp_path, policies) as host:
         outcome = await host.run_task("lead", "ask the helper", timeout=20)
-    assert outcome.ok and outcome.result == "helper said: 42"
+    # the helper's announce: its findings, then its stats line (run time, model requests, tokens)
+    assert outcome.ok and outcome.result.startswith("helper said: 42\n\nStats: ran "), outcome.result
+    assert "1 model request(s)" in outcome.result
     record = await Record.read(client)
     completion = record.one(K.EVENT_KIND_TASK_COMPLETED, agent_id=by_name_id(record, "helper"))
     consumed = record.one(K.EVENT_KIND_MESSAGE_CONSUMED, message_id=completion.message_id)

@@ -138,6 +138,8 @@ async def test_cancel_stops_the_run_and_keeps_the_inbox(mesh, client, tmp_path):
     record = await Record.read(client)
     cancelled = record.one(K.EVENT_KIND_RUN_CANCELLED, agent_id=worker.agent_id)
     assert cancelled.turn == 1
-    assert not record.of(K.EVENT_KIND_TURN_ENDED, agent_id=worker.agent_id, turn=1), "turn 1 never finished"
+    cut = record.one(K.EVENT_KIND_TURN_ENDED, agent_id=worker.agent_id, turn=1)
+    assert cut.detail == "cancelled; ran: none", "turn 1 ended, saying it was cut short before any call ran"
+    assert cut.event_id < cancelled.event_id
     assert record.one(K.EVENT_KIND_MESSAGE_CONSUMED, message_id=receipt.message_id).turn == 2
     assert not record.of(K.EVENT_KIND_AGENT_CLOSED, agent_id=worker.agent_id)

@@ -105,5 +105,6 @@ def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) ->
         routing_service = RoutingService(routing, agents=store, sessions=store, events=store, directory=directory,
                                          deliver=writer.deliver_from_channel, limits=limits,
                                          admin_token=config.admin_token)
+        routing_service.on_change(runs.use_routing)
     return Services(directory=directory, hub=hub, registry=registry, runs=runs, inbox=inbox,
                     events=EventsService(store, directory), routing=routing_service, relay=relay)

@@ -28,6 +28,7 @@ from services.ioa.grpc_handler import IoaRelayServicer
 from services.ioa.relay import IoaRelay
 from services.registry.grpc_handler import RegistryServicer
 from services.routing.grpc_handler import RoutingServicer
+from services.routing.reload import RoutingReloader
 from services.runs.grpc_handler import RunServicer
 from services.store import open_store
 from services.store.base import Store
@@ -74,6 +75,9 @@ class Mesh:
         self.services = assemble(config, self.store, routing)
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.routing_reloader = (RoutingReloader(config.routing, self.services.routing)
+                                 if config.routing is not None and self.services.routing is not None else None)
+        """Watches the routing file (services/routing/reload.py)."""
         self.health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
         self._state = "new"
@@ -133,6 +137,8 @@ class Mesh:
             await self.relay.start()
         if "registry" in self.config.services:
             self.services.runs.start()
+        if self.routing_reloader is not None:
+            self.routing_reloader.start()
         for service in self.config.services:
             await self.health.set(SERVICE_NAMES[service], health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -150,6 +156,8 @@ class Mesh:
         self._state = "stopping"
         try:
             await self.health.enter_graceful_shutdown()
+            if self.routing_reloader is not None:
+                await self.routing_reloader.stop()
             self.services.hub.shutdown()
             self.services.events.shutdown()
             await self.services.runs.stop()

@@ -9,9 +9,13 @@ from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
+_CONTROL_BUT_LINES = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+"""Control characters other than tab, newline and carriage return (allowed in free text: tasks, results)."""
 
 
-def check_text(field: str, value: str, *, max_len: int, required: bool = False) -> None:
+def check_text(field: str, value: str, *, max_len: int, required: bool = False, lines: bool = False) -> None:
+    """`value` is at most max_len characters without control characters (with `lines`: tabs and line breaks
+    are allowed, as in free text)."""
     if required and not value:
         raise errors.InvalidArgument(f"{field} is required", reason=Reason.MISSING_FIELD, metadata={"field": field})
     if len(value) > max_len:
@@ -20,7 +24,7 @@ def check_text(field: str, value: str, *, max_len: int, required: bool = False) 
             reason=Reason.FIELD_TOO_LONG,
             metadata={"field": field},
         )
-    if _CONTROL.search(value):
+    if (_CONTROL_BUT_LINES if lines else _CONTROL).search(value):
         raise errors.InvalidArgument(
             f"{field} contains control characters", reason=Reason.BAD_CHARACTERS, metadata={"field": field}
         )

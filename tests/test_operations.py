@@ -208,8 +208,9 @@ def test_cli_run_shows_the_exchange_live_and_summarises_it(tmp_path):
     assert "B            agent_woken" in out and "consumed" in out
     assert "A -> B [text] 'Hello B, the code is SEC-777777.': consumed" in out
     assert "-> parent [completion" in out
-    result_line = next(line for line in out.splitlines() if "result:" in line)
-    assert "A: B confirmed SEC-777777" in result_line, "both reports, in whichever order they came"
+    result = out.split("\nresult: ", 1)[1]  # the parent joined both reports, each with its stats line
+    assert "A: B confirmed SEC-777777" in result, "both reports, in whichever order they came"
+    assert result.count("Stats: ran ") == 2
 
 
 def test_cli_run_without_a_model_endpoint_says_what_to_set(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 
 from inboxmesh.client import errors
 from services.routing import (
+    TOOL_NAMES,
     AgentConfig,
     Binding,
     BindingMatch,
@@ -14,6 +15,7 @@ from services.routing import (
     LoopGuard,
     ModelConfig,
     PeerMatch,
+    ProviderConfig,
     SessionConfig,
     SubagentPolicy,
     ToolsPolicy,
@@ -25,6 +27,9 @@ from services.routing import (
 pytestmark = pytest.mark.store_independent
 
 YAML_CONFIG = """\
+models:
+  providers:
+    anthropic: {baseUrl: "https://api.anthropic.com/v1", apiKeyEnv: ANTHROPIC_API_KEY}
 session:
   dmScope: per-peer
 ingress:
@@ -32,7 +37,7 @@ ingress:
 agents:
   defaults:
     model: anthropic/claude-sonnet-4
-    tools: {deny: [shell]}
+    tools: {deny: [close_agent]}
     subagents:
       maxSpawnDepth: 2
       archiveAfterMinutes: 30
@@ -53,7 +58,7 @@ agents:
         maxChildrenPerAgent: 2
     - id: code
       skills: [code-review, git]
-      tools: {allow: [git, terminal]}
+      tools: {allow: [send_message, reply]}
 bindings:
   - agentId: work
     match: {channel: slack, teamId: T01234567}
@@ -69,6 +74,10 @@ bindings:
 """
 
 TOML_CONFIG = """\
+[models.providers.anthropic]
+baseUrl = "https://api.anthropic.com/v1"
+apiKeyEnv = "ANTHROPIC_API_KEY"
+
 [session]
 dmScope = "per-peer"
 
@@ -77,7 +86,7 @@ tokens = ["tok-1", "tok-2"]
 
 [agents.defaults]
 model = "anthropic/claude-sonnet-4"
-tools = { deny = ["shell"] }
+tools = { deny = ["close_agent"] }
 
 [agents.defaults.subagents]
 maxSpawnDepth = 2
@@ -101,7 +110,7 @@ subagents = { allowAgents = ["CODE"], maxChildrenPerAgent = 2 }
 [[agents.list]]
 id = "code"
 skills = ["code-review", "git"]
-tools = { allow = ["git", "terminal"] }
+tools = { allow = ["send_message", "reply"] }
 
 [[bindings]]
 agentId = "work"
@@ -129,21 +138,21 @@ EXPECTED_AGENTS = (
         model=DEFAULT_MODEL,
         identity=Identity(name="Xiaoke", emoji="\U0001F3E0", avatar_url="https://example.test/a.png"),
         subagents=SubagentPolicy(max_spawn_depth=2, max_children_per_agent=5),
-        tools=ToolsPolicy(allow=None, deny=("shell",)),
+        tools=ToolsPolicy(allow=None, deny=("close_agent",)),
     ),
     AgentConfig(
         id="work",
         workspace="~/work-projects",
         model=ModelConfig("openai/gpt-4o", ("anthropic/claude-sonnet-4",)),
         subagents=SubagentPolicy(allow_agents=("code",), max_spawn_depth=2, max_children_per_agent=2),
-        tools=ToolsPolicy(allow=None, deny=("shell",)),
+        tools=ToolsPolicy(allow=None, deny=("close_agent",)),
     ),
     AgentConfig(
         id="code",
         model=DEFAULT_MODEL,
         skills=("code-review", "git"),
         subagents=SubagentPolicy(max_spawn_depth=2),
-        tools=ToolsPolicy(allow=("git", "terminal"), deny=("shell",)),
+        tools=ToolsPolicy(allow=("send_message", "reply"), deny=("close_agent",)),
     ),
 )
 EXPECTED_BINDINGS = (
@@ -264,7 +273,7 @@ def _binding(**match: object) -> dict:
 
 INVALID = [
     ("unknown-top-key", {"agent": {}},
-     "agent: unknown key; known keys are agents, bindings, session, ingress", "UNKNOWN_KEY"),
+     "agent: unknown key; known keys are agents, bindings, session, ingress, models", "UNKNOWN_KEY"),
     ("unknown-agent-key", _agents({"id": "a"}, {"id": "b", "modle": "x"}),
      "agents.list[1].modle: unknown key; known keys are id, default, name, workspace, agentDir, model, "
      "skills, identity, subagents, tools", "UNKNOWN_KEY"),
@@ -297,6 +306,26 @@ INVALID = [
     ("top-level-not-mapping", [1, 2], "(top level): expected a mapping, got [1, 2]", "WRONG_TYPE"),
     ("tools-deny-not-list", _agents({"id": "a", "tools": {"deny": "shell"}}),
      "agents.list[0].tools.deny: expected a list, got 'shell'", "WRONG_TYPE"),
+    ("tools-unknown", _agents({"id": "a", "tools": {"allow": ["send_message", "shell"]}}),
+     "agents.list[0].tools.allow[1]: unknown tool 'shell'; the tools are spawn_agent, send_message, reply, list_agents,"
+     " close_agent, finish, wait, space_send, space_read", "UNKNOWN_TOOL"),
+    ("provider-unknown", _agents({"id": "a", "model": {"primary": "local/qwen", "fallbacks": ["acme/big"]}}),
+     "agents.list[0].model.fallbacks[0]: model 'acme/big': provider 'acme' is not declared in models.providers"
+     " (built in: openai, local, scripted)", "UNKNOWN_PROVIDER"),
+    ("provider-no-model", _agents({"id": "a", "model": "local/ "}),
+     "agents.list[0].model: 'local/' names no model after the provider", "BAD_VALUE"),
+    ("provider-without-url", {"models": {"providers": {"acme": {"apiKeyEnv": "ACME_KEY"}}}},
+     "models.providers.acme.baseUrl: required key is missing (only the built-in providers have their own)",
+     "MISSING_FIELD"),
+    ("provider-key-in-file", {"models": {"providers": {"acme": {"baseUrl": "http://127.0.0.1:1/v1",
+                                                                 "apiKeyEnv": "sk-live-123"}}}},
+     "models.providers.acme.apiKeyEnv: expected the name of an environment variable (the key itself never goes in"
+     " the file)", "BAD_VALUE"),
+    ("provider-bad-tool-choice", {"models": {"providers": {"local": {"toolChoice": "sometimes"}}}},
+     "models.providers.local.toolChoice: must be one of auto, required, got 'sometimes'", "BAD_VALUE"),
+    ("provider-unknown-key", {"models": {"providers": {"local": {"url": "http://x"}}}},
+     "models.providers.local.url: unknown key; known keys are baseUrl, apiKeyEnv, timeoutSeconds, toolChoice",
+     "UNKNOWN_KEY"),
     ("bad-peer-kind", {"bindings": [
         {"agentId": "a", "match": {"channel": "x"}},
         {"agentId": "a", "match": {"channel": "x"}},
@@ -438,7 +467,7 @@ def test_entry_values_override_defaults() -> None:
                 "model": {"primary": "base", "fallbacks": ["spare"]},
                 "workspace": "/ws",
                 "skills": ["search"],
-                "tools": {"allow": ["read"], "deny": ["shell"]},
+                "tools": {"allow": ["list_agents"], "deny": ["close_agent"]},
                 "subagents": {"maxSpawnDepth": 3, "maxChildrenPerAgent": 7, "model": "cheap",
                               "allowAgents": ["helper"]},
             },
@@ -458,7 +487,7 @@ def test_entry_values_override_defaults() -> None:
         model=ModelConfig("base", ("spare",)),
         skills=("search",),
         subagents=SubagentPolicy(("helper",), ModelConfig("cheap"), 3, 7),
-        tools=ToolsPolicy(("read",), ("shell",)),
+        tools=ToolsPolicy(("list_agents",), ("close_agent",)),
     )
     assert custom == AgentConfig(
         id="custom",
@@ -467,12 +496,12 @@ def test_entry_values_override_defaults() -> None:
         model=ModelConfig("special"),
         skills=(),
         subagents=SubagentPolicy(("*",), ModelConfig("mid"), 1, 7),
-        tools=ToolsPolicy(("read",), ()),
+        tools=ToolsPolicy(("list_agents",), ()),
     )
     assert cfg.defaults == AgentConfig(
         id="main", workspace="/ws", model=ModelConfig("base", ("spare",)), skills=("search",),
         subagents=SubagentPolicy(("helper",), ModelConfig("cheap"), 3, 7),
-        tools=ToolsPolicy(("read",), ("shell",)),
+        tools=ToolsPolicy(("list_agents",), ("close_agent",)),
     )
 
 
@@ -516,3 +545,24 @@ SPAWN_CONFIG = {
 )
 def test_may_spawn(requester: str, target: str, allowed: bool) -> None:
     assert parse_routing_config(SPAWN_CONFIG).may_spawn(requester, target) is allowed
+
+
+def test_providers_and_version() -> None:
+    """Declared providers with their settings, built-in ones with their defaults, and a version that
+    follows the content (not the format): the same data gives the same version, a change another."""
+    data = {"models": {"providers": {"Lab": {"baseUrl": "http://127.0.0.1:8080/v1", "apiKeyEnv": "LAB_KEY",
+                                             "timeoutSeconds": 240, "toolChoice": "required"}}},
+            "agents": {"list": [{"id": "a", "model": {"primary": "lab/qwen", "fallbacks": ["local/qwen", "gpt-4o"]}}]}}
+    cfg = parse_routing_config(data)
+    assert cfg.providers == (ProviderConfig("lab", "http://127.0.0.1:8080/v1", "LAB_KEY", 240.0, "required"),)
+    assert cfg.provider("lab") == cfg.providers[0]
+    assert cfg.provider("local") == ProviderConfig("local") and cfg.provider("acme") is None
+    assert cfg.version == parse_routing_config(dict(reversed(list(data.items())))).version
+    data["agents"]["list"][0]["model"]["fallbacks"] = ["local/qwen"]
+    assert parse_routing_config(data).version != cfg.version
+
+
+def test_the_tool_names_are_the_hosts_tools() -> None:
+    from agent_host.tools import SPECS
+
+    assert set(TOOL_NAMES) == set(SPECS)

@@ -30,7 +30,7 @@ agents:
       identity: {{name: Claw, emoji: "🏠"}}
       subagents: {{allowAgents: [work]}}
     - id: work
-      model: {{primary: openai/gpt-4o, fallbacks: [anthropic/claude]}}
+      model: {{primary: openai/gpt-4o, fallbacks: [local/qwen]}}
     - id: code
 bindings:
   - agentId: work
@@ -138,7 +138,7 @@ async def test_agents_list_and_dry_run_resolution(routed):
     assert [a.id for a in listed.agents] == ["home", "work", "code"]
     home = listed.agents[0]
     assert (home.name, home.identity.name, home.identity.emoji, home.is_default) == ("Home helper", "Claw", "🏠", True)
-    assert (listed.agents[1].model, list(listed.agents[1].model_fallbacks)) == ("openai/gpt-4o", ["anthropic/claude"])
+    assert (listed.agents[1].model, list(listed.agents[1].model_fallbacks)) == ("openai/gpt-4o", ["local/qwen"])
     resolved = await client.resolve_route(source("discord", peer=peer("channel", "dev"), guild_id="42"))
     assert (resolved.agent_id, resolved.matched_by, resolved.binding_index) == ("code", "binding.peer", 1)
     assert not (await Record.read(client)).of(ev.EVENT_KIND_ROUTED), "a dry run stores nothing"

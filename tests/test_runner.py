@@ -241,8 +241,8 @@ async def test_a_turn_consumes_the_delivered_message_and_the_model_replies_to_it
     assert injected == ["Message from alice (agt_alice), message_id=m1, kind=text:\nhello bob"]
     assert "m1" in runner.received
     # the reply's turn, then one more turn in which the model has nothing left to answer
-    assert agent.kinds() == [("AGENT_WOKEN", 0), ("TURN_STARTED", 1), ("TURN_ENDED", 1), ("TURN_STARTED", 2),
-                             ("TURN_ENDED", 2), ("AGENT_IDLE", 2)]
+    assert agent.kinds() == [("AGENT_WOKEN", 0), ("TURN_STARTED", 1), ("MODEL_CALLED", 1), ("TURN_ENDED", 1),
+                             ("TURN_STARTED", 2), ("MODEL_CALLED", 2), ("TURN_ENDED", 2), ("AGENT_IDLE", 2)]
     assert ("consumed", "m1 from alice (turn 1)") in host.observed and host.saves >= 2
     assert not host.ended, "an agent that only answers does not end its task"
 
@@ -278,12 +278,20 @@ async def test_a_task_over_its_budget_fails_through_the_host(running):
     model = ScriptedModel(lambda view: call("list_agents"))  # never done
     runner = await running(runner_for(agent, host, model, task="loop", budget=Budget(max_model_requests=2)),
                            run=True)
-    await eventually(lambda: host.ended and runner.state == "idle", message="the task ended")
+    await eventually(lambda: host.ended and runner.state == "failed", message="the task ended")
     [(agent_id, error)] = host.ended
     assert agent_id == "agt_looper" and isinstance(error, BudgetExceeded)
-    assert str(error) == "stopped at looper (agt_looper) at turn 3: all 2 model requests used"
+    assert str(error) == "stopped at looper (agt_looper) before turn 3: all 2 model requests used"
     assert model.requests == 2 and runner.budget.requests == 2 and runner.model_requests == 2
     assert not runner.record.running and not runner.record.completed
+    # the record: two whole turns, no third one started, and why the task failed
+    assert [k for k in agent.kinds() if k[0] != "MODEL_CALLED"][-2:] == [("TURN_ENDED", 2), ("TASK_FAILED", 2)]
+    assert agent.events[-1].detail == str(error)
+    assert runner.budget.failed == f"looper (agt_looper): {error}"
+    # a message arriving after the failure is not consumed: no turn takes it (it stays in the inbox)
+    agent.deliver("agt_other", "too late", "late-1")
+    await asyncio.sleep(0.1)
+    assert agent.acks == [] and runner.record.turn == 2 and runner.state == "failed"
 
 
 def finisher(view: ContextView) -> Decision:

@@ -25,12 +25,34 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ModelAttempt:
+    """One model of an agent's chain in one reply (after its retries): which, how it went, what it took."""
+
+    model: str
+    """The model's reference as configured (e.g. `local/qwen2.5-coder-1.5b`, `openai/gpt-4o-mini`)."""
+    ok: bool
+    requests: int
+    error: str = ""
+    usage: Usage = Usage()
+
+    def detail(self) -> str:
+        """The MODEL_CALLED event's detail (docs/lifecycle.md)."""
+        if self.ok:
+            return (f"model={self.model} outcome=ok requests={self.requests} "
+                    f"tokens={self.usage.prompt_tokens}/{self.usage.completion_tokens}")
+        return f"model={self.model} outcome=failed requests={self.requests} error={self.error[:300]}"
+
+
+@dataclass(frozen=True)
 class ModelReply:
     text: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     usage: Usage = Usage()
     attempts: int = 1
     """Requests it took (failed ones retried within the budget included)."""
+    tried: tuple[ModelAttempt, ...] = ()
+    """The models of the agent's chain that were asked for this reply, in order (the last one answered);
+    set by TaskBudget.complete."""
 
     def as_message(self) -> dict[str, Any]:
         """The assistant message to append to the conversation."""
@@ -49,10 +71,13 @@ class ModelReply:
 class ModelError(Exception):
     """The model could not produce a reply (after retries within budget)."""
 
-    def __init__(self, message: str, *, attempts: int = 1, retryable: bool = False):
+    def __init__(self, message: str, *, attempts: int = 1, retryable: bool = False,
+                 tried: tuple[ModelAttempt, ...] = ()):
         super().__init__(message)
         self.attempts = attempts
         self.retryable = retryable
+        self.tried = tried
+        """The models asked before it failed (TaskBudget.complete: every model of the chain)."""
 
 
 class Model(Protocol):
@@ -71,3 +96,24 @@ class Model(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class ModelChain:
+    """An agent's models in the order to try them: its primary, then its fallbacks (docs/routing.md
+    "Models"). TaskBudget.complete asks the next one when one fails (connection error, 5xx, timeout,
+    a refused request), within the task's budget."""
+
+    def __init__(self, models: list[tuple[str, Model]]):
+        if not models:
+            raise ValueError("a model chain needs at least one model")
+        self.models = list(models)
+        self.name = " > ".join(ref for ref, _ in self.models)
+
+    @staticmethod
+    def of(model: Model | ModelChain) -> ModelChain:
+        """A chain as is; a single model as a chain of one (named by its own name)."""
+        return model if isinstance(model, ModelChain) else ModelChain([(model.name, model)])
+
+    async def close(self) -> None:
+        for _, model in self.models:
+            await model.close()

@@ -109,6 +109,8 @@ async def _up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
+    if mesh.routing_reloader is not None:  # SIGHUP: read the routing file again now
+        loop.add_signal_handler(signal.SIGHUP, mesh.routing_reloader.reload)
     try:
         if args.demo and "inbox" in config.services:
             demo_tls = settings.client_tls(flags, os.environ)

@@ -93,10 +93,16 @@ async def run(args, mesh_address: str, data_dir: Path, tls: grpc.ChannelCredenti
         outcome = await host.outcome(runner.agent_id)
         top = runner.handle
         lines = await exchange_summary(top, started)
-        await host.close(runner.agent_id, reason="run finished")
+        await host.close(runner.agent_id, reason=close_reason(outcome))
     print("\n".join(lines))
     _print_outcome(outcome)
     return 0 if outcome.ok else 4
+
+
+def close_reason(outcome: TaskOutcome) -> str:
+    """The close reason of a task's top-level agent when its run is over: success and failure differ
+    (`task completed`, `task failed: <why>`)."""
+    return "task completed" if outcome.ok else " ".join(f"task failed: {outcome.error}".split())[:500]
 
 
 def _print_outcome(outcome: TaskOutcome) -> None:

@@ -3,6 +3,8 @@ session. config.py reads and validates the routing file; resolve.py matches
 a message against its bindings."""
 
 from services.routing.config import (
+    BUILT_IN_PROVIDERS,
+    TOOL_NAMES,
     AgentConfig,
     Binding,
     BindingMatch,
@@ -10,10 +12,12 @@ from services.routing.config import (
     LoopGuard,
     ModelConfig,
     PeerMatch,
+    ProviderConfig,
     RoutingConfig,
     SessionConfig,
     SubagentPolicy,
     ToolsPolicy,
+    config_version,
     load_routing_config,
     normalize_agent_id,
     parse_routing_config,
@@ -21,6 +25,8 @@ from services.routing.config import (
 from services.routing.resolve import ResolvedRoute, binding_tier, main_session_key, resolve_route, session_key
 
 __all__ = [
+    "BUILT_IN_PROVIDERS",
+    "TOOL_NAMES",
     "AgentConfig",
     "Binding",
     "BindingMatch",
@@ -28,12 +34,14 @@ __all__ = [
     "LoopGuard",
     "ModelConfig",
     "PeerMatch",
+    "ProviderConfig",
     "ResolvedRoute",
     "RoutingConfig",
     "SessionConfig",
     "SubagentPolicy",
     "ToolsPolicy",
     "binding_tier",
+    "config_version",
     "load_routing_config",
     "main_session_key",
     "normalize_agent_id",

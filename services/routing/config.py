@@ -12,6 +12,8 @@ kept as written and never echoed in messages.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -35,6 +37,16 @@ ANY = "*"
 PEER_KINDS = ("dm", "group", "channel")
 DM_SCOPES = ("main", "per-peer", "per-channel-peer")
 AGENT_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+TOOL_NAMES = ("spawn_agent", "send_message", "reply", "list_agents", "close_agent", "finish", "wait", "space_send",
+              "space_read")
+"""The tools an agent host offers (agent_host/tools.py; tests/test_routing_config.py checks they agree):
+`tools.allow` and `tools.deny` may name only these."""
+BUILT_IN_PROVIDERS = ("openai", "local", "scripted")
+"""Model providers every config has (docs/routing.md "Models"): `openai` (OPENAI_BASE_URL, else OpenAI's
+own endpoint, key OPENAI_API_KEY), `local` (the project's local model server, started by the host from the
+set-up's cache) and `scripted` (deterministic policies, for tests and demos). `models.providers` may
+declare more, or override `openai`'s endpoint."""
+TOOL_CHOICES = ("auto", "required")
 
 
 def normalize_agent_id(value: str) -> str:
@@ -48,6 +60,21 @@ class ModelConfig:
 
     primary: str
     fallbacks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProviderConfig:
+    """An OpenAI-compatible endpoint that model references `<provider>/<model>` name."""
+
+    id: str
+    base_url: str | None = None
+    """None: the built-in provider's own (openai: OPENAI_BASE_URL, else https://api.openai.com/v1)."""
+    api_key_env: str | None = None
+    """The name of the environment variable holding the key (never the key itself)."""
+    timeout_s: float | None = None
+    """Seconds per request; None: the provider's default (60; local: 240)."""
+    tool_choice: str | None = None
+    """auto or required; None: the provider's default (auto; local: required)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +201,11 @@ class RoutingConfig:
     loop_guard: LoopGuard = field(default_factory=LoopGuard)
     """The loop guard's limits. Mesh-wide settings: services.settings merges them into MeshConfig.limits
     (a flag wins over them)."""
+    providers: tuple[ProviderConfig, ...] = ()
+    """models.providers in config order (the built-in ones are not listed unless declared)."""
+    version: str = ""
+    """The config's version (config_version): the same for the same content, whatever the file's format,
+    layout or comments. Routing decisions and ListConfiguredAgents carry it."""
     warnings: tuple[str, ...] = ()
     """Problems that do not stop the config from loading."""
     defaults: AgentConfig = field(default_factory=lambda: AgentConfig(id=DEFAULT_AGENT_ID))
@@ -188,6 +220,13 @@ class RoutingConfig:
                 return None
             return replace(self.defaults, id=wanted, default=wanted == self.default_agent_id)
         return next((agent for agent in self.agents if agent.id == wanted), None)
+
+    def provider(self, provider_id: str) -> ProviderConfig | None:
+        """The provider with this id: declared, else built in (with its defaults), else None."""
+        declared = next((p for p in self.providers if p.id == provider_id), None)
+        if declared is not None:
+            return declared
+        return ProviderConfig(provider_id) if provider_id in BUILT_IN_PROVIDERS else None
 
     def may_spawn(self, requester_agent_id: str, target_agent_id: str) -> bool:
         """Whether the requester may spawn a run of the target agent: always its
@@ -262,7 +301,10 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 # ---------------------------------------------------------------- validation
 
-_TOP_KEYS = ("agents", "bindings", "session", "ingress")
+_TOP_KEYS = ("agents", "bindings", "session", "ingress", "models")
+_MODELS_KEYS = ("providers",)
+_PROVIDER_KEYS = ("baseUrl", "apiKeyEnv", "timeoutSeconds", "toolChoice")
+ENV_NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _AGENTS_KEYS = ("defaults", "list")
 _DEFAULTS_KEYS = ("model", "workspace", "skills", "tools", "subagents", "loopGuard")
 _DEFAULT_SUBAGENT_KEYS = (
@@ -303,6 +345,7 @@ class _Reader:
         self.source = source
         self.warnings: list[str] = []
         self.allow_refs: list[tuple[str, str]] = []  # (path, id) of every allowAgents entry
+        self.model_refs: list[tuple[str, str]] = []  # (path, reference) of every model named
 
     def fail(self, path: str, problem: str, reason: Reason) -> NoReturn:
         where = path or "(top level)"
@@ -392,16 +435,32 @@ class _Reader:
                       f"^{AGENT_ID_PATTERN.pattern}$", Reason.BAD_AGENT_ID)
         return ident
 
+    def model_ref(self, value: Any, path: str) -> str:
+        ref = self.string(value, path)
+        self.model_refs.append((path, ref))
+        return ref
+
+    def model_refs_list(self, value: Any, path: str) -> tuple[str, ...]:
+        return tuple(self.model_ref(item, at) for at, item in self.items(value, path))
+
+    def tool_names(self, value: Any, path: str) -> tuple[str, ...]:
+        names = self.strings(value, path)
+        for index, name in enumerate(names):
+            if name not in TOOL_NAMES:
+                self.fail(f"{path}[{index}]", f"unknown tool {_show(name)}; the tools are {', '.join(TOOL_NAMES)}",
+                          Reason.UNKNOWN_TOOL)
+        return names
+
     def model(self, value: Any, path: str) -> ModelConfig:
         if isinstance(value, str):
-            return ModelConfig(self.string(value, path))
+            return ModelConfig(self.model_ref(value, path))
         if not isinstance(value, dict):
             self.fail(path, f"expected a model name or a mapping with primary and fallbacks, "
                       f"got {_show(value)}", Reason.WRONG_TYPE)
         data = self.mapping(value, path, _MODEL_KEYS)
         return ModelConfig(
-            self.required(data, "primary", path, self.string),
-            self.opt(data, "fallbacks", path, self.strings, default=()),
+            self.required(data, "primary", path, self.model_ref),
+            self.opt(data, "fallbacks", path, self.model_refs_list, default=()),
         )
 
     def allow_agents(self, value: Any, path: str) -> tuple[str, ...]:
@@ -433,8 +492,8 @@ def _partial(r: _Reader, data: dict[str, Any], path: str, subagent_keys: tuple[s
         workspace=r.opt(data, "workspace", path, r.string),
         model=r.opt(data, "model", path, r.model),
         skills=r.opt(data, "skills", path, r.strings),
-        tools_allow=r.opt(tools, "allow", tools_path, r.strings),
-        tools_deny=r.opt(tools, "deny", tools_path, r.strings),
+        tools_allow=r.opt(tools, "allow", tools_path, r.tool_names),
+        tools_deny=r.opt(tools, "deny", tools_path, r.tool_names),
         allow_agents=r.opt(sub, "allowAgents", sub_path, r.allow_agents),
         subagent_model=r.opt(sub, "model", sub_path, r.model),
         max_spawn_depth=r.opt(sub, "maxSpawnDepth", sub_path, r.integer, 1, 10),
@@ -563,6 +622,58 @@ def _session(r: _Reader, data: dict[str, Any]) -> SessionConfig:
     return SessionConfig(main_key, r.opt(data, "dmScope", "session", r.choice, DM_SCOPES, default="main"))
 
 
+def config_version(data: dict[str, Any] | None) -> str:
+    """The first 12 hex digits of the sha256 of the parsed data in canonical JSON (None counts as {})."""
+    canonical = json.dumps(data or {}, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def _providers(r: _Reader, data: dict[str, Any]) -> tuple[ProviderConfig, ...]:
+    path = "models.providers"
+    section = data.get("providers")
+    if section is None:
+        return ()
+    if not isinstance(section, dict):
+        r.fail(path, f"expected a mapping of provider ids to their settings, got {_show(section)}", Reason.WRONG_TYPE)
+    providers = []
+    for key, value in section.items():
+        at = _join(path, key)
+        ident = r.lower(key, at) if isinstance(key, str) else r.string(key, at)
+        if not AGENT_ID_PATTERN.fullmatch(ident) or ident == "scripted":
+            r.fail(at, f"{key!r} is not a provider id (lower-case letters, digits, _ and -; not 'scripted')",
+                   Reason.BAD_VALUE)
+        entry = r.mapping(value, at, _PROVIDER_KEYS)
+        base_url = r.opt(entry, "baseUrl", at, r.string)
+        if base_url is not None and not re.match(r"https?://[^\s/]+", base_url):
+            r.fail(_join(at, "baseUrl"), f"expected an http:// or https:// URL, got {_show(base_url)}",
+                   Reason.BAD_VALUE)
+        if base_url is None and ident not in BUILT_IN_PROVIDERS:
+            r.fail(_join(at, "baseUrl"), "required key is missing (only the built-in providers have their own)",
+                   Reason.MISSING_FIELD)
+        key_env = r.opt(entry, "apiKeyEnv", at, r.string, secret=True)
+        if key_env is not None and not ENV_NAME_PATTERN.fullmatch(key_env):
+            r.fail(_join(at, "apiKeyEnv"), "expected the name of an environment variable (the key itself never goes in"
+                   " the file)", Reason.BAD_VALUE)
+        providers.append(ProviderConfig(
+            id=ident, base_url=base_url, api_key_env=key_env,
+            timeout_s=r.opt(entry, "timeoutSeconds", at, r.positive_number),
+            tool_choice=r.opt(entry, "toolChoice", at, r.choice, TOOL_CHOICES),
+        ))
+    return tuple(providers)
+
+
+def _check_model_refs(r: _Reader, providers: tuple[ProviderConfig, ...]) -> None:
+    """Every `<provider>/<model>` names a declared or built-in provider; a bare name is on `openai`."""
+    known = {p.id for p in providers} | set(BUILT_IN_PROVIDERS)
+    for path, ref in r.model_refs:
+        provider, slash, model = ref.partition("/")
+        if slash and not model.strip():
+            r.fail(path, f"{_show(ref)} names no model after the provider", Reason.BAD_VALUE)
+        if slash and provider not in known:
+            r.fail(path, f"model {_show(ref)}: provider {provider!r} is not declared in models.providers (built in:"
+                   f" {', '.join(BUILT_IN_PROVIDERS)})", Reason.UNKNOWN_PROVIDER)
+
+
 def parse_routing_config(data: dict[str, Any] | None, source: str = "<config>") -> RoutingConfig:
     """Validate parsed config data (as from YAML or TOML); None is an empty config."""
     r = _Reader(source)
@@ -582,7 +693,11 @@ def parse_routing_config(data: dict[str, Any] | None, source: str = "<config>") 
     _warn_unknown_agents(r, agents, bindings, default_id)
     session = _session(r, r.section(top, "session", "", _SESSION_KEYS))
     ingress = r.section(top, "ingress", "", _INGRESS_KEYS)
+    providers = _providers(r, r.section(top, "models", "", _MODELS_KEYS))
+    _check_model_refs(r, providers)
     return RoutingConfig(
+        providers=providers,
+        version=config_version(data),
         agents=tuple(agents),
         bindings=bindings,
         default_agent_id=default_id,

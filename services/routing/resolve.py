@@ -87,6 +87,8 @@ class ResolvedRoute:
     """Position of the winning binding in config.bindings; -1 for default."""
     warning: str = ""
     """Set when the binding named an unknown agent and the default was used."""
+    config_version: str = ""
+    """The version of the routing config that decided it (RoutingConfig.version)."""
 
 
 def binding_tier(binding: Binding) -> str:
@@ -216,6 +218,7 @@ def _route(
         matched_by=matched_by,
         binding_index=index,
         warning=warning,
+        config_version=cfg.version,
     )
 
 

@@ -46,22 +46,36 @@ def route_pb(route: ResolvedRoute) -> pb.ResolvedRoute:
     return pb.ResolvedRoute(
         agent_id=route.agent_id, channel=route.channel, account_id=route.account_id, session_key=route.session_key,
         main_session_key=route.main_session_key, matched_by=route.matched_by, binding_index=route.binding_index,
-        warning=route.warning)
+        warning=route.warning, config_version=route.config_version)
 
 
 class RoutingService:
     def __init__(self, config: RoutingConfig, *, agents: AgentStore, sessions: RunStore, events: EventStore,
                  directory: Directory, deliver: DeliverFromChannel, limits: InboxLimits, admin_token: str | None):
-        self.config = config
         self._agents = agents
         self._sessions = sessions
         self._events = events
         self._directory = directory
         self._deliver = deliver
         self._limits = limits
-        self._tokens = tuple(config.ingress_tokens) + ((admin_token,) if admin_token else ())
+        self._admin_token = admin_token
+        self.reload_error = ""
+        """Why the newest routing file was refused (empty when the config in force is the newest)."""
+        self._listeners: list[Callable[[RoutingConfig], None]] = []
+        self.use(config)
+
+    def use(self, config: RoutingConfig) -> None:
+        """Serve `config` from now on (a validated one: at start, or a reload); whoever listens
+        (the run registry's spawn policy) takes it too."""
+        self.config = config
+        self._tokens = tuple(config.ingress_tokens) + ((self._admin_token,) if self._admin_token else ())
         for warning in config.warnings:
             log.warning("routing config: %s", warning)
+        for listener in self._listeners:
+            listener(config)
+
+    def on_change(self, listener: Callable[[RoutingConfig], None]) -> None:
+        self._listeners.append(listener)
 
     def check_token(self, token: str | None, action: str) -> None:
         if not self.config.ingress_tokens:
@@ -110,7 +124,7 @@ class RoutingService:
             raise errors.InvalidArgument(f"the message is {envelope.ByteSize()} bytes; the limit is"
                                          f" {self._limits.max_message_bytes}", reason=Reason.MESSAGE_TOO_LARGE)
         [outcome] = await self._deliver([envelope])
-        detail = f"{route.matched_by} -> {route.agent_id} session={route.session_key}"
+        detail = f"{route.matched_by} -> {route.agent_id} session={route.session_key} config={self.config.version}"
         if route.warning:
             detail += f" ({route.warning})"
             log.warning("ingress %s: %s", request.message_id, route.warning)
@@ -158,7 +172,8 @@ class RoutingService:
                                          " (agent:<agentId>:...)", reason=Reason.BAD_SESSION_KEY)
         route = ResolvedRoute(agent_id=agent_cfg, channel="", account_id="", session_key=session_key,
                               main_session_key=f"agent:{agent_cfg}:{self.config.session.main_key}",
-                              matched_by="claim", binding_index=-1, warning="")
+                              matched_by="claim", binding_index=-1, warning="",
+                              config_version=self.config.version)
         agent, _ = await self._session_agent(route, pb.RouteInput())
         credential = auth.new_credential(agent.agent_id)
         record = await self._agents.set_credential(agent.agent_id, auth.credential_hash(credential))
@@ -173,11 +188,26 @@ class RoutingService:
         agents: tuple[AgentConfig, ...] = cfg.agents or ((default,) if default is not None else ())
         return pb.ListConfiguredAgentsResponse(
             default_id=cfg.default_agent_id, main_key=cfg.session.main_key, dm_scope=cfg.session.dm_scope,
-            agents=[pb.ConfiguredAgent(
-                id=a.id, name=a.name or "", is_default=a.id == cfg.default_agent_id,
-                model=a.model.primary if a.model else "", model_fallbacks=list(a.model.fallbacks) if a.model else [],
-                identity=pb.Identity(name=a.identity.name or "", emoji=a.identity.emoji or "",
-                                     avatar=a.identity.avatar or "", avatar_url=a.identity.avatar_url or "",
-                                     theme=a.identity.theme or ""),
-            ) for a in agents])
+            agents=[configured_agent_pb(a, a.id == cfg.default_agent_id) for a in agents],
+            reload_error=self.reload_error,
+            providers=[pb.ModelProvider(id=p.id, base_url=p.base_url or "", api_key_env=p.api_key_env or "",
+                                        timeout_s=p.timeout_s or 0.0, tool_choice=p.tool_choice or "")
+                       for p in cfg.providers],
+            config_version=cfg.version)
 
+
+def configured_agent_pb(a: AgentConfig, is_default: bool) -> pb.ConfiguredAgent:
+    sub = a.subagents
+    return pb.ConfiguredAgent(
+        id=a.id, name=a.name or "", is_default=is_default,
+        model=a.model.primary if a.model else "", model_fallbacks=list(a.model.fallbacks) if a.model else [],
+        identity=pb.Identity(name=a.identity.name or "", emoji=a.identity.emoji or "",
+                             avatar=a.identity.avatar or "", avatar_url=a.identity.avatar_url or "",
+                             theme=a.identity.theme or ""),
+        workspace=a.workspace or "", skills=list(a.skills or ()), all_skills=a.skills is None,
+        tools=pb.ToolsPolicy(restricted=a.tools.allow is not None, allow=list(a.tools.allow or ()),
+                             deny=list(a.tools.deny)),
+        subagents=pb.SubagentPolicy(
+            allow_agents=list(sub.allow_agents), model=sub.model.primary if sub.model else "",
+            model_fallbacks=list(sub.model.fallbacks) if sub.model else [], max_spawn_depth=sub.max_spawn_depth,
+            max_children_per_agent=sub.max_children_per_agent))

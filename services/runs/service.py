@@ -70,6 +70,10 @@ class RunService:
         self._task: asyncio.Task | None = None
         self._stopping = False
 
+    def use_routing(self, routing: RoutingConfig) -> None:
+        """A reloaded routing config: its spawn policies apply to the spawns from now on."""
+        self._routing = routing
+
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
         """Start the sweeper; its first pass restores what a restart left
@@ -108,7 +112,7 @@ class RunService:
         """The run record of a child being registered, and the metadata the
         child gets. Refuses a configured agent the parent may not spawn.
         `idempotent`: the child's id comes from a request_id, and so does the run's."""
-        check_text("run.task", spec.task, max_len=64 * 1024)
+        check_text("run.task", spec.task, max_len=64 * 1024, lines=True)
         check_text("run.label", spec.label, max_len=256)
         check_text("run.task_message_id", spec.task_message_id, max_len=128)
         parent_agent = parent.metadata.get(AGENT_KEY, "")
@@ -146,7 +150,7 @@ class RunService:
 
     # -- ending and announcing ----------------------------------------------------
     async def end(self, caller: Caller, run_id: str, failed: bool, result: str) -> tuple[RunRecord, bool]:
-        check_text("result", result, max_len=128 * 1024)
+        check_text("result", result, max_len=128 * 1024, lines=True)
         run = await self.get(caller, run_id=run_id, child_id="" if run_id else caller.require_agent(
             "ending a run without naming it").agent_id)
         child = await self._directory.require(run.child_id)

@@ -33,6 +33,8 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_TASK_COMPLETED: _ClassVar[EventKind]
     EVENT_KIND_RUN_CANCELLED: _ClassVar[EventKind]
     EVENT_KIND_AGENT_IDLE: _ClassVar[EventKind]
+    EVENT_KIND_TASK_FAILED: _ClassVar[EventKind]
+    EVENT_KIND_MODEL_CALLED: _ClassVar[EventKind]
     EVENT_KIND_RUN_CREATED: _ClassVar[EventKind]
     EVENT_KIND_RUN_STARTED: _ClassVar[EventKind]
     EVENT_KIND_RUN_ENDED: _ClassVar[EventKind]
@@ -68,6 +70,8 @@ EVENT_KIND_TURN_ENDED: EventKind
 EVENT_KIND_TASK_COMPLETED: EventKind
 EVENT_KIND_RUN_CANCELLED: EventKind
 EVENT_KIND_AGENT_IDLE: EventKind
+EVENT_KIND_TASK_FAILED: EventKind
+EVENT_KIND_MODEL_CALLED: EventKind
 EVENT_KIND_RUN_CREATED: EventKind
 EVENT_KIND_RUN_STARTED: EventKind
 EVENT_KIND_RUN_ENDED: EventKind

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from inboxmesh.inbox.v1 import inbox_pb2 as inboxmesh_dot_inbox_dot_v1_dot_inbox__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"inboxmesh/routing/v1/routing.proto\x12\x14inboxmesh.routing.v1\x1a\x1einboxmesh/inbox/v1/inbox.proto\"@\n\x04Peer\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.inboxmesh.routing.v1.PeerKind\x12\n\n\x02id\x18\x02 \x01(\t\"\xbe\x01\n\nRouteInput\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x12\n\naccount_id\x18\x02 \x01(\t\x12(\n\x04peer\x18\x03 \x01(\x0b\x32\x1a.inboxmesh.routing.v1.Peer\x12/\n\x0bparent_peer\x18\x04 \x01(\x0b\x32\x1a.inboxmesh.routing.v1.Peer\x12\x10\n\x08guild_id\x18\x05 \x01(\t\x12\r\n\x05roles\x18\x06 \x03(\t\x12\x0f\n\x07team_id\x18\x07 \x01(\t\"\xb1\x01\n\rResolvedRoute\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\x12\x12\n\naccount_id\x18\x03 \x01(\t\x12\x13\n\x0bsession_key\x18\x04 \x01(\t\x12\x18\n\x10main_session_key\x18\x05 \x01(\t\x12\x12\n\nmatched_by\x18\x06 \x01(\t\x12\x15\n\rbinding_index\x18\x07 \x01(\x05\x12\x0f\n\x07warning\x18\x08 \x01(\t\"\xe8\x01\n\x0eIngressRequest\x12\x30\n\x06source\x18\x01 \x01(\x0b\x32 .inboxmesh.routing.v1.RouteInput\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0e\n\x06\x61uthor\x18\x04 \x01(\t\x12\x42\n\x07headers\x18\x05 \x03(\x0b\x32\x31.inboxmesh.routing.v1.IngressRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa6\x01\n\x0fIngressResponse\x12\x32\n\x05route\x18\x01 \x01(\x0b\x32#.inboxmesh.routing.v1.ResolvedRoute\x12\x18\n\x10session_agent_id\x18\x02 \x01(\t\x12\x17\n\x0fsession_created\x18\x03 \x01(\x08\x12,\n\x07receipt\x18\x04 \x01(\x0b\x32\x1b.inboxmesh.inbox.v1.Receipt\"G\n\x13ResolveRouteRequest\x12\x30\n\x06source\x18\x01 \x01(\x0b\x32 .inboxmesh.routing.v1.RouteInput\"Z\n\x08Identity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x65moji\x18\x02 \x01(\t\x12\x0e\n\x06\x61vatar\x18\x03 \x01(\t\x12\x12\n\navatar_url\x18\x04 \x01(\t\x12\r\n\x05theme\x18\x05 \x01(\t\"\x99\x01\n\x0f\x43onfiguredAgent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x30\n\x08identity\x18\x03 \x01(\x0b\x32\x1e.inboxmesh.routing.v1.Identity\x12\x12\n\nis_default\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\x0fmodel_fallbacks\x18\x06 \x03(\t\"\x1d\n\x1bListConfiguredAgentsRequest\"\x8d\x01\n\x1cListConfiguredAgentsResponse\x12\x12\n\ndefault_id\x18\x01 \x01(\t\x12\x10\n\x08main_key\x18\x02 \x01(\t\x12\x10\n\x08\x64m_scope\x18\x03 \x01(\t\x12\x35\n\x06\x61gents\x18\x04 \x03(\x0b\x32%.inboxmesh.routing.v1.ConfiguredAgent\"*\n\x13\x43laimSessionRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\"]\n\x14\x43laimSessionResponse\x12\x18\n\x10session_agent_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x17\n\x0f\x61gent_config_id\x18\x03 \x01(\t*c\n\x08PeerKind\x12\x19\n\x15PEER_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cPEER_KIND_DM\x10\x01\x12\x13\n\x0fPEER_KIND_GROUP\x10\x02\x12\x15\n\x11PEER_KIND_CHANNEL\x10\x03\x32\xae\x03\n\x0eRoutingService\x12V\n\x07Ingress\x12$.inboxmesh.routing.v1.IngressRequest\x1a%.inboxmesh.routing.v1.IngressResponse\x12^\n\x0cResolveRoute\x12).inboxmesh.routing.v1.ResolveRouteRequest\x1a#.inboxmesh.routing.v1.ResolvedRoute\x12}\n\x14ListConfiguredAgents\x12\x31.inboxmesh.routing.v1.ListConfiguredAgentsRequest\x1a\x32.inboxmesh.routing.v1.ListConfiguredAgentsResponse\x12\x65\n\x0c\x43laimSession\x12).inboxmesh.routing.v1.ClaimSessionRequest\x1a*.inboxmesh.routing.v1.ClaimSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"inboxmesh/routing/v1/routing.proto\x12\x14inboxmesh.routing.v1\x1a\x1einboxmesh/inbox/v1/inbox.proto\"@\n\x04Peer\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.inboxmesh.routing.v1.PeerKind\x12\n\n\x02id\x18\x02 \x01(\t\"\xbe\x01\n\nRouteInput\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x12\n\naccount_id\x18\x02 \x01(\t\x12(\n\x04peer\x18\x03 \x01(\x0b\x32\x1a.inboxmesh.routing.v1.Peer\x12/\n\x0bparent_peer\x18\x04 \x01(\x0b\x32\x1a.inboxmesh.routing.v1.Peer\x12\x10\n\x08guild_id\x18\x05 \x01(\t\x12\r\n\x05roles\x18\x06 \x03(\t\x12\x0f\n\x07team_id\x18\x07 \x01(\t\"\xc9\x01\n\rResolvedRoute\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\x12\x12\n\naccount_id\x18\x03 \x01(\t\x12\x13\n\x0bsession_key\x18\x04 \x01(\t\x12\x18\n\x10main_session_key\x18\x05 \x01(\t\x12\x12\n\nmatched_by\x18\x06 \x01(\t\x12\x15\n\rbinding_index\x18\x07 \x01(\x05\x12\x0f\n\x07warning\x18\x08 \x01(\t\x12\x16\n\x0e\x63onfig_version\x18\t \x01(\t\"\xe8\x01\n\x0eIngressRequest\x12\x30\n\x06source\x18\x01 \x01(\x0b\x32 .inboxmesh.routing.v1.RouteInput\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0e\n\x06\x61uthor\x18\x04 \x01(\t\x12\x42\n\x07headers\x18\x05 \x03(\x0b\x32\x31.inboxmesh.routing.v1.IngressRequest.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa6\x01\n\x0fIngressResponse\x12\x32\n\x05route\x18\x01 \x01(\x0b\x32#.inboxmesh.routing.v1.ResolvedRoute\x12\x18\n\x10session_agent_id\x18\x02 \x01(\t\x12\x17\n\x0fsession_created\x18\x03 \x01(\x08\x12,\n\x07receipt\x18\x04 \x01(\x0b\x32\x1b.inboxmesh.inbox.v1.Receipt\"G\n\x13ResolveRouteRequest\x12\x30\n\x06source\x18\x01 \x01(\x0b\x32 .inboxmesh.routing.v1.RouteInput\"Z\n\x08Identity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x65moji\x18\x02 \x01(\t\x12\x0e\n\x06\x61vatar\x18\x03 \x01(\t\x12\x12\n\navatar_url\x18\x04 \x01(\t\x12\r\n\x05theme\x18\x05 \x01(\t\">\n\x0bToolsPolicy\x12\x12\n\nrestricted\x18\x01 \x01(\x08\x12\r\n\x05\x61llow\x18\x02 \x03(\t\x12\x0c\n\x04\x64\x65ny\x18\x03 \x03(\t\"\x87\x01\n\x0eSubagentPolicy\x12\x14\n\x0c\x61llow_agents\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fmodel_fallbacks\x18\x03 \x03(\t\x12\x17\n\x0fmax_spawn_depth\x18\x04 \x01(\x05\x12\x1e\n\x16max_children_per_agent\x18\x05 \x01(\x05\"\xbb\x02\n\x0f\x43onfiguredAgent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x30\n\x08identity\x18\x03 \x01(\x0b\x32\x1e.inboxmesh.routing.v1.Identity\x12\x12\n\nis_default\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\x12\x17\n\x0fmodel_fallbacks\x18\x06 \x03(\t\x12\x11\n\tworkspace\x18\x07 \x01(\t\x12\x0e\n\x06skills\x18\x08 \x03(\t\x12\x12\n\nall_skills\x18\t \x01(\x08\x12\x30\n\x05tools\x18\n \x01(\x0b\x32!.inboxmesh.routing.v1.ToolsPolicy\x12\x37\n\tsubagents\x18\x0b \x01(\x0b\x32$.inboxmesh.routing.v1.SubagentPolicy\"j\n\rModelProvider\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x13\n\x0b\x61pi_key_env\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\"\x1d\n\x1bListConfiguredAgentsRequest\"\xf3\x01\n\x1cListConfiguredAgentsResponse\x12\x12\n\ndefault_id\x18\x01 \x01(\t\x12\x10\n\x08main_key\x18\x02 \x01(\t\x12\x10\n\x08\x64m_scope\x18\x03 \x01(\t\x12\x35\n\x06\x61gents\x18\x04 \x03(\x0b\x32%.inboxmesh.routing.v1.ConfiguredAgent\x12\x36\n\tproviders\x18\x05 \x03(\x0b\x32#.inboxmesh.routing.v1.ModelProvider\x12\x16\n\x0e\x63onfig_version\x18\x06 \x01(\t\x12\x14\n\x0creload_error\x18\x07 \x01(\t\"*\n\x13\x43laimSessionRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\"]\n\x14\x43laimSessionResponse\x12\x18\n\x10session_agent_id\x18\x01 \x01(\t\x12\x12\n\ncredential\x18\x02 \x01(\t\x12\x17\n\x0f\x61gent_config_id\x18\x03 \x01(\t*c\n\x08PeerKind\x12\x19\n\x15PEER_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cPEER_KIND_DM\x10\x01\x12\x13\n\x0fPEER_KIND_GROUP\x10\x02\x12\x15\n\x11PEER_KIND_CHANNEL\x10\x03\x32\xae\x03\n\x0eRoutingService\x12V\n\x07Ingress\x12$.inboxmesh.routing.v1.IngressRequest\x1a%.inboxmesh.routing.v1.IngressResponse\x12^\n\x0cResolveRoute\x12).inboxmesh.routing.v1.ResolveRouteRequest\x1a#.inboxmesh.routing.v1.ResolvedRoute\x12}\n\x14ListConfiguredAgents\x12\x31.inboxmesh.routing.v1.ListConfiguredAgentsRequest\x1a\x32.inboxmesh.routing.v1.ListConfiguredAgentsResponse\x12\x65\n\x0c\x43laimSession\x12).inboxmesh.routing.v1.ClaimSessionRequest\x1a*.inboxmesh.routing.v1.ClaimSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INGRESSREQUEST_HEADERSENTRY']._loaded_options = None
   _globals['_INGRESSREQUEST_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_PEERKIND']._serialized_start=1570
-  _globals['_PEERKIND']._serialized_end=1669
+  _globals['_PEERKIND']._serialized_start=2168
+  _globals['_PEERKIND']._serialized_end=2267
   _globals['_PEER']._serialized_start=92
   _globals['_PEER']._serialized_end=156
   _globals['_ROUTEINPUT']._serialized_start=159
   _globals['_ROUTEINPUT']._serialized_end=349
   _globals['_RESOLVEDROUTE']._serialized_start=352
-  _globals['_RESOLVEDROUTE']._serialized_end=529
-  _globals['_INGRESSREQUEST']._serialized_start=532
-  _globals['_INGRESSREQUEST']._serialized_end=764
-  _globals['_INGRESSREQUEST_HEADERSENTRY']._serialized_start=718
-  _globals['_INGRESSREQUEST_HEADERSENTRY']._serialized_end=764
-  _globals['_INGRESSRESPONSE']._serialized_start=767
-  _globals['_INGRESSRESPONSE']._serialized_end=933
-  _globals['_RESOLVEROUTEREQUEST']._serialized_start=935
-  _globals['_RESOLVEROUTEREQUEST']._serialized_end=1006
-  _globals['_IDENTITY']._serialized_start=1008
-  _globals['_IDENTITY']._serialized_end=1098
-  _globals['_CONFIGUREDAGENT']._serialized_start=1101
-  _globals['_CONFIGUREDAGENT']._serialized_end=1254
-  _globals['_LISTCONFIGUREDAGENTSREQUEST']._serialized_start=1256
-  _globals['_LISTCONFIGUREDAGENTSREQUEST']._serialized_end=1285
-  _globals['_LISTCONFIGUREDAGENTSRESPONSE']._serialized_start=1288
-  _globals['_LISTCONFIGUREDAGENTSRESPONSE']._serialized_end=1429
-  _globals['_CLAIMSESSIONREQUEST']._serialized_start=1431
-  _globals['_CLAIMSESSIONREQUEST']._serialized_end=1473
-  _globals['_CLAIMSESSIONRESPONSE']._serialized_start=1475
-  _globals['_CLAIMSESSIONRESPONSE']._serialized_end=1568
-  _globals['_ROUTINGSERVICE']._serialized_start=1672
-  _globals['_ROUTINGSERVICE']._serialized_end=2102
+  _globals['_RESOLVEDROUTE']._serialized_end=553
+  _globals['_INGRESSREQUEST']._serialized_start=556
+  _globals['_INGRESSREQUEST']._serialized_end=788
+  _globals['_INGRESSREQUEST_HEADERSENTRY']._serialized_start=742
+  _globals['_INGRESSREQUEST_HEADERSENTRY']._serialized_end=788
+  _globals['_INGRESSRESPONSE']._serialized_start=791
+  _globals['_INGRESSRESPONSE']._serialized_end=957
+  _globals['_RESOLVEROUTEREQUEST']._serialized_start=959
+  _globals['_RESOLVEROUTEREQUEST']._serialized_end=1030
+  _globals['_IDENTITY']._serialized_start=1032
+  _globals['_IDENTITY']._serialized_end=1122
+  _globals['_TOOLSPOLICY']._serialized_start=1124
+  _globals['_TOOLSPOLICY']._serialized_end=1186
+  _globals['_SUBAGENTPOLICY']._serialized_start=1189
+  _globals['_SUBAGENTPOLICY']._serialized_end=1324
+  _globals['_CONFIGUREDAGENT']._serialized_start=1327
+  _globals['_CONFIGUREDAGENT']._serialized_end=1642
+  _globals['_MODELPROVIDER']._serialized_start=1644
+  _globals['_MODELPROVIDER']._serialized_end=1750
+  _globals['_LISTCONFIGUREDAGENTSREQUEST']._serialized_start=1752
+  _globals['_LISTCONFIGUREDAGENTSREQUEST']._serialized_end=1781
+  _globals['_LISTCONFIGUREDAGENTSRESPONSE']._serialized_start=1784
+  _globals['_LISTCONFIGUREDAGENTSRESPONSE']._serialized_end=2027
+  _globals['_CLAIMSESSIONREQUEST']._serialized_start=2029
+  _globals['_CLAIMSESSIONREQUEST']._serialized_end=2071
+  _globals['_CLAIMSESSIONRESPONSE']._serialized_start=2073
+  _globals['_CLAIMSESSIONRESPONSE']._serialized_end=2166
+  _globals['_ROUTINGSERVICE']._serialized_start=2270
+  _globals['_ROUTINGSERVICE']._serialized_end=2700
 # @@protoc_insertion_point(module_scope)

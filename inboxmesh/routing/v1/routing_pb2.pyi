@@ -45,7 +45,7 @@ class RouteInput(_message.Message):
     def __init__(self, channel: _Optional[str] = ..., account_id: _Optional[str] = ..., peer: _Optional[_Union[Peer, _Mapping]] = ..., parent_peer: _Optional[_Union[Peer, _Mapping]] = ..., guild_id: _Optional[str] = ..., roles: _Optional[_Iterable[str]] = ..., team_id: _Optional[str] = ...) -> None: ...
 
 class ResolvedRoute(_message.Message):
-    __slots__ = ("agent_id", "channel", "account_id", "session_key", "main_session_key", "matched_by", "binding_index", "warning")
+    __slots__ = ("agent_id", "channel", "account_id", "session_key", "main_session_key", "matched_by", "binding_index", "warning", "config_version")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class ResolvedRoute(_message.Message):
     MATCHED_BY_FIELD_NUMBER: _ClassVar[int]
     BINDING_INDEX_FIELD_NUMBER: _ClassVar[int]
     WARNING_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_VERSION_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     channel: str
     account_id: str
@@ -62,7 +63,8 @@ class ResolvedRoute(_message.Message):
     matched_by: str
     binding_index: int
     warning: str
-    def __init__(self, agent_id: _Optional[str] = ..., channel: _Optional[str] = ..., account_id: _Optional[str] = ..., session_key: _Optional[str] = ..., main_session_key: _Optional[str] = ..., matched_by: _Optional[str] = ..., binding_index: _Optional[int] = ..., warning: _Optional[str] = ...) -> None: ...
+    config_version: str
+    def __init__(self, agent_id: _Optional[str] = ..., channel: _Optional[str] = ..., account_id: _Optional[str] = ..., session_key: _Optional[str] = ..., main_session_key: _Optional[str] = ..., matched_by: _Optional[str] = ..., binding_index: _Optional[int] = ..., warning: _Optional[str] = ..., config_version: _Optional[str] = ...) -> None: ...
 
 class IngressRequest(_message.Message):
     __slots__ = ("source", "message_id", "text", "author", "headers")
@@ -117,37 +119,91 @@ class Identity(_message.Message):
     theme: str
     def __init__(self, name: _Optional[str] = ..., emoji: _Optional[str] = ..., avatar: _Optional[str] = ..., avatar_url: _Optional[str] = ..., theme: _Optional[str] = ...) -> None: ...
 
+class ToolsPolicy(_message.Message):
+    __slots__ = ("restricted", "allow", "deny")
+    RESTRICTED_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    DENY_FIELD_NUMBER: _ClassVar[int]
+    restricted: bool
+    allow: _containers.RepeatedScalarFieldContainer[str]
+    deny: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, restricted: bool = ..., allow: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SubagentPolicy(_message.Message):
+    __slots__ = ("allow_agents", "model", "model_fallbacks", "max_spawn_depth", "max_children_per_agent")
+    ALLOW_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPAWN_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHILDREN_PER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    allow_agents: _containers.RepeatedScalarFieldContainer[str]
+    model: str
+    model_fallbacks: _containers.RepeatedScalarFieldContainer[str]
+    max_spawn_depth: int
+    max_children_per_agent: int
+    def __init__(self, allow_agents: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., model_fallbacks: _Optional[_Iterable[str]] = ..., max_spawn_depth: _Optional[int] = ..., max_children_per_agent: _Optional[int] = ...) -> None: ...
+
 class ConfiguredAgent(_message.Message):
-    __slots__ = ("id", "name", "identity", "is_default", "model", "model_fallbacks")
+    __slots__ = ("id", "name", "identity", "is_default", "model", "model_fallbacks", "workspace", "skills", "all_skills", "tools", "subagents")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_FIELD_NUMBER: _ClassVar[int]
+    SKILLS_FIELD_NUMBER: _ClassVar[int]
+    ALL_SKILLS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    SUBAGENTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     identity: Identity
     is_default: bool
     model: str
     model_fallbacks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ..., is_default: bool = ..., model: _Optional[str] = ..., model_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
+    workspace: str
+    skills: _containers.RepeatedScalarFieldContainer[str]
+    all_skills: bool
+    tools: ToolsPolicy
+    subagents: SubagentPolicy
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., identity: _Optional[_Union[Identity, _Mapping]] = ..., is_default: bool = ..., model: _Optional[str] = ..., model_fallbacks: _Optional[_Iterable[str]] = ..., workspace: _Optional[str] = ..., skills: _Optional[_Iterable[str]] = ..., all_skills: bool = ..., tools: _Optional[_Union[ToolsPolicy, _Mapping]] = ..., subagents: _Optional[_Union[SubagentPolicy, _Mapping]] = ...) -> None: ...
+
+class ModelProvider(_message.Message):
+    __slots__ = ("id", "base_url", "api_key_env", "timeout_s", "tool_choice")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_ENV_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    base_url: str
+    api_key_env: str
+    timeout_s: float
+    tool_choice: str
+    def __init__(self, id: _Optional[str] = ..., base_url: _Optional[str] = ..., api_key_env: _Optional[str] = ..., timeout_s: _Optional[float] = ..., tool_choice: _Optional[str] = ...) -> None: ...
 
 class ListConfiguredAgentsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ListConfiguredAgentsResponse(_message.Message):
-    __slots__ = ("default_id", "main_key", "dm_scope", "agents")
+    __slots__ = ("default_id", "main_key", "dm_scope", "agents", "providers", "config_version", "reload_error")
     DEFAULT_ID_FIELD_NUMBER: _ClassVar[int]
     MAIN_KEY_FIELD_NUMBER: _ClassVar[int]
     DM_SCOPE_FIELD_NUMBER: _ClassVar[int]
     AGENTS_FIELD_NUMBER: _ClassVar[int]
+    PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RELOAD_ERROR_FIELD_NUMBER: _ClassVar[int]
     default_id: str
     main_key: str
     dm_scope: str
     agents: _containers.RepeatedCompositeFieldContainer[ConfiguredAgent]
-    def __init__(self, default_id: _Optional[str] = ..., main_key: _Optional[str] = ..., dm_scope: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[ConfiguredAgent, _Mapping]]] = ...) -> None: ...
+    providers: _containers.RepeatedCompositeFieldContainer[ModelProvider]
+    config_version: str
+    reload_error: str
+    def __init__(self, default_id: _Optional[str] = ..., main_key: _Optional[str] = ..., dm_scope: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[ConfiguredAgent, _Mapping]]] = ..., providers: _Optional[_Iterable[_Union[ModelProvider, _Mapping]]] = ..., config_version: _Optional[str] = ..., reload_error: _Optional[str] = ...) -> None: ...
 
 class ClaimSessionRequest(_message.Message):
     __slots__ = ("session_key",)
