@@ -11,7 +11,7 @@ project's local model server: its base URL is given to the catalog by whoever st
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from agent_host.models.base import Model, ModelChain
@@ -41,7 +41,7 @@ class Endpoint:
 class ModelCatalog:
     """Builds (once per reference) the models that configured agents name."""
 
-    def __init__(self, providers: list[route_pb.ModelProvider] | tuple[route_pb.ModelProvider, ...] = (), *,
+    def __init__(self, providers: Iterable[route_pb.ModelProvider] = (), *,
                  env: Mapping[str, str] | None = None, local_url: str = "",
                  policies: Mapping[str, Policy] | None = None,
                  factory: Callable[[str, Endpoint], Model] | None = None):

@@ -13,7 +13,7 @@ import pytest
 
 from agent_host.catalog import ModelCatalog
 from agent_host.config import Budget, HostConfig
-from agent_host.configured import ConfiguredAgents, ConfiguredAgentError
+from agent_host.configured import ConfiguredAgentError, ConfiguredAgents
 from agent_host.host import Host
 from agent_host.models.scripted import ContextView, Decision, call, say
 from agent_host.skills import SkillLibrary

@@ -2,6 +2,7 @@
 validation errors that name the full key path."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -550,9 +551,11 @@ def test_may_spawn(requester: str, target: str, allowed: bool) -> None:
 def test_providers_and_version() -> None:
     """Declared providers with their settings, built-in ones with their defaults, and a version that
     follows the content (not the format): the same data gives the same version, a change another."""
-    data = {"models": {"providers": {"Lab": {"baseUrl": "http://127.0.0.1:8080/v1", "apiKeyEnv": "LAB_KEY",
-                                             "timeoutSeconds": 240, "toolChoice": "required"}}},
-            "agents": {"list": [{"id": "a", "model": {"primary": "lab/qwen", "fallbacks": ["local/qwen", "gpt-4o"]}}]}}
+    lab = {"baseUrl": "http://127.0.0.1:8080/v1", "apiKeyEnv": "LAB_KEY", "timeoutSeconds": 240,
+           "toolChoice": "required"}
+    data: dict[str, Any] = {
+        "models": {"providers": {"Lab": lab}},
+        "agents": {"list": [{"id": "a", "model": {"primary": "lab/qwen", "fallbacks": ["local/qwen", "gpt-4o"]}}]}}
     cfg = parse_routing_config(data)
     assert cfg.providers == (ProviderConfig("lab", "http://127.0.0.1:8080/v1", "LAB_KEY", 240.0, "required"),)
     assert cfg.provider("lab") == cfg.providers[0]

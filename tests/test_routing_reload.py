@@ -78,16 +78,16 @@ async def test_an_unreadable_file_is_refused_and_sighup_style_reload_reads_it_at
     path = tmp_path / "routing.yaml"
     path.write_text(CONFIG.format(slack_agent="work", denied="close_agent", token=TOKEN))
     async with Mesh(replace(make_config(tmp_path), routing=path)) as mesh:
-        reloader = mesh.routing_reloader
-        assert reloader is not None
-        version = mesh.services.routing.config.version
+        reloader, service = mesh.routing_reloader, mesh.services.routing
+        assert reloader is not None and service is not None
+        version = service.config.version
         path.unlink()
         assert reloader.reload() is False
-        assert "cannot read" in mesh.services.routing.reload_error
-        assert mesh.services.routing.config.version == version
+        assert "cannot read" in service.reload_error
+        assert service.config.version == version
         path.write_text(CONFIG.format(slack_agent="home", denied="close_agent", token=TOKEN))
         assert reloader.reload() is True, "read at once (what SIGHUP does in `inboxmesh up`)"
-        assert mesh.services.routing.config.version != version and mesh.services.routing.reload_error == ""
+        assert service.config.version != version and service.reload_error == ""
 
 
 def _newer(client, version):
