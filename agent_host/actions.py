@@ -131,7 +131,7 @@ class AgentActions:
         message arrives (which wakes the agent)."""
         self.turn_ends = True
 
-    async def spawn(self, name: str, task: str, mode: str = "async") -> dict[str, Any]:
+    async def spawn(self, name: str, task: str, mode: str = "async", config_id: str = "") -> dict[str, Any]:
         """Start a child with a task (the spawn_agent tool's result); a sync child's result comes back
         in this same turn."""
         for existing in self.host.team(self.record).children:
@@ -146,13 +146,15 @@ class AgentActions:
         history = self.conversation.fork().messages[1:] if mode == "fork" else []  # it gets its own system prompt
         # the mesh's limits may refuse it (the tool reports why)
         child = await self.host.start_child(self.record, name=name, task=task, mode=mode, history=history,
-                                            budget=self.budget)
+                                            budget=self.budget, config_id=config_id)
         await self._event(ev.EVENT_KIND_AGENT_SPAWNED, message_id=child.task_message_id,
                           detail=f"{child.agent_id} name={name} mode={mode}")
         done = self._expect_completion(child.task_message_id, child.agent_id) if mode == "sync" else None
         receipt = await self.send(child.agent_id, task, kind=env_pb.MESSAGE_KIND_TASK,
                                   message_id=child.task_message_id, conversation_id=child.conversation_id)
         result = {"agent_id": child.agent_id, "name": name, "mode": mode, "task_message_id": child.task_message_id}
+        if config_id:
+            result["agent"] = config_id
         if receipt.status != inbox_pb2.RECEIPT_STATUS_ACCEPTED:
             return {**result, "status": "failed", "error": f"the task was not accepted: {receipt.detail}"}
         if done is None:

@@ -71,3 +71,6 @@ class HostConfig:
     route_via_ioa: bool = False
     """Send every message between agents through the mesh's IOA relay
     (to the recipient's IOA address) instead of directly."""
+    offer_ioa_addresses: bool = False
+    """Tell models that send_message takes IOA addresses (ioa:<node>/<agent>): only for a mesh with an IOA
+    relay (route_via_ioa implies it); elsewhere a model offered them invents some."""

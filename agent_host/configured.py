@@ -11,7 +11,9 @@ parent's configured agent). Its profile:
   minus `tools.deny` (deny wins);
 - skills: the named skill bundles (every one the host has when `skills` is not given), whose
   instructions go into its system prompt;
-- its children's models: its `subagents.model`.
+- its children's models: its `subagents.model`;
+- which configured agents its children may run as: its own and its `subagents.allowAgents` (spawn_agent
+  offers the choice as an `agent` argument when there is one).
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class ConfiguredAgents:
             raise ConfiguredAgentError(f"agent {agent.id!r}: {exc}") from None
         sub = agent.subagents
         role = f"Your workspace is {agent.workspace}." if agent.workspace else ""
+        allowed = sub.allow_agents
+        spawn_as = tuple(sorted(self.agents)) if "*" in allowed else tuple(
+            a for a in dict.fromkeys((agent.id, *allowed)) if a in self.agents)
         return AgentProfile(model=chain, tools=tools_for(agent, skills, self.base_tools), role=role,
                             instructions="\n\n".join(s.prompt() for s in skills),
+                            spawn_as=spawn_as if len(spawn_as) > 1 else (),
                             subagent_models=(sub.model, *sub.model_fallbacks) if sub.model else ())

@@ -52,6 +52,9 @@ class AgentProfile:
     longer offered (None: no limit)."""
     instructions: str = ""
     """Added to the system prompt: the instructions of the agent's skills (agent_host/skills.py)."""
+    spawn_as: tuple[str, ...] = ()
+    """Configured agents its children may run as besides its own (a configured agent's allowAgents):
+    spawn_agent then offers an `agent` argument naming one."""
     subagent_models: tuple[str, ...] = ()
     """Model references its children run with (a configured agent's subagents.model and fallbacks; empty:
     their own)."""
@@ -256,11 +259,11 @@ class Host:
                                    and r.agent_id != agent.agent_id))
 
     async def start_child(self, parent: HostedAgent, *, name: str, task: str, mode: str,
-                          history: list[dict[str, Any]], budget: TaskBudget) -> HostedAgent:
+                          history: list[dict[str, Any]], budget: TaskBudget, config_id: str = "") -> HostedAgent:
         task_message_id = f"task-{uuid.uuid4().hex}"
         conversation_id = f"conv-{uuid.uuid4().hex}"
         run = reg.RunSpec(task=task, task_message_id=task_message_id, label=name, conversation_id=conversation_id,
-                          cleanup=reg.RUN_CLEANUP_KEEP)
+                          cleanup=reg.RUN_CLEANUP_KEEP, agent_config_id=config_id)
         as_parent = self.client.agent(parent.agent_id, parent.credential)
         child = await as_parent.spawn(name, MODES[mode], inbox_capacity=self.config.child_inbox_capacity, run=run)
         parent.spawned += 1
@@ -268,7 +271,7 @@ class Host:
         record = HostedAgent(agent_id=child.agent_id, name=name, credential=child.credential, mode=mode,
                              parent_id=parent.agent_id, task_message_id=task_message_id, task_text=task,
                              conversation_id=conversation_id, keep_alive=self.config.keep_alive,
-                             run_id=child.run_id, config_id=parent.config_id,
+                             run_id=child.run_id, config_id=config_id or parent.config_id,
                              models=parent_runner.profile.subagent_models if parent_runner else ())
         runner = self._runner(record, child, Conversation(), budget, history)
         self.save(record, runner.conversation)

@@ -70,8 +70,9 @@ class AgentHost(Protocol):
         ...
 
     async def start_child(self, parent: HostedAgent, *, name: str, task: str, mode: str,
-                          history: list[dict[str, Any]], budget: TaskBudget) -> HostedAgent:
-        """Register a child of `parent` (mode sync, async or fork) with its run in the mesh, as
+                          history: list[dict[str, Any]], budget: TaskBudget, config_id: str = "") -> HostedAgent:
+        """Register a child of `parent` (mode sync, async or fork) with its run in the mesh (running as the
+        configured agent `config_id`, default the parent's), as
         `parent`, count it in `parent.spawned`, and host it: its conversation is its own system prompt
         and then `history`, it shares `budget`, and its inbox is subscribed when this returns (before
         its task is sent). Returns the child's record (its task_message_id and conversation_id are

@@ -402,7 +402,10 @@ class AgentRunner(Generic[HandleT]):
                                          detail=f"no model call: the inbox stream was lost, {len(self.pending)}"
                                                 " message(s) stay pending")
                         return
-                    reply = await self._call_model(schemas(self.tools_now(), self._team_targets()))
+                    reply = await self._call_model(schemas(
+                        self.tools_now(), self._team_targets(),
+                        ioa=self.config.offer_ioa_addresses or self.config.route_via_ioa,
+                        spawn_as=self.profile.spawn_as if self.profile is not None else ()))
                     assistant = reply.as_message()
                     self.conversation.messages.append(assistant)
                     for call in reply.tool_calls:

@@ -23,7 +23,7 @@ class ModelSettings:
 
 
 def model_settings(base_url: str | None = None, api_key: str | None = None, model: str | None = None,
-                   timeout_s: float | None = None) -> ModelSettings:
+                   timeout_s: float | None = None, tool_choice: str | None = None) -> ModelSettings:
     """Explicit values win over the environment; a missing base URL or model
     is an error that says which variable to set."""
     env = os.environ
@@ -38,7 +38,7 @@ def model_settings(base_url: str | None = None, api_key: str | None = None, mode
         api_key=api_key or env.get("OPENAI_API_KEY", ""),
         model=model,
         timeout_s=timeout_s or float(env.get("INBOXMESH_MODEL_TIMEOUT", "60")),
-        tool_choice=env.get("INBOXMESH_TOOL_CHOICE", "auto"),
+        tool_choice=tool_choice or env.get("INBOXMESH_TOOL_CHOICE", "auto"),
     )
 
 

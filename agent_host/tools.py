@@ -6,7 +6,7 @@ wrong, never an exception into the loop.
 
 | tool | does |
 | --- | --- |
-| spawn_agent(agent_name, task, mode) | create a child (sync: returns its result; async/fork: returns at once) |
+| spawn_agent(agent_name, task, mode[, agent]) | create a child (sync: returns its result; async/fork: at once) |
 | send_message(to, text) | send to an agent by id or by name in this scope; returns the real receipt |
 | reply(text, message_id) | answer a message this agent received (default: the newest; keeps the correlation) |
 | list_agents() | this agent, its parent, children and siblings |
@@ -15,6 +15,9 @@ wrong, never an exception into the loop.
 | wait() | end the turn; the next message wakes the agent (for models that always call a tool) |
 | space_send(space, text) | post in a shared IOA space (when the mesh has an IOA relay) |
 | space_read(space, after) | read a shared IOA space, explicitly |
+
+spawn_agent's `agent` (the configured agent the child runs as) is offered only where a configured agent's
+subagents.allowAgents gives a choice (agent_host/configured.py).
 """
 
 from __future__ import annotations
@@ -48,13 +51,14 @@ SPECS: dict[str, dict[str, Any]] = {
             "agent_name": {"type": "string", "description": "A display name for the subagent."},
             "task": {"type": "string", "description": "What the subagent must do."},
             "mode": {"type": "string", "enum": ["sync", "async", "fork"], "description": "Default async."},
+            "agent": {"type": "string", "description": "The configured agent the subagent runs as (default: the"
+                                                        " same as you)."},
         }, "required": ["agent_name", "task"]},
     },
     "send_message": {
-        "description": "Send a message to another agent's inbox. `to` is an agent id, a name in your team, or an"
-                       " IOA address (ioa:<node>/<agent>) of an agent elsewhere.",
+        "description": "Send a message to another agent's inbox. `to` is an agent id or a name in your team.",
         "parameters": {"type": "object", "properties": {
-            "to": {"type": "string", "description": "Agent id (agt_...), name, or IOA address (ioa:...)."},
+            "to": {"type": "string", "description": "Agent id (agt_...) or name."},
             "text": {"type": "string", "description": "The message."},
         }, "required": ["to", "text"]},
     },
@@ -105,14 +109,33 @@ ALL_TOOLS = ("spawn_agent", "send_message", "reply", "list_agents", "close_agent
 SPACE_TOOLS = ("space_send", "space_read")
 
 
-def schemas(names: tuple[str, ...], targets: list[str] | None = None) -> list[dict[str, Any]]:
-    """Tool schemas; `targets` (when given) are the only names send_message offers."""
+IOA_SEND = {"description": "Send a message to another agent's inbox. `to` is an agent id, a name in your team, or"
+                           " an IOA address (ioa:<node>/<agent>) of an agent elsewhere.",
+            "to": "Agent id (agt_...), name, or IOA address (ioa:...)."}
+"""send_message as offered on a mesh with an IOA relay (HostConfig.offer_ioa_addresses)."""
+
+
+def schemas(names: tuple[str, ...], targets: list[str] | None = None, *, ioa: bool = False,
+            spawn_as: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Tool schemas; `targets` (when given) are the only names send_message offers; `ioa`: send_message
+    also takes IOA addresses (only on a mesh with a relay: a model offered them elsewhere invents some);
+    `spawn_as`: configured agents a child may run as (spawn_agent's `agent`, a choice of them)."""
     unknown = [n for n in names if n not in SPECS]
     if unknown:
         raise ValueError(f"unknown tools {unknown}; known: {sorted(SPECS)}")
     found = []
     for name in names:
         spec = SPECS[name]
+        if name == "send_message" and ioa and not targets:
+            params = spec["parameters"]
+            spec = {**spec, "description": IOA_SEND["description"], "parameters": {**params, "properties": {
+                **params["properties"], "to": {"type": "string", "description": IOA_SEND["to"]}}}}
+        if name == "spawn_agent":  # `agent` only where the config lets the agent choose, as a choice
+            params = spec["parameters"]
+            properties = {k: v for k, v in params["properties"].items() if k != "agent"}
+            if spawn_as:
+                properties["agent"] = {**params["properties"]["agent"], "enum": list(spawn_as)}
+            spec = {**spec, "parameters": {**params, "properties": properties}}
         if name == "send_message" and targets:
             params = spec["parameters"]
             spec = {**spec, "description": "Send a message to another agent of your team (by name).",
@@ -235,9 +258,10 @@ def receipt_result(receipt: inbox_pb2.Receipt, to: reg.Agent | None = None) -> d
     return result
 
 
-async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = "async") -> dict[str, Any]:
+async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = "async",
+                      agent: str = "") -> dict[str, Any]:
     # `agent_name`, not `name`: small models confuse a `name` argument with the tool call's own "name"
-    return await ctx.actions.spawn(agent_name, task, mode)
+    return await ctx.actions.spawn(agent_name, task, mode, config_id=agent)
 
 
 async def send_message(ctx: ToolContext, to: str, text: str) -> dict[str, Any]:

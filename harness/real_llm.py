@@ -59,7 +59,8 @@ ROLES = {
 }
 K = ev.EventKind
 LOCAL_MODEL = SCENARIO_MODEL
-"""The local model the scenario runs on (INBOXMESH_SCENARIO_LOCAL_MODEL picks another of harness.llm's)."""
+"""The local model the scenario runs on (INBOXMESH_SCENARIO_LOCAL_MODEL picks another of
+agent_host.local_model's)."""
 NODE = "scenario"
 """The IOA node id of the scenario's mesh."""
 
@@ -269,7 +270,7 @@ async def scenario_mesh(tmp: Path, via_ioa: bool):
 async def scenario_model():
     """The model the scenario uses: INBOXMESH_SCENARIO_LLM (any OpenAI-compatible
     endpoint; INBOXMESH_SCENARIO_MODEL names the model, OPENAI_API_KEY the key),
-    else the local model server (harness.llm) with LOCAL_MODEL, which must be
+    else the local model server (agent_host.local_model) with LOCAL_MODEL, which must be
     prepared already (harness.prepare; NotPrepared names the command): nothing
     is built or downloaded here."""
     from agent_host.models.openai_chat import OpenAIChatModel
@@ -284,7 +285,7 @@ async def scenario_model():
         finally:
             await model.close()
         return
-    from harness.llm.server import LlamaServer
+    from agent_host.local_model.server import LlamaServer
 
     local = prepared()
     async with LlamaServer(local.binary, local.weights) as server:

@@ -19,6 +19,7 @@ from agent_host.models.scripted import ContextView, Decision, call, say
 from agent_host.skills import SkillLibrary
 from harness.evidence import Record
 from harness.hosts import by_name
+from harness.test_addressing import tool_results
 from inboxmesh.client.mesh import MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.server import Mesh
@@ -51,6 +52,9 @@ agents:
     - id: code
       model: scripted/delegate
       subagents: {{model: scripted/finish}}
+    - id: boss
+      model: scripted/boss
+      subagents: {{allowAgents: [work]}}
 """
 TRIAGE = """---
 description: sort incoming requests
@@ -73,6 +77,15 @@ def delegate(view: ContextView) -> Decision:
     return say("done") if view.called("finish") else call("finish", result="delegated")
 
 
+def boss(view: ContextView) -> Decision:
+    spawns = view.called("spawn_agent")
+    if not spawns:
+        return call("spawn_agent", agent_name="worker", task="triage", mode="sync", agent="work")
+    if len(spawns) == 1:
+        return call("spawn_agent", agent_name="coder", task="code", mode="sync", agent="code")
+    return say("done") if view.called("finish") else call("finish", result="bossed")
+
+
 @pytest.fixture
 async def configured(tmp_path):
     path = tmp_path / "routing.yaml"
@@ -84,7 +97,8 @@ async def configured(tmp_path):
     async with Mesh(replace(make_config(tmp_path), routing=path)) as mesh:
         async with MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
             listing = await client.configured_agents()
-            catalog = ModelCatalog(listing.providers, policies={"answer": answer, "delegate": delegate})
+            catalog = ModelCatalog(listing.providers, policies={"answer": answer, "delegate": delegate,
+                                                                        "boss": boss})
             profiles = ConfiguredAgents(listing, catalog, SkillLibrary([skills]))
             config = HostConfig(mesh_address=mesh.address, data_dir=tmp_path / "host",
                                 budget=Budget(max_model_requests=20, max_wall_time_s=60, max_requests_per_reply=2))
@@ -131,6 +145,24 @@ async def test_children_run_with_the_parents_subagent_model_as_the_same_configur
     assert called.detail.startswith("model=scripted/finish outcome=ok"), called.detail
     info = await client.agent(child.agent_id, child.record.credential).get()
     assert info.metadata["inboxmesh-agent"] == "code", "the mesh knows it as the configured agent too"
+
+
+async def test_a_child_runs_as_a_configured_agent_its_parent_may_spawn_and_no_other(configured):
+    host, client = configured
+    outcome = await host.run_task("chief", "organise", config_id="boss", timeout=30)
+    assert outcome.ok, outcome.error
+    chief, worker = by_name(host, "chief"), by_name(host, "worker")
+    assert worker.record.config_id == "work"
+    info = await client.agent(worker.agent_id, worker.record.credential).get()
+    assert info.metadata["inboxmesh-agent"] == "work"
+    record = await Record.read(client)
+    calls = [e.detail for e in record.of(K.EVENT_KIND_MODEL_CALLED, agent_id=worker.agent_id)]
+    assert calls[0].startswith("model=down/big-model outcome=failed") and "model=scripted/answer outcome=ok" in calls[1]
+    (_, first), (_, second) = tool_results(chief, "spawn_agent")
+    assert first["status"] == "completed" and first["agent"] == "work"
+    assert "may not spawn agent 'code'" in second["error"], second
+    offered = chief.profile.spawn_as
+    assert offered == ("boss", "work"), "its own and its allowAgents, offered as a choice"
 
 
 async def test_an_agent_that_cannot_run_as_configured_is_refused_with_the_reason(configured):

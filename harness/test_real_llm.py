@@ -1,6 +1,6 @@
 """The sibling scenario with a real language model making every decision,
 once with local delivery and once over an IOA network. The model server is
-started by the harness (harness/llm) from the binary and weights that the
+started by the harness (agent_host/local_model) from the binary and weights that the
 suite's set-up prepared before pytest started (scripts/test.sh runs
 harness.prepare); when they are missing the test fails at once naming that
 command, and nothing is built here. INBOXMESH_SCENARIO_LLM points the same

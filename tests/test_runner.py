@@ -70,7 +70,7 @@ class FakeHost:
         return self.team_of.get(agent.agent_id, Team())
 
     async def start_child(self, parent: HostedAgent, *, name: str, task: str, mode: str,
-                          history: list[dict[str, Any]], budget: TaskBudget) -> HostedAgent:
+                          history: list[dict[str, Any]], budget: TaskBudget, config_id: str = "") -> HostedAgent:
         raise errors.FailedPrecondition("this host starts no children", reason="NO_CHILDREN_HERE")
 
     def task_ended(self, agent: HostedAgent, budget: TaskBudget, error: Exception | None = None) -> None:

@@ -26,6 +26,7 @@ class OpenAIChatModel:
                  temperature: float = 0.0, tool_choice: str = "auto"):
         self.name = f"openai:{model}@{base_url}"
         self.model = model
+        self.base_url = base_url
         self.temperature = temperature
         self.tool_choice = tool_choice
         # Retries are ours (within the run's request budget), not the SDK's.

@@ -5,6 +5,7 @@ exchange taken from the mesh's event record."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 import time
@@ -13,13 +14,19 @@ from pathlib import Path
 
 import grpc
 
+from agent_host.catalog import LOCAL_TIMEOUT_S, ModelCatalog
 from agent_host.config import KEEP_ALIVE_POLICIES, Budget, HostConfig
-from agent_host.host import AgentProfile, Host, HostEvent, TaskOutcome
+from agent_host.configured import ConfiguredAgentError, ConfiguredAgents
+from agent_host.host import AgentProfile, Host, HostEvent, ProfileFactory, TaskOutcome
 from agent_host.hoststore import HostedAgent
+from agent_host.local_model import LOCAL_MODEL, LocalModelMissing, cached_server
+from agent_host.local_model.server import MODELS
+from agent_host.models.openai_chat import OpenAIChatModel
 from agent_host.models.scripted import POLICIES, ScriptedModel
 from agent_host.settings import model_settings, openai_model
+from agent_host.skills import SkillLibrary
 from agent_host.tools import ALL_TOOLS
-from inboxmesh.client.mesh import AgentHandle
+from inboxmesh.client.mesh import AgentHandle, MeshClient
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
 
@@ -31,14 +38,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("task", help="the top-level agent's task")
     parser.add_argument("--name", default="main", help="the top-level agent's name")
     parser.add_argument("--model", default="openai",
-                        help="openai (an OpenAI-compatible endpoint, see --base-url), or scripted:<policy>"
-                             f" ({', '.join(POLICIES)}) for every agent")
+                        help="openai (an OpenAI-compatible endpoint, see --base-url), local (the project's own"
+                             " local model, prepared by the set-up: `.venv/bin/python -m harness.prepare`), or"
+                             f" scripted:<policy> ({', '.join(POLICIES)}) for every agent")
+    parser.add_argument("--agent", metavar="ID",
+                        help="run the task as this configured agent of the mesh's routing config (its models,"
+                             " tools and skills; its children with its subagents.model)")
+    parser.add_argument("--skills", metavar="DIR", action="append",
+                        help="a folder of skills (<DIR>/<name>/SKILL.md) for configured agents; repeatable"
+                             " (default: ./skills when it exists)")
+    parser.add_argument("--local-model", default=LOCAL_MODEL, choices=sorted(MODELS),
+                        help=f"which local model `local` runs (default {LOCAL_MODEL})")
     parser.add_argument("--policies", metavar="MODULE:DICT",
                         help="scripted policies by agent name, e.g. harness.policies:SIBLING_POLICIES")
     parser.add_argument("--base-url", help="OpenAI-compatible endpoint (default: OPENAI_BASE_URL)")
     parser.add_argument("--model-name", help="model name (default: INBOXMESH_MODEL or OPENAI_MODEL)")
     parser.add_argument("--api-key", help="API key (default: OPENAI_API_KEY)")
-    parser.add_argument("--tools", default=",".join(ALL_TOOLS), help="comma-separated tools the agents get")
+    parser.add_argument("--model-timeout", type=float,
+                        help="seconds per model request (default: INBOXMESH_MODEL_TIMEOUT, else 60; local: 240)")
+    parser.add_argument("--tool-choice", choices=("auto", "required"),
+                        help="auto or required (default: INBOXMESH_TOOL_CHOICE, else auto; local: required)")
+    parser.add_argument("--tools", help="comma-separated tools every agent gets (default: all; configured"
+                                        " agents: their config's)")
     parser.add_argument("--max-requests", type=int, default=Budget.max_model_requests, help="model requests in all")
     parser.add_argument("--max-seconds", type=float, default=Budget.max_wall_time_s, help="wall-time budget")
     parser.add_argument("--max-output-tokens", type=int, default=Budget.max_output_tokens, help="per request")
@@ -50,8 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no live lines, only the summary")
 
 
-def _profiles(args) -> tuple:
-    tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
+def small_model_rules(config: HostConfig) -> HostConfig:
+    """The host rules the real-model scenarios found for the small local model (docs/real-llm.md): names
+    instead of ids, send_message's targets as a choice of the team's names, a run ends after a send."""
+    return replace(config, show_ids=False, team_targets=True, yield_after_send=True)
+
+
+async def _profiles(args, client: MeshClient, stack: contextlib.AsyncExitStack) -> tuple[ProfileFactory, str]:
+    """The agents' profiles and a description of the model(s), starting the local model server when one is
+    needed (stopped by `stack`)."""
+    tools = tuple(t.strip() for t in args.tools.split(",") if t.strip()) if args.tools else ALL_TOOLS
     if args.policies:
         module, _, name = args.policies.partition(":")
         policies = getattr(importlib.import_module(module), name)
@@ -66,9 +95,36 @@ def _profiles(args) -> tuple:
     if args.model.startswith("scripted:"):
         policy = POLICIES[args.model.split(":", 1)[1]]
         return (lambda record: AgentProfile(ScriptedModel(policy, args.model), tools)), args.model
-    settings = model_settings(args.base_url, args.api_key, args.model_name)
-    model = openai_model(settings)
-    return (lambda record: AgentProfile(model, tools)), f"{settings.model} at {settings.base_url}"
+    local_url = ""
+    listing = await client.configured_agents() if args.agent else None
+    wants_local = args.model == "local" or (listing is not None and any(
+        ref.startswith("local/") for a in listing.agents
+        for ref in (a.model, *a.model_fallbacks, a.subagents.model, *a.subagents.model_fallbacks)))
+    if wants_local:
+        server = cached_server(args.local_model)
+        print(f"inboxmesh run: starting the local model {args.local_model} (llama-server, log {server.log_path})",
+              flush=True)
+        local_url = (await stack.enter_async_context(server)).base_url
+    if listing is not None:
+        catalog = ModelCatalog(listing.providers, local_url=local_url)
+        stack.push_async_callback(catalog.close)
+        default = f"local/{args.local_model}" if args.model == "local" else ""
+        dirs = [Path(d) for d in args.skills] if args.skills else [p for p in [Path("skills")] if p.is_dir()]
+        configured = ConfiguredAgents(listing, catalog, SkillLibrary(dirs), default_model=default,
+                                      base_tools=tools)
+        configured(HostedAgent(agent_id="", name=args.name, credential="", mode="main", config_id=args.agent))
+        agent = configured.agent(args.agent)
+        return configured, f"configured agent {agent.id!r} (config {listing.config_version}), models " + (
+            " > ".join(configured.models_of(agent)))
+    if args.model == "local":
+        model = OpenAIChatModel(base_url=local_url, api_key="local", model=args.local_model,
+                                timeout_s=args.model_timeout or LOCAL_TIMEOUT_S,
+                                tool_choice=args.tool_choice or "required")
+    else:
+        settings = model_settings(args.base_url, args.api_key, args.model_name, args.model_timeout, args.tool_choice)
+        model = openai_model(settings)
+    stack.push_async_callback(model.close)
+    return (lambda record: AgentProfile(model, tools)), f"{model.model} at {model.base_url}"
 
 
 def _printer(started: float):
@@ -79,21 +135,28 @@ def _printer(started: float):
 
 
 async def run(args, mesh_address: str, data_dir: Path, tls: grpc.ChannelCredentials | None = None) -> int:
-    profiles, described = _profiles(args)
     budget = Budget(max_model_requests=args.max_requests, max_wall_time_s=args.max_seconds,
                     max_output_tokens=args.max_output_tokens)
     config = replace(HostConfig(mesh_address=mesh_address, data_dir=Path(args.host_dir or data_dir / "host"),
                                 budget=budget), keep_alive=args.keep_alive, route_via_ioa=args.via_ioa, tls=tls)
+    if args.model == "local":
+        config = small_model_rules(config)
     started = time.time()
-    print(f"inboxmesh run: {args.name!r} on {mesh_address}, model: {described}", flush=True)
-    async with Host(config, profiles) as host:
-        if not args.quiet:
-            host.observers.append(_printer(started))
-        runner = await host.start_task(args.name, args.task)
-        outcome = await host.outcome(runner.agent_id)
-        top = runner.handle
-        lines = await exchange_summary(top, started)
-        await host.close(runner.agent_id, reason=close_reason(outcome))
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(MeshClient(mesh_address, timeout=config.call_timeout_s, tls=tls))
+        try:
+            profiles, described = await _profiles(args, client, stack)
+        except (ConfiguredAgentError, LocalModelMissing) as exc:
+            raise ValueError(str(exc)) from None
+        print(f"inboxmesh run: {args.name!r} on {mesh_address}, model: {described}", flush=True)
+        async with Host(config, profiles, client=client) as host:
+            if not args.quiet:
+                host.observers.append(_printer(started))
+            runner = await host.start_task(args.name, args.task, config_id=args.agent or "")
+            outcome = await host.outcome(runner.agent_id)
+            top = runner.handle
+            lines = await exchange_summary(top, started)
+            await host.close(runner.agent_id, reason=close_reason(outcome))
     print("\n".join(lines))
     _print_outcome(outcome)
     return 0 if outcome.ok else 4

