@@ -34,6 +34,12 @@ SENDS_READ_AHEAD = 64
 """Requests of one SendStream read ahead and stored together, at most (and at most READ_AHEAD_BYTES of
 them); the handler reads no further while that many wait."""
 READ_AHEAD_BYTES = 8 * 1024 * 1024
+REFUSAL_DRAIN_S = 2.0
+REFUSAL_DRAIN_REQUESTS = 1024
+"""After a refused SendStream request the handler reads (and discards, storing none) what the client is
+still writing, until it half-closes, for at most this long and this many requests, and only then ends the
+call with the refusal: a client whose writes are already on their way sees the refusal's status and reason,
+not a failed write (gRPC reports a write after the call's end as its own INTERNAL error)."""
 _HALF_CLOSE_WAIT_S = 5.0
 """How long a Consume stream whose agents all left stays open for acks still
 on the wire, waiting for the client to half-close (a host does so at once)."""
@@ -126,6 +132,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 for outcomes in answered:
                     yield pb.SendResponse(receipts=[receipt_pb(o) for o in outcomes])
                 if failure is not None:
+                    await ahead.discard_rest(REFUSAL_DRAIN_S, REFUSAL_DRAIN_REQUESTS)
                     raise failure
         finally:
             reader.cancel()
@@ -336,6 +343,28 @@ class _ReadAhead:
             self._ended = True
             async with self._changed:
                 self._changed.notify_all()
+
+    async def discard_rest(self, within_s: float, max_requests: int) -> None:
+        """Drop what waits and what the client still writes, until the stream ends (the client half-closed),
+        `within_s` passed or `max_requests` were dropped; nothing dropped is stored."""
+        dropped = 0
+
+        def done_or_waiting() -> bool:
+            return self._ended or bool(self._waiting)
+
+        try:
+            async with asyncio.timeout(within_s):
+                while dropped < max_requests:
+                    async with self._changed:
+                        await self._changed.wait_for(done_or_waiting)
+                        dropped += len(self._waiting)
+                        self._waiting.clear()
+                        self._bytes = 0
+                        self._changed.notify_all()
+                        if self._ended:
+                            return
+        except TimeoutError:
+            return
 
     async def take(self, max_messages: int) -> list[pb.SendRequest]:
         """The requests waiting, in order: at least one, and no more than max_messages messages unless the
