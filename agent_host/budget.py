@@ -25,8 +25,11 @@ class BudgetExceeded(Exception):
 class TaskBudget:
     """What one task has used of its limits (`Budget`), shared by every agent working on it."""
 
-    def __init__(self, limits: Budget):
+    def __init__(self, limits: Budget, *, per_wake: bool = False):
         self.limits = limits
+        self.per_wake = per_wake
+        """A session's budget: renewed (renew()) when its agent wakes from idle with nothing of it running,
+        so each inbound message gets the whole budget (a task's budget is never renewed)."""
         self.started = time.monotonic()
         self.requests = 0
         self.max_output_tokens_seen = 0
@@ -34,6 +37,12 @@ class TaskBudget:
         self.output_tokens = 0
         self.failed: str | None = None
         """Why the task failed for good (fail()): no run of it starts or consumes anything after that."""
+
+    def renew(self) -> None:
+        """A fresh budget for the next piece of a session's work (per_wake only): time, requests, failure."""
+        self.started = time.monotonic()
+        self.requests = 0
+        self.failed = None
 
     def fail(self, why: str) -> None:
         """The task failed for good (the first reason stays): no run of it starts or consumes anything more."""

@@ -49,14 +49,19 @@ class ConfiguredAgents:
     def __init__(self, listing: route_pb.ListConfiguredAgentsResponse, catalog: ModelCatalog,
                  skills: SkillLibrary | None = None, *, default_model: str = "",
                  base_tools: tuple[str, ...] = ALL_TOOLS):
-        self.listing = listing
-        self.version = listing.config_version
-        self.agents = {a.id: a for a in listing.agents}
-        self.default_id = listing.default_id
+        self.use(listing)
         self.catalog = catalog
         self.skills = skills or SkillLibrary()
         self.default_model = default_model
         self.base_tools = base_tools
+
+    def use(self, listing: route_pb.ListConfiguredAgentsResponse) -> None:
+        """A newer config (the mesh reloaded its routing file): agents started from now on get its settings;
+        running ones keep theirs until the host starts them again."""
+        self.listing = listing
+        self.version = listing.config_version
+        self.agents = {a.id: a for a in listing.agents}
+        self.default_id = listing.default_id
 
     def agent(self, config_id: str) -> route_pb.ConfiguredAgent:
         wanted = (config_id or self.default_id).strip().lower()

@@ -207,6 +207,19 @@ class Host:
         await runner.start(run=True)
         return runner
 
+    async def adopt(self, handle: AgentHandle, *, config_id: str) -> AgentRunner[AgentHandle]:
+        """Run an agent registered elsewhere (a routing session claimed with ClaimSession) as the configured
+        agent `config_id`: its inbox is attached, and the messages in it wake it. Its budget is renewed each
+        time it wakes from idle (a session takes message after message; TaskBudget.per_wake)."""
+        info = await handle.get()
+        record = HostedAgent(agent_id=handle.agent_id, name=info.name, credential=handle.credential, mode="main",
+                             keep_alive=self.config.keep_alive, config_id=config_id)
+        runner = self._runner(record, handle, Conversation(), TaskBudget(self.config.budget, per_wake=True))
+        self.save(record, runner.conversation)
+        self.observe(record, "adopted", f"session agent, configured agent {config_id}")
+        await runner.start()
+        return runner
+
     async def run_task(self, name: str, task: str, *, timeout: float | None = None,
                        metadata: dict[str, str] | None = None, config_id: str = "") -> TaskOutcome:
         """Run a task to its result (or to a failure with a report of where
@@ -252,6 +265,10 @@ class Host:
         return runner.cancel_run() if runner is not None else False
 
     # -- the team: spawning and closing ---------------------------------------
+    def runners_on(self, budget: TaskBudget) -> list[AgentRunner[AgentHandle]]:
+        """AgentHost.runners_on: the runners working on `budget` (one task, or one session's work)."""
+        return [r for r in self.runners.values() if r.budget is budget]
+
     def team(self, agent: HostedAgent) -> Team:
         open_here = [r.record for r in self.runners.values() if not r.record.closed]
         return Team(children=tuple(r for r in open_here if r.parent_id == agent.agent_id),

@@ -65,6 +65,10 @@ class AgentHost(Protocol):
         ...
 
     # -- the agent's team on this host ----------------------------------------------------------------
+    def runners_on(self, budget: TaskBudget) -> list[Any]:
+        """The runners (AgentRunner) of the agents working on `budget`, this one's included."""
+        ...
+
     def team(self, agent: HostedAgent) -> Team:
         """The agent's open children and siblings hosted here."""
         ...

@@ -301,6 +301,8 @@ class AgentRunner(Generic[HandleT]):
             self.wake.clear()
             if self.stopping:
                 return
+            if self.budget.per_wake and self.state in ("idle", "failed") and self.pending and self._alone():
+                self.budget.renew()  # a session's next message: a fresh budget (TaskBudget.per_wake)
             if self.budget.failed is not None:
                 # the task failed: nothing more runs for it, and nothing is consumed (what is pending stays in
                 # the inbox, and is dead-lettered with the reason when the agent is closed)
@@ -309,7 +311,7 @@ class AgentRunner(Generic[HandleT]):
             if not (self.pending or self.start_requested):
                 continue
             self._cancel_idle_timer()
-            if self.pending and self.state == "idle":
+            if self.pending and self.state in ("idle", "failed"):
                 senders = sorted({await self.host.name_of(m.sender) for m in self.pending})
                 with tracer.start_as_current_span("wake", links=[trace.Link(c.get_span_context())
                                                                 for m in self.pending
@@ -351,6 +353,11 @@ class AgentRunner(Generic[HandleT]):
             await self.event(ev.EVENT_KIND_AGENT_IDLE, turn=self.record.turn)
             if not self.pending:
                 self._arm_idle_timer()
+
+    def _alone(self) -> bool:
+        """No other agent working on this agent's budget has a run in progress (its children are idle)."""
+        return not any(r is not self and r.budget is self.budget and r.run_task is not None
+                       for r in self.host.runners_on(self.budget))
 
     async def _failed(self, exc: Exception) -> None:
         """This agent's run failed for good (budget, every model, a bug): the turn it was in ends saying

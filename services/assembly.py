@@ -98,13 +98,14 @@ def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) ->
     if config.ioa is not None:
         relay = IoaRelay(config.ioa, store, limits.max_hops, deliver=writer.deliver_from_ioa,
                          stored=store.get_message_by_sender, outbox=store, store_notice=writer.deliver_notice)
-    inbox = InboxService(store, store, directory, limits, hub, writer,
-                         forward_to_ioa=relay.start_forward if relay is not None else None)
     routing_service = None
     if routing is not None:
         routing_service = RoutingService(routing, agents=store, sessions=store, events=store, directory=directory,
                                          deliver=writer.deliver_from_channel, limits=limits,
                                          admin_token=config.admin_token)
         routing_service.on_change(runs.use_routing)
+    inbox = InboxService(store, store, directory, limits, hub, writer,
+                         forward_to_ioa=relay.start_forward if relay is not None else None,
+                         channel_gateway=routing_service.gateway if routing_service is not None else None)
     return Services(directory=directory, hub=hub, registry=registry, runs=runs, inbox=inbox,
                     events=EventsService(store, directory), routing=routing_service, relay=relay)

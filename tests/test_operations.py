@@ -244,3 +244,41 @@ def test_ioa_network_and_two_meshes_as_separate_processes(tmp_path):
         network.wait(10)
         if network.stdout is not None:
             network.stdout.close()
+
+
+def test_inboxmesh_host_serves_routed_sessions_and_they_answer_on_their_channel(tmp_path):
+    """`inboxmesh host` in its own process beside `inboxmesh up --routing`: a channel message through
+    Ingress is claimed and answered by its configured agent (scripted echo), and the answer reaches the
+    channel's gateway; SIGTERM stops the host cleanly."""
+    from inboxmesh.client.mesh import MeshClient
+    from inboxmesh.routing.v1 import routing_pb2 as route
+    from tests.streams import Collector
+
+    routing = tmp_path / "routing.yaml"
+    routing.write_text("agents:\n  list:\n    - id: helper\n      model: scripted/echo\n"
+                       "      tools: {allow: [reply, wait]}\ningress: {tokens: [tok]}\n")
+    with MeshProcess(tmp_path, "--routing", str(routing)) as mesh:
+        host = subprocess.Popen([sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "host",
+                                 "--ingress-token", "tok", "--data-dir", str(tmp_path)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            async def exchange():
+                async with MeshClient(mesh.address, admin_token="test-admin-token") as client:
+                    sent = await client.ingress("tok", route.RouteInput(channel="telegram", peer=route.Peer(
+                        kind=route.PEER_KIND_DM, id="ann")), "tg-1", "hello there")
+                    gateway = await client.claim_session("tok", "channel:telegram/default")
+                    inbox = Collector(gateway, auto_ack=True)
+                    try:
+                        [answer] = await inbox.wait_for(1, timeout=30)
+                    finally:
+                        await inbox.stop()
+                    return sent, answer
+
+            sent, answer = asyncio.run(exchange())
+            assert answer.content.text == "hello there" and answer.in_reply_to == "tg-1"
+            assert answer.sender == sent.session_agent_id
+        finally:
+            host.send_signal(signal.SIGTERM)
+            out, _ = host.communicate(timeout=30)
+        assert host.returncode == 0, out
+        assert "serving the sessions of 1 configured agent(s) (helper" in out

@@ -186,3 +186,55 @@ async def test_a_closed_session_starts_anew(routed):
     assert second.route.session_key == first.route.session_key
     third = await client.ingress(TOKEN, source("webchat"), "w-3", "and again")
     assert not third.session_created and third.session_agent_id == second.session_agent_id
+
+
+async def test_a_session_answers_on_its_channel_through_the_channels_gateway(routed):
+    """A reply to a channel message goes to the channel account's gateway agent (registered on first
+    use), with the channel address it answers in `inboxmesh-channel-to`; the channel's adapter claims the
+    gateway and reads the answers like any inbox. Only a session's agents may answer on its channel."""
+    client = routed
+    first = await client.ingress(TOKEN, source("slack", team_id="T123", peer=peer("group", "G1")), "slack-1",
+                                 "hello work")
+    other = await client.ingress(TOKEN, source("discord", account="bot2", peer=peer("channel", "ops")), "d-1",
+                                 "hello code")
+    session = await client.claim_session(TOKEN, first.route.session_key)
+    inbox = Collector(session, auto_ack=True)
+    try:
+        [question] = await inbox.wait_for(1)
+    finally:
+        await inbox.stop()
+    answer = await session.send(question.sender, "on it", kind=env_pb.MESSAGE_KIND_REPLY,
+                                in_reply_to=question.message_id)
+    assert answer.status == pb.RECEIPT_STATUS_ACCEPTED
+    helper = await session.spawn("helper")  # the session's own agents may answer too
+    assert (await helper.send(question.sender, "me too")).status == pb.RECEIPT_STATUS_ACCEPTED
+
+    # not a session of this channel: refused, nothing stored
+    stranger = await client.register("stranger")
+    refused = await stranger.send(question.sender, "hijack")
+    assert refused.status == pb.RECEIPT_STATUS_NOT_PERMITTED and "only the agents of a session" in refused.detail
+    code_session = await client.claim_session(TOKEN, other.route.session_key)
+    assert (await code_session.send(question.sender, "cross")).status == pb.RECEIPT_STATUS_NOT_PERMITTED
+    assert (await session.send("channel:slack", "no account")).status == pb.RECEIPT_STATUS_UNKNOWN_TARGET
+
+    # the adapter reads the answers from the gateway
+    gateway = await client.claim_session(TOKEN, "channel:slack/default")
+    assert answer.recipient == gateway.agent_id
+    info = await gateway.get()
+    assert info.name == "channel:slack/default" and info.metadata["inboxmesh-channel"] == "slack/default"
+    outbox = Collector(gateway, auto_ack=True)
+    try:
+        got = await outbox.wait_for(2)
+    finally:
+        await outbox.stop()
+    assert [(m.content.text, m.headers["inboxmesh-channel-to"]) for m in got] == [
+        ("on it", "channel:slack/default/group:G1"), ("me too", "channel:slack/default/group:G1")]
+    assert got[0].in_reply_to == "slack-1" and got[0].sender == session.agent_id
+    with pytest.raises(errors.InvalidArgument):
+        await client.claim_session(TOKEN, "channel:slack")
+
+
+async def test_without_routing_a_channel_address_is_an_unknown_target(client):
+    agent = await client.register("lonely")
+    receipt = await agent.send("channel:slack/default/dm:U1", "hello?")
+    assert receipt.status == pb.RECEIPT_STATUS_UNKNOWN_TARGET and "routes no channels" in receipt.detail

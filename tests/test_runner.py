@@ -66,6 +66,9 @@ class FakeHost:
     async def address_for(self, sender: Any, to: str) -> str:
         return to  # local delivery (no route_via_ioa)
 
+    def runners_on(self, budget: TaskBudget) -> list[Any]:
+        return []  # one agent on each budget here
+
     def team(self, agent: HostedAgent) -> Team:
         return self.team_of.get(agent.agent_id, Team())
 

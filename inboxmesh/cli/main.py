@@ -7,7 +7,8 @@
     inboxmesh status --as CRED MESSAGE_ID
     inboxmesh events [--agent ID] [--message ID] [--follow]
     inboxmesh close --as CRED [AGENT_ID]
-    inboxmesh run "TASK" [--model openai|scripted:echo] [--policies MODULE:DICT]
+    inboxmesh run "TASK" [--model openai|local|scripted:echo] [--agent ID] [--policies MODULE:DICT]
+    inboxmesh host --ingress-token T  serve the sessions of the routing config's agents
     inboxmesh ioa-server [--port N]   the reference IOA network (then: up --ioa-network HOST:PORT)
 
 Commands find a local mesh through .inboxmesh/mesh.json (written by `up`),
@@ -274,11 +275,34 @@ async def _run(args) -> int:
     from inboxmesh.cli import run as cli_run
 
     found = settings.client_settings(vars(args), os.environ)
+    me = asyncio.current_task()
+    assert me is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)  # unwinds: the model server stops
     try:
         return await cli_run.run(args, found.address, found.data_dir,
                                  tls=tls.channel_credentials(found.tls, "inboxmesh run"))
     except ValueError as exc:
         print(f"inboxmesh run: {exc}", file=sys.stderr)
+        return 2
+    except asyncio.CancelledError:
+        print("inboxmesh run: stopped (SIGTERM); its agents stay open in the mesh", file=sys.stderr)
+        return 143
+
+
+async def _host(args) -> int:
+    from inboxmesh.cli import host as cli_host
+
+    found = settings.client_settings(vars(args), os.environ)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        return await cli_host.serve(args, found.address, found.data_dir, found.admin_token,
+                                    args.ingress_token or os.environ.get("INBOXMESH_INGRESS_TOKEN", ""),
+                                    tls.channel_credentials(found.tls, "inboxmesh host"), stop)
+    except ValueError as exc:
+        print(f"inboxmesh host: {exc}", file=sys.stderr)
         return 2
 
 
@@ -452,6 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(run)
     run.set_defaults(run=_run)
+
+    host = sub.add_parser("host", help="an agent host serving the sessions of the mesh's configured agents")
+    client_args(host)
+    from inboxmesh.cli.host import add_arguments as host_arguments
+
+    host_arguments(host)
+    host.set_defaults(run=_host)
 
     close = sub.add_parser("close", help="close an agent and its descendants")
     client_args(close)

@@ -95,27 +95,14 @@ async def _profiles(args, client: MeshClient, stack: contextlib.AsyncExitStack) 
     if args.model.startswith("scripted:"):
         policy = POLICIES[args.model.split(":", 1)[1]]
         return (lambda record: AgentProfile(ScriptedModel(policy, args.model), tools)), args.model
-    local_url = ""
-    listing = await client.configured_agents() if args.agent else None
-    wants_local = args.model == "local" or (listing is not None and any(
-        ref.startswith("local/") for a in listing.agents
-        for ref in (a.model, *a.model_fallbacks, a.subagents.model, *a.subagents.model_fallbacks)))
-    if wants_local:
-        server = cached_server(args.local_model)
-        print(f"inboxmesh run: starting the local model {args.local_model} (llama-server, log {server.log_path})",
-              flush=True)
-        local_url = (await stack.enter_async_context(server)).base_url
-    if listing is not None:
-        catalog = ModelCatalog(listing.providers, local_url=local_url)
-        stack.push_async_callback(catalog.close)
-        default = f"local/{args.local_model}" if args.model == "local" else ""
-        dirs = [Path(d) for d in args.skills] if args.skills else [p for p in [Path("skills")] if p.is_dir()]
-        configured = ConfiguredAgents(listing, catalog, SkillLibrary(dirs), default_model=default,
-                                      base_tools=tools)
+    if args.agent:
+        configured = await configured_agents(args, client, stack, tools=tools,
+                                             default_model=f"local/{args.local_model}" if args.model == "local" else "")
         configured(HostedAgent(agent_id="", name=args.name, credential="", mode="main", config_id=args.agent))
         agent = configured.agent(args.agent)
-        return configured, f"configured agent {agent.id!r} (config {listing.config_version}), models " + (
+        return configured, f"configured agent {agent.id!r} (config {configured.version}), models " + (
             " > ".join(configured.models_of(agent)))
+    local_url = await start_local_model(args.local_model, stack) if args.model == "local" else ""
     if args.model == "local":
         model = OpenAIChatModel(base_url=local_url, api_key="local", model=args.local_model,
                                 timeout_s=args.model_timeout or LOCAL_TIMEOUT_S,
@@ -127,7 +114,29 @@ async def _profiles(args, client: MeshClient, stack: contextlib.AsyncExitStack) 
     return (lambda record: AgentProfile(model, tools)), f"{model.model} at {model.base_url}"
 
 
-def _printer(started: float):
+async def start_local_model(name: str, stack: contextlib.AsyncExitStack) -> str:
+    """Start the cached local model server (stopped by `stack`); its base URL."""
+    server = cached_server(name)
+    print(f"inboxmesh: starting the local model {name} (llama-server, log {server.log_path})", flush=True)
+    return (await stack.enter_async_context(server)).base_url
+
+
+async def configured_agents(args, client: MeshClient, stack: contextlib.AsyncExitStack, *,
+                            tools: tuple[str, ...] = ALL_TOOLS, default_model: str = "") -> ConfiguredAgents:
+    """The mesh's configured agents as a host's profiles (args: skills, local_model), with the local model
+    server started when an agent's models name it."""
+    listing = await client.configured_agents()
+    wants_local = default_model.startswith("local/") or any(
+        ref.startswith("local/") for a in listing.agents
+        for ref in (a.model, *a.model_fallbacks, a.subagents.model, *a.subagents.model_fallbacks))
+    local_url = await start_local_model(args.local_model, stack) if wants_local else ""
+    catalog = ModelCatalog(listing.providers, local_url=local_url)
+    stack.push_async_callback(catalog.close)
+    dirs = [Path(d) for d in args.skills] if args.skills else [p for p in [Path("skills")] if p.is_dir()]
+    return ConfiguredAgents(listing, catalog, SkillLibrary(dirs), default_model=default_model, base_tools=tools)
+
+
+def printer(started: float):
     def show(event: HostEvent) -> None:
         if event.kind in _SHOWN:
             print(f"+{event.at - started:7.3f}s  {event.agent_name:<12} {event.kind:<15} {event.detail}", flush=True)
@@ -151,7 +160,7 @@ async def run(args, mesh_address: str, data_dir: Path, tls: grpc.ChannelCredenti
         print(f"inboxmesh run: {args.name!r} on {mesh_address}, model: {described}", flush=True)
         async with Host(config, profiles, client=client) as host:
             if not args.quiet:
-                host.observers.append(_printer(started))
+                host.observers.append(printer(started))
             runner = await host.start_task(args.name, args.task, config_id=args.agent or "")
             outcome = await host.outcome(runner.agent_id)
             top = runner.handle

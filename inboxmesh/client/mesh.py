@@ -261,6 +261,20 @@ class MeshClient:
                                                            metadata=self._admin_metadata()))
         return list(response.events)
 
+    async def admin_agent(self, agent_id: str) -> reg_pb.Agent:
+        """Any agent by id (admin token)."""
+        response = await self._call(self.registry.GetAgent(reg_pb.GetAgentRequest(agent_id=agent_id),
+                                                           timeout=self.timeout, metadata=self._admin_metadata()))
+        return response.agent
+
+    async def admin_watch_events(self, *, kinds: Iterable[ev_pb.EventKind] = (), after: int = 0,
+                                 from_now: bool = False) -> AsyncIterator[ev_pb.Event]:
+        """Follow the whole event record live (admin token): events after `after` first, then new ones."""
+        request = ev_pb.WatchEventsRequest(filter=ev_pb.EventFilter(kinds=list(kinds)), after_event_id=after,
+                                           from_now=from_now)
+        async for event in _watch(self, request, self._admin_metadata()):
+            yield event
+
     async def sweep_runs(self) -> runs_pb.SweepRunsResponse:
         """Run the subagent-run sweeper now (admin token)."""
         return await self._call(self.runs.SweepRuns(runs_pb.SweepRunsRequest(), timeout=self.timeout,
@@ -515,21 +529,11 @@ class AgentHandle:
         self, *, agent_id: str = "", sender: str = "", message_id: str = "", kinds: Iterable[ev_pb.EventKind] = (),
         from_now: bool = False, after: int = 0,
     ) -> AsyncIterator[ev_pb.Event]:
-        call = self.client.events.WatchEvents(
-            ev_pb.WatchEventsRequest(
-                filter=ev_pb.EventFilter(agent_id=agent_id, sender=sender, message_id=message_id, kinds=list(kinds)),
-                after_event_id=after, from_now=from_now,
-            ),
-            metadata=self.metadata,
-        )
-        try:
-            async for response in call:
-                for event in response.events:
-                    yield event
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
-        finally:
-            call.cancel()
+        request = ev_pb.WatchEventsRequest(
+            filter=ev_pb.EventFilter(agent_id=agent_id, sender=sender, message_id=message_id, kinds=list(kinds)),
+            after_event_id=after, from_now=from_now)
+        async for event in _watch(self.client, request, self.metadata):
+            yield event
 
     # -- IOA relay (a mesh without one answers UNIMPLEMENTED: MeshError with reason "UNIMPLEMENTED") -----
     async def map_address(self, agent_id: str) -> str:
@@ -547,3 +551,15 @@ class AgentHandle:
         """A shared IOA space's messages after position `after`."""
         return await self.client._call(
             self.client.relay.SpaceRead(relay_pb.SpaceReadRequest(space=space, after_seq=after), **self._opts()))
+
+
+async def _watch(client: MeshClient, request: ev_pb.WatchEventsRequest, metadata) -> AsyncIterator[ev_pb.Event]:
+    call = client.events.WatchEvents(request, metadata=metadata)
+    try:
+        async for response in call:
+            for event in response.events:
+                yield event
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc_error(exc) from None
+    finally:
+        call.cancel()

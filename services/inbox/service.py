@@ -24,6 +24,7 @@ from services.faults import crash_point
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.inbox.writer import InboxWriter
 from services.store.base import (
+    CHANNEL_PREFIX,
     IOA_PREFIX,
     NOT_PERMITTED,
     RESERVED_ID_PREFIX,
@@ -58,6 +59,10 @@ ForwardToIoa = Callable[[str, list[envelope_pb2.Envelope], bool | None], Awaitab
 """(sender agent id, messages to IOA addresses, whether the outbox keeps what cannot reach its node (None: as
 the relay is configured)) -> what waits for their receipts, once their first copies are written, in the
 order of the calls: the IOA relay's start_forward."""
+ChannelGateway = Callable[[str, str], Awaitable[AgentRecord]]
+"""(channel, account) -> the channel account's gateway agent (services.routing.service.RoutingService.gateway)."""
+CHANNEL_TO_HEADER = "inboxmesh-channel-to"
+"""On a message stored in a channel gateway's inbox: the channel address it answers (docs/routing.md "Answers")."""
 _OUTBOX_CHOICE: dict[int, bool | None] = {pb.IOA_DELIVERY_DEFAULT: None, pb.IOA_DELIVERY_DIRECT: False,
                                           pb.IOA_DELIVERY_OUTBOX: True}
 """SendRequest.ioa_delivery -> the outbox choice ForwardToIoa takes."""
@@ -117,7 +122,8 @@ class StreamSenders:
 
 class InboxService:
     def __init__(self, store: InboxStore, events: EventStore, directory: Directory, limits: InboxLimits,
-                 hub: DeliveryHub, writer: InboxWriter, forward_to_ioa: ForwardToIoa | None):
+                 hub: DeliveryHub, writer: InboxWriter, forward_to_ioa: ForwardToIoa | None,
+                 channel_gateway: ChannelGateway | None = None):
         self._store = store
         self._events = events
         self._directory = directory
@@ -127,6 +133,9 @@ class InboxService:
         self._writer = writer
         self._forward_to_ioa = forward_to_ioa
         """None: the mesh has no IOA relay, and a send to an IOA address is UNKNOWN_TARGET."""
+        self._channel_gateway = channel_gateway
+        """The gateway agent of a channel account (services.routing.service.RoutingService.gateway); None: the
+        mesh routes no channels, and a send to a channel address is UNKNOWN_TARGET."""
         self._frontiers: collections.OrderedDict[str, Frontier | None] = collections.OrderedDict()
         """Recently used agents' Frontiers (loop guard), most recent last; bounded by _FRONTIERS_KEPT."""
 
@@ -394,11 +403,37 @@ class InboxService:
         rejection = self._writer.loop_rejection(env)
         if rejection is not None:
             return rejection
+        if env.recipient.startswith(CHANNEL_PREFIX):
+            return await self._to_channel(sender_id, env)
         target = await self._directory.get(env.recipient)
         if target is None:
             return UNKNOWN_TARGET, f"no agent {env.recipient}"
         if not self._directory.in_reach(caller, target):
             return NOT_PERMITTED, f"{env.recipient} is outside {sender_id}'s scope"
+        return None
+
+    async def _to_channel(self, sender_id: str, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
+        """An answer on a channel (`channel:<channel>/<account>/<kind>:<peer>`, the sender address of what
+        ingress stored): stored in that channel account's gateway agent's inbox, the address kept in the
+        header `inboxmesh-channel-to` (docs/routing.md "Answers"). Only the agents of a session of that
+        channel account may answer on it."""
+        address = env.recipient
+        if self._channel_gateway is None:
+            return UNKNOWN_TARGET, "this mesh routes no channels (start it with --routing)"
+        channel, _, rest = address.removeprefix(CHANNEL_PREFIX).partition("/")
+        account, _, peer = rest.partition("/")
+        if not channel or not account:
+            return UNKNOWN_TARGET, (f"{address[:200]!r} is not a channel address"
+                                    " (channel:<channel>/<account>/<kind>:<peer>)")
+        sender = await self._directory.get(sender_id)
+        root = await self._directory.get(sender.scope_id) if sender is not None else None
+        origin = root.metadata if root is not None else {}
+        if (origin.get("inboxmesh-route-channel"), origin.get("inboxmesh-route-account")) != (channel, account):
+            return NOT_PERMITTED, (f"{sender_id} is not in a session of channel {channel}/{account}: only the agents"
+                                   " of a session answer on its channel")
+        gateway = await self._channel_gateway(channel, account)
+        env.headers[CHANNEL_TO_HEADER] = address
+        env.recipient = gateway.agent_id
         return None
 
     # -- subscribe / ack ----------------------------------------------------

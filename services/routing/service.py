@@ -26,6 +26,8 @@ from services.validation import check_map, check_text
 
 log = logging.getLogger(__name__)
 PEER_KINDS = {pb.PEER_KIND_DM: "dm", pb.PEER_KIND_GROUP: "group", pb.PEER_KIND_CHANNEL: "channel"}
+GATEWAY_KEY = "inboxmesh-channel"
+"""Metadata of a channel's gateway agent: `<channel>/<account>` (docs/routing.md "Answers")."""
 _CHANNEL_ORIGIN = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_CHANNEL)
 
 DeliverFromChannel = Callable[[list[envelope_pb2.Envelope]], Awaitable[list[SendOutcome]]]
@@ -162,9 +164,34 @@ class RoutingService:
             log.info("session %s of agent %s registered as %s", route.session_key, route.agent_id, agent.agent_id)
         return agent, created
 
+    async def gateway(self, channel: str, account: str) -> AgentRecord:
+        """The gateway agent of a channel account: the inbox of what agents answer on that channel (sends to
+        `channel:<channel>/<account>/<kind>:<peer>` are stored there), registered on first use; the
+        channel's adapter claims it (ClaimSession with the key `channel:<channel>/<account>`) and reads it
+        like any inbox."""
+        key = f"{CHANNEL_PREFIX}{channel}/{account}"
+        agent_id = auth.new_agent_id()
+        record = AgentRecord(
+            agent_id=agent_id, name=key, mode=reg_pb.AGENT_MODE_MAIN, parent_id="", scope_id=agent_id, depth=0,
+            state=AGENT_OPEN, metadata={GATEWAY_KEY: f"{channel}/{account}"},
+            inbox_capacity=self._limits.default_capacity, created_at_us=now_us(),
+            credential_hash=auth.credential_hash(auth.new_credential(agent_id)))
+        agent, created = await self._sessions.session_agent(key, record)
+        self._directory.remember(agent)
+        if created:
+            log.info("channel gateway %s registered as %s", key, agent.agent_id)
+        return agent
+
     async def claim(self, token: str | None, session_key: str) -> pb.ClaimSessionResponse:
         self.check_token(token, "claiming a session")
         check_text("session_key", session_key, max_len=512, required=True)
+        if session_key.startswith(CHANNEL_PREFIX):
+            channel, slash, account = session_key.removeprefix(CHANNEL_PREFIX).partition("/")
+            if not (channel and slash and account) or "/" in account:
+                raise errors.InvalidArgument(f"session_key {session_key!r}: a channel gateway's key is"
+                                             " channel:<channel>/<account>", reason=Reason.BAD_SESSION_KEY)
+            gateway = await self.gateway(channel, account)
+            return await self._claimed(gateway, session_key, "")
         agent_cfg = session_key.split(":")[1] if session_key.startswith("agent:") and session_key.count(":") >= 2 \
             else ""
         if self.config.agent(agent_cfg) is None:
@@ -175,10 +202,13 @@ class RoutingService:
                               matched_by="claim", binding_index=-1, warning="",
                               config_version=self.config.version)
         agent, _ = await self._session_agent(route, pb.RouteInput())
+        return await self._claimed(agent, session_key, agent_cfg)
+
+    async def _claimed(self, agent: AgentRecord, key: str, agent_cfg: str) -> pb.ClaimSessionResponse:
         credential = auth.new_credential(agent.agent_id)
         record = await self._agents.set_credential(agent.agent_id, auth.credential_hash(credential))
         self._directory.credential_changed(record)
-        log.info("session %s (%s) claimed; earlier credentials revoked", session_key, agent.agent_id)
+        log.info("session %s (%s) claimed; earlier credentials revoked", key, agent.agent_id)
         return pb.ClaimSessionResponse(session_agent_id=agent.agent_id, credential=credential,
                                        agent_config_id=agent_cfg)
 

@@ -1,0 +1,81 @@
+"""A host that serves the session agents routing ingress creates (docs/routing.md "Hosts that serve
+sessions"): it follows the mesh's event record for ROUTED events (with the operator token), claims each
+session agent it does not run yet (ClaimSession, with an ingress token) and runs it on its Host as the
+session's configured agent (agent_host/configured.py). The session's messages wake it like any agent's;
+its answers go back on the channel by replying to the channel address (the channel's gateway).
+
+Sessions it already runs (after a restart: the ones the Host resumed from host.db) are not claimed again.
+Claims are made one at a time, in the order of the record; a claim that fails is logged and retried at the
+session's next ROUTED event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from agent_host.configured import ConfiguredAgents
+from agent_host.host import Host
+from inboxmesh.client import errors
+from inboxmesh.client.mesh import MeshClient
+from inboxmesh.events.v1 import events_pb2 as ev
+
+log = logging.getLogger(__name__)
+
+
+class SessionHost:
+    def __init__(self, host: Host, client: MeshClient, ingress_token: str):
+        self.host = host
+        self.client = client
+        """A client with the operator token (it follows the whole record)."""
+        self.token = ingress_token
+        self.claimed: dict[str, str] = {}
+        """session agent id -> its session key, for every session this host took over."""
+        self._task: asyncio.Task[None] | None = None
+        self._versions: set[str] = set()
+        """Config versions seen on ROUTED events (a new one makes the host read the configured agents again)."""
+        self.failures: list[str] = []
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._follow(), name="sessions")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def __aenter__(self) -> SessionHost:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def _follow(self) -> None:
+        async for event in self.client.admin_watch_events(kinds=[ev.EVENT_KIND_ROUTED]):
+            version = event.detail.rpartition(" config=")[2]
+            profiles = self.host.profiles
+            if isinstance(profiles, ConfiguredAgents) and version and version not in self._versions:
+                self._versions.add(version)
+                if version != profiles.version:  # the mesh reloaded its routing file
+                    profiles.use(await self.client.configured_agents())
+                    self._versions.add(profiles.version)
+                    log.info("configured agents: config version %s", profiles.version)
+            if event.agent_id in self.host.runners or event.agent_id in self.claimed:
+                continue
+            try:
+                await self._claim(event)
+            except errors.MeshError as exc:
+                self.failures.append(f"{event.agent_id}: {exc}")
+                log.error("could not take over session agent %s: %s", event.agent_id, exc)
+
+    async def _claim(self, event: ev.Event) -> None:
+        info = await self.client.admin_agent(event.agent_id)
+        key = info.name  # a session agent is named by its session key
+        config_id = info.metadata.get("inboxmesh-agent", "")
+        handle = await self.client.claim_session(self.token, key)
+        self.claimed[handle.agent_id] = key
+        await self.host.adopt(handle, config_id=config_id)
+        log.info("serving session %s (%s) as configured agent %s", key, handle.agent_id, config_id)
