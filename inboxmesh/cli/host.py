@@ -18,7 +18,7 @@ from agent_host.host import Host
 from agent_host.local_model import LOCAL_MODEL
 from agent_host.local_model.server import MODELS
 from agent_host.sessions import SessionHost
-from inboxmesh.cli.run import printer, configured_agents
+from inboxmesh.cli.run import configured_agents, printer
 from inboxmesh.client.mesh import MeshClient
 
 
