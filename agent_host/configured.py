@@ -70,6 +70,11 @@ class ConfiguredAgents:
             raise ConfiguredAgentError(f"no configured agent {wanted!r} (agents.list has {sorted(self.agents)})")
         return found
 
+    def summary(self, agent: route_pb.ConfiguredAgent) -> str:
+        """What a configured agent is, for a model choosing one: its name and the tools it gets."""
+        tools = ", ".join(tools_for(agent, [], self.base_tools))
+        return f"{agent.name or agent.id} (tools: {tools})"
+
     def models_of(self, agent: route_pb.ConfiguredAgent) -> tuple[str, ...]:
         if agent.model:
             return (agent.model, *agent.model_fallbacks)
@@ -89,8 +94,9 @@ class ConfiguredAgents:
         sub = agent.subagents
         role = f"Your workspace is {agent.workspace}." if agent.workspace else ""
         allowed = sub.allow_agents
-        spawn_as = tuple(sorted(self.agents)) if "*" in allowed else tuple(
+        ids = tuple(sorted(self.agents)) if "*" in allowed else tuple(
             a for a in dict.fromkeys((agent.id, *allowed)) if a in self.agents)
+        spawn_as = tuple((i, self.summary(self.agents[i])) for i in ids)
         return AgentProfile(model=chain, tools=tools_for(agent, skills, self.base_tools), role=role,
                             instructions="\n\n".join(s.prompt() for s in skills),
                             spawn_as=spawn_as if len(spawn_as) > 1 else (),

@@ -52,9 +52,9 @@ class AgentProfile:
     longer offered (None: no limit)."""
     instructions: str = ""
     """Added to the system prompt: the instructions of the agent's skills (agent_host/skills.py)."""
-    spawn_as: tuple[str, ...] = ()
-    """Configured agents its children may run as besides its own (a configured agent's allowAgents):
-    spawn_agent then offers an `agent` argument naming one."""
+    spawn_as: tuple[tuple[str, str], ...] = ()
+    """(id, what it is) of the configured agents its children may run as, its own included, when it has a
+    choice (a configured agent's allowAgents): spawn_agent then takes a required `agent` naming one."""
     subagent_models: tuple[str, ...] = ()
     """Model references its children run with (a configured agent's subagents.model and fallbacks; empty:
     their own)."""

@@ -116,10 +116,11 @@ IOA_SEND = {"description": "Send a message to another agent's inbox. `to` is an 
 
 
 def schemas(names: tuple[str, ...], targets: list[str] | None = None, *, ioa: bool = False,
-            spawn_as: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+            spawn_as: tuple[tuple[str, str], ...] = ()) -> list[dict[str, Any]]:
     """Tool schemas; `targets` (when given) are the only names send_message offers; `ioa`: send_message
     also takes IOA addresses (only on a mesh with a relay: a model offered them elsewhere invents some);
-    `spawn_as`: configured agents a child may run as (spawn_agent's `agent`, a choice of them)."""
+    `spawn_as`: (id, what it is) of the configured agents a child may run as: spawn_agent's `agent` is then
+    a required choice of them (a model that may omit it gets the default it did not mean)."""
     unknown = [n for n in names if n not in SPECS]
     if unknown:
         raise ValueError(f"unknown tools {unknown}; known: {sorted(SPECS)}")
@@ -133,9 +134,13 @@ def schemas(names: tuple[str, ...], targets: list[str] | None = None, *, ioa: bo
         if name == "spawn_agent":  # `agent` only where the config lets the agent choose, as a choice
             params = spec["parameters"]
             properties = {k: v for k, v in params["properties"].items() if k != "agent"}
+            required = list(params["required"])
             if spawn_as:
-                properties["agent"] = {**params["properties"]["agent"], "enum": list(spawn_as)}
-            spec = {**spec, "parameters": {**params, "properties": properties}}
+                properties["agent"] = {"type": "string", "enum": [ident for ident, _ in spawn_as],
+                                       "description": "The configured agent the subagent runs as: " + "; ".join(
+                                           f"{ident}: {what}" for ident, what in spawn_as) + "."}
+                required.append("agent")
+            spec = {**spec, "parameters": {**params, "properties": properties, "required": required}}
         if name == "send_message" and targets:
             params = spec["parameters"]
             spec = {**spec, "description": "Send a message to another agent of your team (by name).",

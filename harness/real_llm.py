@@ -31,6 +31,7 @@ import os
 import secrets
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from agent_host.config import Budget, HostConfig
 from agent_host.host import AgentProfile, Host, HostEvent
 from agent_host.hoststore import HostedAgent
 from agent_host.models.base import Model
+from agent_host.models.openai_chat import OpenAIChatModel
 from harness.prepare import SCENARIO_MODEL, log_progress, prepare, prepared, scenario_endpoint
 from inboxmesh.cli.run import exchange_summary
 from inboxmesh.client.mesh import MeshClient
@@ -247,15 +249,16 @@ def write_report(result: ScenarioResult, lines: list[str], log: list[HostEvent],
 
 
 @contextlib.asynccontextmanager
-async def scenario_mesh(tmp: Path, via_ioa: bool):
-    """A mesh (with an IOA network and relay when via_ioa) in this process."""
+async def scenario_mesh(tmp: Path, via_ioa: bool, routing: Path | None = None):
+    """A mesh (with an IOA network and relay when via_ioa; with a routing config when given) in this
+    process."""
     from services.config import IoaConfig, MeshConfig, StoreConfig
     from services.ioa_network.server import NetworkConfig, NetworkServer
     from services.server import Mesh
 
     token = secrets.token_urlsafe(16)
     async with contextlib.AsyncExitStack() as stack:
-        config = MeshConfig(port=0, store=StoreConfig(path=tmp / "mesh.db"), admin_token=token)
+        config = MeshConfig(port=0, store=StoreConfig(path=tmp / "mesh.db"), admin_token=token, routing=routing)
         if via_ioa:
             network = await stack.enter_async_context(NetworkServer(NetworkConfig()))
             config = replace(config, ioa=IoaConfig(node_id=NODE, network=network.address))
@@ -267,14 +270,12 @@ async def scenario_mesh(tmp: Path, via_ioa: bool):
 
 
 @contextlib.asynccontextmanager
-async def scenario_model():
+async def scenario_model() -> AsyncIterator[OpenAIChatModel]:
     """The model the scenario uses: INBOXMESH_SCENARIO_LLM (any OpenAI-compatible
     endpoint; INBOXMESH_SCENARIO_MODEL names the model, OPENAI_API_KEY the key),
     else the local model server (agent_host.local_model) with LOCAL_MODEL, which must be
     prepared already (harness.prepare; NotPrepared names the command): nothing
     is built or downloaded here."""
-    from agent_host.models.openai_chat import OpenAIChatModel
-
     endpoint = scenario_endpoint()
     if endpoint:
         model = OpenAIChatModel(base_url=endpoint, api_key=os.environ.get("OPENAI_API_KEY", ""),
@@ -298,13 +299,22 @@ async def scenario_model():
 
 
 async def reliability(runs: int, via_ioa: bool) -> int:
+    async def once(model: OpenAIChatModel, tmp: Path, label: str) -> ScenarioResult:
+        async with scenario_mesh(tmp, via_ioa) as (mesh, client):
+            return await run_once(mesh.address, model, tmp / "host", via_ioa=via_ioa, client=client, label=label)
+
+    return await repeat(runs, once, pass_rate=0.95)
+
+
+async def repeat(runs: int, once: Callable[[OpenAIChatModel, Path, str], Awaitable[ScenarioResult]],
+                 pass_rate: float) -> int:
+    """Run a scenario `runs` times on the scenario's model, each in a fresh directory, printing a line per
+    run and the tally; exit status 0 when at least `pass_rate` of them passed."""
     results = []
     async with scenario_model() as model:
         for index in range(runs):
             with tempfile.TemporaryDirectory(prefix="real-llm-") as tmp:
-                async with scenario_mesh(Path(tmp), via_ioa) as (mesh, client):
-                    result = await run_once(mesh.address, model, Path(tmp) / "host", via_ioa=via_ioa, client=client,
-                                            label=f"run{index + 1:02d}")
+                result = await once(model, Path(tmp), f"run{index + 1:02d}")
             results.append(result)
             print(f"run {index + 1:2d}/{runs} {result.mode}: {'PASS' if result.ok else 'FAIL'} in"
                   f" {result.elapsed_s:6.1f}s,"
@@ -312,7 +322,7 @@ async def reliability(runs: int, via_ioa: bool) -> int:
                   + ("" if result.ok else f"  {result.problems[0]}"), flush=True)
     passed = sum(r.ok for r in results)
     print(f"\n{passed}/{runs} passed ({100 * passed / runs:.0f}%); reports in {RESULTS}")
-    return 0 if passed / runs >= 0.95 else 1
+    return 0 if passed / runs >= pass_rate else 1
 
 
 def main() -> None:

@@ -161,8 +161,9 @@ async def test_a_child_runs_as_a_configured_agent_its_parent_may_spawn_and_no_ot
     (_, first), (_, second) = tool_results(chief, "spawn_agent")
     assert first["status"] == "completed" and first["agent"] == "work"
     assert "may not spawn agent 'code'" in second["error"], second
-    offered = chief.profile.spawn_as
-    assert offered == ("boss", "work"), "its own and its allowAgents, offered as a choice"
+    offered = [ident for ident, _ in chief.profile.spawn_as]
+    assert offered == ["boss", "work"], "its own and its allowAgents, offered as a choice"
+    assert dict(chief.profile.spawn_as)["work"] == "work (tools: finish, wait)"
 
 
 async def test_an_agent_that_cannot_run_as_configured_is_refused_with_the_reason(configured):
