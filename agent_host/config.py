@@ -71,6 +71,9 @@ class HostConfig:
     route_via_ioa: bool = False
     """Send every message between agents through the mesh's IOA relay
     (to the recipient's IOA address) instead of directly."""
+    min_task_words: int = 0
+    """spawn_agent refuses a task of fewer words (0: any): small models write a label ("send_code") where
+    the child needs its whole task with every fact in it."""
     offer_ioa_addresses: bool = False
     """Tell models that send_message takes IOA addresses (ioa:<node>/<agent>): only for a mesh with an IOA
     relay (route_via_ioa implies it); elsewhere a model offered them invents some."""

@@ -100,4 +100,5 @@ class ConfiguredAgents:
         return AgentProfile(model=chain, tools=tools_for(agent, skills, self.base_tools), role=role,
                             instructions="\n\n".join(s.prompt() for s in skills),
                             spawn_as=spawn_as if len(spawn_as) > 1 else (),
+                            max_working_children=sub.max_children_per_agent or None,
                             subagent_models=(sub.model, *sub.model_fallbacks) if sub.model else ())

@@ -50,6 +50,9 @@ class AgentProfile:
     max_spawns: int | None = None
     """Children the agent may start in all; once reached, spawn_agent is no
     longer offered (None: no limit)."""
+    max_working_children: int | None = None
+    """Children it may have at their task at once; spawn_agent is not offered while that many work (a
+    configured agent's subagents.maxChildrenPerAgent, which the mesh enforces too)."""
     instructions: str = ""
     """Added to the system prompt: the instructions of the agent's skills (agent_host/skills.py)."""
     spawn_as: tuple[tuple[str, str], ...] = ()
@@ -175,7 +178,7 @@ class Host:
         conversation.messages += history or []
         inbox = self.inbox.inbox_of(handle)
         runner = AgentRunner(self, record, handle, inbox, profile.model, conversation, budget, self.config,
-                             max_spawns=profile.max_spawns)
+                             max_spawns=profile.max_spawns, max_working=profile.max_working_children)
         runner.actions.stats = runner.stats
         runner.profile = profile
         self.runners[record.agent_id] = runner

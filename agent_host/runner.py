@@ -36,7 +36,7 @@ from agent_host.conversation import NOTE_PREFIX, Conversation
 from agent_host.hoststore import HostedAgent
 from agent_host.models.base import Model, ModelAttempt, ModelChain, ModelError, ModelReply
 from agent_host.ports import AgentCalls, AgentHost, Inbox
-from agent_host.tools import ToolContext, available, result_message, run_tool, schemas
+from agent_host.tools import ToolContext, offered, result_message, run_tool, schemas
 from inboxmesh.client import errors
 from inboxmesh.client.stream import StreamItem
 from inboxmesh.client.tracing import context_of, tracer
@@ -59,7 +59,7 @@ class AgentRunner(Generic[HandleT]):
     def __init__(self, host: AgentHost, record: HostedAgent, handle: HandleT, inbox: Inbox,
                  model: Model | ModelChain,
                  conversation: Conversation, budget: TaskBudget, config: HostConfig, *,
-                 max_spawns: int | None = None):
+                 max_spawns: int | None = None, max_working: int | None = None):
         self.host = host
         self.record = record
         self.handle = handle
@@ -90,7 +90,8 @@ class AgentRunner(Generic[HandleT]):
         self._turn: _Turn | None = None
         """The turn in progress: what it consumed, whether the model was called, the calls run and skipped."""
         self._tools = ToolContext(agent=record, handle=handle, host=host, actions=self.actions,
-                                  max_spawns=max_spawns)
+                                  max_spawns=max_spawns, max_working=max_working,
+                                  min_task_words=config.min_task_words)
         self._items: AsyncGenerator[StreamItem, None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -173,8 +174,8 @@ class AgentRunner(Generic[HandleT]):
         self.actions.child_gone(child_id, reason)
 
     def tools_now(self) -> tuple[str, ...]:
-        """The tools the agent needs now (agent_host.tools.available)."""
-        return available(self.record, self.max_spawns)
+        """The tools the agent needs now (agent_host.tools.offered)."""
+        return offered(self._tools)
 
     def cancel_run(self) -> bool:
         """Stop the current run at its next await; the inbox stays open."""

@@ -49,7 +49,8 @@ SPECS: dict[str, dict[str, Any]] = {
                        " from a copy of your conversation.",
         "parameters": {"type": "object", "properties": {
             "agent_name": {"type": "string", "description": "A display name for the subagent."},
-            "task": {"type": "string", "description": "What the subagent must do."},
+            "task": {"type": "string", "description": "The subagent's whole task in plain sentences, with every"
+                                                       " fact it needs: it knows nothing but this."},
             "mode": {"type": "string", "enum": ["sync", "async", "fork"], "description": "Default async."},
             "agent": {"type": "string", "description": "The configured agent the subagent runs as (default: the"
                                                         " same as you)."},
@@ -166,17 +167,31 @@ class ToolContext:
     """Send, reply, spawn, finish, wait; the messages the agent consumed."""
     max_spawns: int | None = None
     """Children the agent may start in all (None: no limit)."""
+    max_working: int | None = None
+    """Children it may have working (task not finished) at once (a configured agent's maxChildrenPerAgent)."""
+    min_task_words: int = 0
+    """A subagent's task is all it knows: shorter than this many words it is a label ("send_code"), refused
+    (HostConfig.min_task_words)."""
 
 
-def available(agent: HostedAgent, max_spawns: int | None) -> tuple[str, ...]:
+def available(agent: HostedAgent, max_spawns: int | None, *, working: int = 0,
+              max_working: int | None = None) -> tuple[str, ...]:
     """The tools the agent needs now: `finish` only while its task is open, `spawn_agent` only while it
-    may start more children."""
+    may start more children (in all, and with `working` of them still at their task)."""
     hidden = set()
     if agent.completed:
         hidden.add("finish")
     if max_spawns is not None and agent.spawned >= max_spawns:
         hidden.add("spawn_agent")
+    if max_working is not None and working >= max_working:
+        hidden.add("spawn_agent")
     return tuple(t for t in agent.tools if t not in hidden)
+
+
+def offered(ctx: ToolContext) -> tuple[str, ...]:
+    """The tools the agent of `ctx` is offered now (`available`, its working children counted)."""
+    working = sum(1 for c in ctx.host.team(ctx.agent).children if not c.completed) if ctx.max_working else 0
+    return available(ctx.agent, ctx.max_spawns, working=working, max_working=ctx.max_working)
 
 
 def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
@@ -200,7 +215,7 @@ def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
 
 
 async def run_tool(ctx: ToolContext, call: ToolCall) -> dict[str, Any]:
-    now = available(ctx.agent, ctx.max_spawns)
+    now = offered(ctx)
     if call.name not in now:
         ctx.actions.wait_for_messages()
         return {"error": f"you have no tool {call.name!r} now; yours: {list(now)}"}
@@ -266,6 +281,9 @@ def receipt_result(receipt: inbox_pb2.Receipt, to: reg.Agent | None = None) -> d
 async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = "async",
                       agent: str = "") -> dict[str, Any]:
     # `agent_name`, not `name`: small models confuse a `name` argument with the tool call's own "name"
+    if len(task.split()) < ctx.min_task_words:
+        return {"error": f"the task {task[:80]!r} is not a task: write {agent_name}'s whole task in plain sentences,"
+                         f" with every fact {agent_name} needs (it knows nothing but its task)"}
     return await ctx.actions.spawn(agent_name, task, mode, config_id=agent)
 
 

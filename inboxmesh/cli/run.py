@@ -73,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def small_model_rules(config: HostConfig) -> HostConfig:
     """The host rules the real-model scenarios found for the small local model (docs/real-llm.md): names
-    instead of ids, send_message's targets as a choice of the team's names, a run ends after a send."""
-    return replace(config, show_ids=False, team_targets=True, yield_after_send=True)
+    instead of ids, send_message's targets as a choice of the team's names, a run ends after a send, a
+    subagent's task of fewer than 3 words refused (a label is not a task)."""
+    return replace(config, show_ids=False, team_targets=True, yield_after_send=True, min_task_words=3)
 
 
 async def _profiles(args, client: MeshClient, stack: contextlib.AsyncExitStack) -> tuple[ProfileFactory, str]:
