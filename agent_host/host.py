@@ -200,7 +200,7 @@ class Host:
             metadata = {**(metadata or {}), "inboxmesh-agent": config_id}
         handle = await self.client.register(name, metadata=metadata)
         record = HostedAgent(agent_id=handle.agent_id, name=name, credential=handle.credential, mode="main",
-                             keep_alive=self.config.keep_alive, config_id=config_id)
+                             keep_alive=self.config.keep_alive, config_id=config_id, task_text=task)
         conversation = Conversation()
         runner = self._runner(record, handle, conversation, TaskBudget(self.config.budget))
         conversation.add_user(task)

@@ -357,6 +357,11 @@ async def space_read(ctx: ToolContext, space: str, after: int = 0) -> dict[str, 
 
 
 async def wait(ctx: ToolContext) -> dict[str, Any]:
+    agent = ctx.agent
+    if agent.task_text and not agent.parent_id and not agent.completed and not any(
+            not c.completed for c in ctx.host.team(agent).children):
+        # a top-level agent's task is open and no subagent of it is working: nothing would ever wake it
+        return {"error": "nothing will wake you: none of your subagents is working. Do your task now."}
     ctx.actions.wait_for_messages()
     return {"status": "waiting"}
 

@@ -36,3 +36,25 @@ async def test_the_sibling_exchange_with_a_real_model(model, via_ioa, spans):
                                     spans=spans, label="ci")
     print(f"real-model report: {result.report}")
     assert result.ok, f"{result.problems} (report: {result.report})"
+
+
+@pytest.mark.timeout(900)
+async def test_home_work_code_with_the_local_model_as_the_code_agents_model(model, tmp_path):
+    """The seed's three-agent example (harness/test_home_work_code.py) with the code agent on the real
+    model: its Discord message is answered on Discord by the model's own reply, correlated, and the record
+    names the model; home and work answer with their scripted models as before."""
+    from harness.evidence import Record
+    from harness.test_home_work_code import DISCORD, TOKEN, answers, home_work_code
+    from inboxmesh.events.v1 import events_pb2 as ev
+
+    async with home_work_code(tmp_path, code_model=f"local/{model.model}", local_url=model.base_url) as example:
+        sent = await example.client.ingress(TOKEN, message_id="dc-1", text="Please answer: what is 2 + 2?",
+                                            **DISCORD)
+        assert sent.route.agent_id == "code"
+        [answer] = await answers(example.client, "channel:discord/default", 1, timeout=600)
+        assert answer.in_reply_to == "dc-1" and answer.sender == sent.session_agent_id
+        assert answer.content.text.strip(), "the model's own answer"
+        record = await Record.read(example.client)
+        called = record.of(ev.EVENT_KIND_MODEL_CALLED, agent_id=sent.session_agent_id)
+        assert called and called[0].detail.startswith(f"model=local/{model.model} outcome=ok"), \
+            [c.detail for c in called]
