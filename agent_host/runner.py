@@ -416,7 +416,13 @@ class AgentRunner(Generic[HandleT]):
                         spawn_as=self.profile.spawn_as if self.profile is not None else ()))
                     assistant = reply.as_message()
                     self.conversation.messages.append(assistant)
-                    for call in reply.tool_calls:
+                    sent = False
+                    for index, call in enumerate(reply.tool_calls):
+                        if call.name == "wait" and index < len(reply.tool_calls) - 1:
+                            # a wait in the middle of an answer: the calls after it say what the model wants
+                            # done now; waiting is what ends a turn, so only a last wait counts
+                            turn.skipped.append(call.name)
+                            continue
                         if self.actions.turn_ends:
                             # an earlier call said "wait": the rest of this turn does not run, and is left out
                             # of the conversation (the history shows what happened, nothing to copy wrongly)
@@ -427,6 +433,7 @@ class AgentRunner(Generic[HandleT]):
                         with tracer.start_as_current_span(f"tool {call.name}"):
                             result = await run_tool(self._tools, call)
                         turn.ran.append((call.id, call.name))
+                        sent = sent or (call.name == "send_message" and "error" not in result)
                         self.conversation.messages.append(result_message(call, result))
                         self.host.observe(self.record, "tool", f"{call.name} -> {_brief(result)}")
                     if turn.skipped:
@@ -442,8 +449,7 @@ class AgentRunner(Generic[HandleT]):
                     return
                 if not reply.tool_calls:
                     return
-                if self.actions.turn_ends or (self.config.yield_after_send
-                                              and any(c.name == "send_message" for c in reply.tool_calls)):
+                if self.actions.turn_ends or (self.config.yield_after_send and sent):
                     self.actions.turn_ends = False
                     return  # wait for answers: the next message wakes the agent
         finally:
@@ -528,7 +534,8 @@ class _Turn:
     ran: list[tuple[str, str]] = field(default_factory=list)
     """(call id, tool name) of the calls carried out, in order."""
     skipped: list[str] = field(default_factory=list)
-    """Tools the model called that were not carried out (the turn ended with a wait before them)."""
+    """Tools the model called that were not carried out: after a call that ended the turn (a wait), and a
+    wait that was not the answer's last call."""
 
     def calls(self) -> str:
         """`ran: a, b` (or `ran: none`), then `; skipped: c` when some were skipped."""

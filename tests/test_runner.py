@@ -317,10 +317,25 @@ async def test_a_finished_child_with_close_on_complete_asks_to_be_closed_and_is_
 
 async def test_a_turn_that_waits_leaves_its_other_calls_undone(running):
     agent, host = FakeAgent("agt_bob"), FakeHost({"agt_bob": "bob"})
-    model = ScriptedModel(lambda view: Decision(calls=[("wait", {}), ("list_agents", {})]) if not view.results
-                          else say("idle"))
-    runner = await running(runner_for(agent, host, model, task="wait first"), run=True)
+    # a reply with nothing received yet makes the turn wait: the call after it is not carried out
+    model = ScriptedModel(lambda view: Decision(calls=[("reply", {"text": "hi"}), ("list_agents", {})])
+                          if not view.results else say("idle"))
+    runner = await running(runner_for(agent, host, model, task="answer first"), run=True)
     await eventually(lambda: runner.state == "idle" and model.requests == 1, message="the run ended")
     [assistant] = [m for m in runner.conversation.messages if m["role"] == "assistant"]
-    assert [c["function"]["name"] for c in assistant["tool_calls"]] == ["wait"]
+    assert [c["function"]["name"] for c in assistant["tool_calls"]] == ["reply"]
     assert ("tool", "list_agents -> skipped: the turn ended with a wait") in host.observed
+    [ended] = [e for e in agent.events if e.kind == K.EVENT_KIND_TURN_ENDED]
+    assert ended.detail == "ran: reply; skipped: list_agents"
+
+
+async def test_a_wait_that_is_not_the_answers_last_call_is_skipped(running):
+    agent, host = FakeAgent("agt_bob", parent_id="agt_mom"), FakeHost({"agt_bob": "bob"})
+    model = ScriptedModel(lambda view: Decision(calls=[("wait", {}), ("list_agents", {}), ("wait", {})])
+                          if not view.results else say("idle"))
+    runner = await running(runner_for(agent, host, model, task="look around"), run=True)
+    await eventually(lambda: runner.state == "idle" and model.requests == 1, message="the run ended")
+    [assistant] = [m for m in runner.conversation.messages if m["role"] == "assistant"]
+    assert [c["function"]["name"] for c in assistant["tool_calls"]] == ["list_agents", "wait"]
+    [ended] = [e for e in agent.events if e.kind == K.EVENT_KIND_TURN_ENDED]
+    assert ended.detail == "ran: list_agents, wait; skipped: wait"
