@@ -410,10 +410,10 @@ class AgentRunner(Generic[HandleT]):
                                          detail=f"no model call: the inbox stream was lost, {len(self.pending)}"
                                                 " message(s) stay pending")
                         return
-                    reply = await self._call_model(schemas(
-                        self.tools_now(), self._team_targets(),
-                        ioa=self.config.offer_ioa_addresses or self.config.route_via_ioa,
-                        spawn_as=self.profile.spawn_as if self.profile is not None else ()))
+                    given = schemas(self.tools_now(), self._team_targets(),
+                                    ioa=self.config.offer_ioa_addresses or self.config.route_via_ioa,
+                                    spawn_as=self.profile.spawn_as if self.profile is not None else ())
+                    reply = await self._call_model(given)
                     assistant = reply.as_message()
                     self.conversation.messages.append(assistant)
                     sent = False
@@ -431,7 +431,7 @@ class AgentRunner(Generic[HandleT]):
                                               f"{call.name} -> skipped: the turn ended with a wait")
                             continue
                         with tracer.start_as_current_span(f"tool {call.name}"):
-                            result = await run_tool(self._tools, call)
+                            result = await run_tool(self._tools, call, given)
                         turn.ran.append((call.id, call.name))
                         sent = sent or (call.name == "send_message" and "error" not in result)
                         self.conversation.messages.append(result_message(call, result))

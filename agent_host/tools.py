@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -194,10 +195,9 @@ def offered(ctx: ToolContext) -> tuple[str, ...]:
     return available(ctx.agent, ctx.max_spawns, working=working, max_working=ctx.max_working)
 
 
-def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
+def _check_arguments(name: str, arguments: dict[str, Any], params: dict[str, Any]) -> str | None:
     if "_unparsed" in arguments:
         return f"the arguments were not a JSON object: {str(arguments['_unparsed'])[:200]}"
-    params = SPECS[name]["parameters"]
     for field in params.get("required", ()):
         if field not in arguments:
             return f"missing argument {field!r}"
@@ -214,12 +214,16 @@ def _check_arguments(name: str, arguments: dict[str, Any]) -> str | None:
     return None
 
 
-async def run_tool(ctx: ToolContext, call: ToolCall) -> dict[str, Any]:
+async def run_tool(ctx: ToolContext, call: ToolCall, given: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Carry out one call; its arguments are checked against the schema the model was `given` for that tool
+    in this turn (its required arguments and choices), else against the tool's own."""
     now = offered(ctx)
     if call.name not in now:
         ctx.actions.wait_for_messages()
         return {"error": f"you have no tool {call.name!r} now; yours: {list(now)}"}
-    problem = _check_arguments(call.name, call.arguments)
+    params = next((t["function"]["parameters"] for t in given or () if t["function"]["name"] == call.name),
+                  SPECS[call.name]["parameters"])
+    problem = _check_arguments(call.name, call.arguments, params)
     if problem:
         return {"error": f"{call.name}: {problem}"}
     try:
@@ -282,9 +286,18 @@ async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = 
                       agent: str = "") -> dict[str, Any]:
     # `agent_name`, not `name`: small models confuse a `name` argument with the tool call's own "name"
     if len(task.split()) < ctx.min_task_words:
+        about = _sentences_naming(ctx.agent.task_text, agent_name)
         return {"error": f"the task {task[:80]!r} is not a task: write {agent_name}'s whole task in plain sentences,"
-                         f" with every fact {agent_name} needs (it knows nothing but its task)"}
+                         f" with every fact {agent_name} needs (it knows nothing but its task)"
+                         + (f". Your own task says about {agent_name}: {about}" if about else "")}
     return await ctx.actions.spawn(agent_name, task, mode, config_id=agent)
+
+
+def _sentences_naming(text: str, name: str) -> str:
+    """The sentences of `text` that name `name` as a word (at most 400 characters of them)."""
+    sentences = re.split(r"(?<=[.!?])\s+", text)
+    found = " ".join(s for s in sentences if re.search(rf"\b{re.escape(name)}\b", s))
+    return found[:400]
 
 
 async def send_message(ctx: ToolContext, to: str, text: str) -> dict[str, Any]:

@@ -136,9 +136,9 @@ async def test_unparseable_arguments_become_an_error_the_model_sees(endpoint):
     reply = await model.complete([{"role": "user", "content": "go"}], [], max_output_tokens=16, max_requests=1)
     await model.close()
     assert reply.tool_calls[0].arguments == {"_unparsed": "{not json"}
-    from agent_host.tools import _check_arguments
+    from agent_host.tools import SPECS, _check_arguments
 
-    problem = _check_arguments("finish", reply.tool_calls[0].arguments)
+    problem = _check_arguments("finish", reply.tool_calls[0].arguments, SPECS["finish"]["parameters"])
     assert problem is not None and "not a JSON object" in problem
 
 
