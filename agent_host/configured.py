@@ -94,11 +94,12 @@ class ConfiguredAgents:
         sub = agent.subagents
         role = f"Your workspace is {agent.workspace}." if agent.workspace else ""
         allowed = sub.allow_agents
-        ids = tuple(sorted(self.agents)) if "*" in allowed else tuple(
-            a for a in dict.fromkeys((agent.id, *allowed)) if a in self.agents)
+        others = sorted(self.agents) if "*" in allowed else [a for a in allowed if a in self.agents]
+        ids = tuple(dict.fromkeys((*others, agent.id)))  # the agents it may choose first, its own last
         spawn_as = tuple((i, self.summary(self.agents[i])) for i in ids)
         return AgentProfile(model=chain, tools=tools_for(agent, skills, self.base_tools), role=role,
                             instructions="\n\n".join(s.prompt() for s in skills),
                             spawn_as=spawn_as if len(spawn_as) > 1 else (),
                             max_working_children=sub.max_children_per_agent or None,
+                            max_spawn_depth=sub.max_spawn_depth or None,
                             subagent_models=(sub.model, *sub.model_fallbacks) if sub.model else ())

@@ -50,6 +50,9 @@ class AgentProfile:
     max_spawns: int | None = None
     """Children the agent may start in all; once reached, spawn_agent is no
     longer offered (None: no limit)."""
+    max_spawn_depth: int | None = None
+    """How deep below the top-level agent its tree may go (a configured agent's subagents.maxSpawnDepth,
+    which the mesh enforces): spawn_agent is not offered to an agent at that depth."""
     max_working_children: int | None = None
     """Children it may have at their task at once; spawn_agent is not offered while that many work (a
     configured agent's subagents.maxChildrenPerAgent, which the mesh enforces too)."""
@@ -178,7 +181,8 @@ class Host:
         conversation.messages += history or []
         inbox = self.inbox.inbox_of(handle)
         runner = AgentRunner(self, record, handle, inbox, profile.model, conversation, budget, self.config,
-                             max_spawns=profile.max_spawns, max_working=profile.max_working_children)
+                             max_spawns=profile.max_spawns, max_working=profile.max_working_children,
+                             max_depth=profile.max_spawn_depth)
         runner.actions.stats = runner.stats
         runner.profile = profile
         self.runners[record.agent_id] = runner
@@ -290,6 +294,7 @@ class Host:
         parent_runner = self.runners.get(parent.agent_id)
         record = HostedAgent(agent_id=child.agent_id, name=name, credential=child.credential, mode=mode,
                              parent_id=parent.agent_id, task_message_id=task_message_id, task_text=task,
+                             depth=parent.depth + 1,
                              conversation_id=conversation_id, keep_alive=self.config.keep_alive,
                              run_id=child.run_id, config_id=config_id or parent.config_id,
                              models=parent_runner.profile.subagent_models if parent_runner else ())

@@ -53,6 +53,8 @@ class HostedAgent:
     result: str = ""
     closed: bool = False
     tools: tuple[str, ...] = ()
+    depth: int = 0
+    """0 for a top-level agent, its parent's + 1 for a child."""
     config_id: str = ""
     """The configured agent (the routing config's agents.list id) it runs as; empty: the host's own profile."""
     models: tuple[str, ...] = ()

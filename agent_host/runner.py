@@ -59,7 +59,7 @@ class AgentRunner(Generic[HandleT]):
     def __init__(self, host: AgentHost, record: HostedAgent, handle: HandleT, inbox: Inbox,
                  model: Model | ModelChain,
                  conversation: Conversation, budget: TaskBudget, config: HostConfig, *,
-                 max_spawns: int | None = None, max_working: int | None = None):
+                 max_spawns: int | None = None, max_working: int | None = None, max_depth: int | None = None):
         self.host = host
         self.record = record
         self.handle = handle
@@ -90,7 +90,7 @@ class AgentRunner(Generic[HandleT]):
         self._turn: _Turn | None = None
         """The turn in progress: what it consumed, whether the model was called, the calls run and skipped."""
         self._tools = ToolContext(agent=record, handle=handle, host=host, actions=self.actions,
-                                  max_spawns=max_spawns, max_working=max_working,
+                                  max_spawns=max_spawns, max_working=max_working, max_depth=max_depth,
                                   min_task_words=config.min_task_words)
         self._items: AsyncGenerator[StreamItem, None] | None = None
         self._tasks: list[asyncio.Task[None]] = []

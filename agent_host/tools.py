@@ -170,6 +170,8 @@ class ToolContext:
     """Children the agent may start in all (None: no limit)."""
     max_working: int | None = None
     """Children it may have working (task not finished) at once (a configured agent's maxChildrenPerAgent)."""
+    max_depth: int | None = None
+    """How deep the tree may go (a configured agent's maxSpawnDepth): no spawn_agent at that depth."""
     min_task_words: int = 0
     """A subagent's task is all it knows: shorter than this many words it is a label ("send_code"), refused
     (HostConfig.min_task_words)."""
@@ -190,9 +192,13 @@ def available(agent: HostedAgent, max_spawns: int | None, *, working: int = 0,
 
 
 def offered(ctx: ToolContext) -> tuple[str, ...]:
-    """The tools the agent of `ctx` is offered now (`available`, its working children counted)."""
+    """The tools the agent of `ctx` is offered now (`available`, its working children counted; no spawn_agent
+    at the deepest depth its tree may have)."""
     working = sum(1 for c in ctx.host.team(ctx.agent).children if not c.completed) if ctx.max_working else 0
-    return available(ctx.agent, ctx.max_spawns, working=working, max_working=ctx.max_working)
+    tools = available(ctx.agent, ctx.max_spawns, working=working, max_working=ctx.max_working)
+    if ctx.max_depth is not None and ctx.agent.depth >= ctx.max_depth:
+        tools = tuple(t for t in tools if t != "spawn_agent")
+    return tools
 
 
 def _check_arguments(name: str, arguments: dict[str, Any], params: dict[str, Any]) -> str | None:

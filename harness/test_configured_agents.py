@@ -161,9 +161,9 @@ async def test_a_child_runs_as_a_configured_agent_its_parent_may_spawn_and_no_ot
     (_, first), (_, second) = tool_results(chief, "spawn_agent")
     assert first["status"] == "completed" and first["agent"] == "work"
     # not a choice it was given (the mesh would refuse it too: tests/test_routing_ingress.py)
-    assert second["error"] == "spawn_agent: argument 'agent' must be one of ['boss', 'work']", second
+    assert second["error"] == "spawn_agent: argument 'agent' must be one of ['work', 'boss']", second
     offered = [ident for ident, _ in chief.profile.spawn_as]
-    assert offered == ["boss", "work"], "its own and its allowAgents, offered as a choice"
+    assert offered == ["work", "boss"], "its allowAgents first, then its own, offered as a choice"
     assert dict(chief.profile.spawn_as)["work"] == "work (tools: finish, wait)"
 
 
