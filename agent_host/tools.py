@@ -295,7 +295,8 @@ async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = 
         about = _sentences_naming(ctx.agent.task_text, agent_name)
         return {"error": f"the task {task[:80]!r} is not a task: write {agent_name}'s whole task in plain sentences,"
                          f" with every fact {agent_name} needs (it knows nothing but its task)"
-                         + (f". Your own task says about {agent_name}: {about}" if about else "")}
+                         + (f". Your own task says about {agent_name}: \"{about}\" Give {agent_name} its task in"
+                            " such words." if about else "")}
     return await ctx.actions.spawn(agent_name, task, mode, config_id=agent)
 
 
