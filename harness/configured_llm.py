@@ -28,7 +28,7 @@ from agent_host.configured import ConfiguredAgents
 from agent_host.host import Host, HostEvent
 from agent_host.models.openai_chat import OpenAIChatModel
 from harness.prepare import log_progress, prepare
-from harness.real_llm import BUDGET, ScenarioResult, repeat, scenario_mesh, verify, write_report
+from harness.real_llm import BUDGET, ScenarioResult, repeat, scenario_mesh, until_terminated, verify, write_report
 from inboxmesh.cli.run import exchange_summary, small_model_rules
 from inboxmesh.client.mesh import MeshClient
 
@@ -110,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     log_progress("prepare")
     prepare()
-    raise SystemExit(asyncio.run(reliability(args.runs)))
+    raise SystemExit(asyncio.run(until_terminated(reliability(args.runs))))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -325,6 +326,18 @@ async def repeat(runs: int, once: Callable[[OpenAIChatModel, Path, str], Awaitab
     return 0 if passed / runs >= pass_rate else 1
 
 
+async def until_terminated(work: Awaitable[int]) -> int:
+    """Run `work`; SIGTERM cancels it, so the model server it started is stopped on the way out (exit 143)."""
+    me = asyncio.current_task()
+    assert me is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        print("stopped (SIGTERM)", flush=True)
+        return 143
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1)
@@ -332,7 +345,7 @@ def main() -> None:
     args = parser.parse_args()
     log_progress("prepare")
     prepare()  # run by hand, so it makes what is missing (first run: minutes), unlike the test
-    raise SystemExit(asyncio.run(reliability(args.runs, args.via_ioa)))
+    raise SystemExit(asyncio.run(until_terminated(reliability(args.runs, args.via_ioa))))
 
 
 if __name__ == "__main__":
