@@ -100,10 +100,8 @@ class Example:
 async def home_work_code(tmp_path: Path, *, code_model: str = "scripted/code",
                          local_url: str = "") -> AsyncIterator[Example]:
     OFFERED.clear()
-    path = tmp_path / "routing.yaml"
-    example_args = dict(path=path, port=closed_port(), code_model=code_model)
-    path.write_text(CONFIG.format(port=example_args["port"], code_model=code_model, slack_agent="work",
-                                  token=TOKEN))
+    path, port = tmp_path / "routing.yaml", closed_port()
+    path.write_text(CONFIG.format(port=port, code_model=code_model, slack_agent="work", token=TOKEN))
     async with Mesh(replace(make_config(tmp_path), routing=path)) as mesh:
         async with MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
             listing = await client.configured_agents()
@@ -113,7 +111,7 @@ async def home_work_code(tmp_path: Path, *, code_model: str = "scripted/code",
                                 budget=Budget(max_model_requests=30, max_wall_time_s=600, max_requests_per_reply=2))
             async with Host(config, ConfiguredAgents(listing, catalog)) as host:
                 async with SessionHost(host, client, TOKEN) as sessions:
-                    yield Example(mesh, client, host, sessions, **example_args)
+                    yield Example(mesh, client, host, sessions, path=path, port=port, code_model=code_model)
             await catalog.close()
 
 
