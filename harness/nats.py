@@ -30,10 +30,20 @@ def nats_server_binary() -> str:
     return found
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A loopback port nothing listens on now, and never one this process handed out before: a node started
+    again on its old client port once got that same port (free while the node was down) as its monitoring
+    port, and could not listen (CI, 2026-12-03)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 CONFIG = Path(__file__).resolve().parent / "nats-server.conf"
