@@ -6,7 +6,6 @@ read back from the mesh's record and from what the model was actually given."""
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 
 import pytest
@@ -19,6 +18,7 @@ from agent_host.models.scripted import ContextView, Decision, call, say
 from agent_host.skills import SkillLibrary
 from harness.evidence import Record
 from harness.hosts import by_name
+from harness.nats import free_port
 from harness.test_addressing import tool_results
 from inboxmesh.client.mesh import MeshClient
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -26,13 +26,6 @@ from services.server import Mesh
 from tests.fixtures import ADMIN_TOKEN, make_config
 
 K = ev.EventKind
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on: a model endpoint that refuses every connection."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CONFIG = """
@@ -89,7 +82,7 @@ def boss(view: ContextView) -> Decision:
 @pytest.fixture
 async def configured(tmp_path):
     path = tmp_path / "routing.yaml"
-    path.write_text(CONFIG.format(port=closed_port()))
+    path.write_text(CONFIG.format(port=free_port()))  # nothing listens there: an endpoint that refuses connections
     skills = tmp_path / "skills"
     (skills / "triage").mkdir(parents=True)
     (skills / "triage" / "SKILL.md").write_text(TRIAGE)

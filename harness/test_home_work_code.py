@@ -11,7 +11,6 @@ harness/test_real_llm.py (the real-model lane)."""
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from agent_host.host import Host
 from agent_host.models.scripted import ContextView, Decision, say
 from agent_host.sessions import SessionHost
 from harness.evidence import Record
+from harness.nats import free_port
 from inboxmesh.client.mesh import MeshClient
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -75,12 +75,6 @@ def answering(agent: str):
     return policy
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Example:
     mesh: Mesh
@@ -100,7 +94,7 @@ class Example:
 async def home_work_code(tmp_path: Path, *, code_model: str = "scripted/code",
                          local_url: str = "") -> AsyncIterator[Example]:
     OFFERED.clear()
-    path, port = tmp_path / "routing.yaml", closed_port()
+    path, port = tmp_path / "routing.yaml", free_port()  # nothing listens there: an endpoint that refuses connections
     path.write_text(CONFIG.format(port=port, code_model=code_model, slack_agent="work", token=TOKEN))
     async with Mesh(replace(make_config(tmp_path), routing=path)) as mesh:
         async with MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
