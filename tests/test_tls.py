@@ -100,6 +100,10 @@ async def test_mutual_tls_requires_a_client_certificate_from_its_ca(tmp_path, pk
         stranger = Pki(tmp_path, "stranger")
         foreign_cert, foreign_key = stranger.issue("host-b", "host-b.example")
         await _refused(mesh.address, tls_credentials(pki.ca_file, foreign_cert, foreign_key))
+        expired_cert, expired_key = clients.issue(
+            "host-old", "host-old.example", not_before=datetime.datetime(2019, 1, 1, tzinfo=datetime.UTC),
+            not_after=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC))
+        await _refused(mesh.address, tls_credentials(pki.ca_file, expired_cert, expired_key))
 
 
 async def test_bad_tls_files_are_refused_at_start_naming_the_setting_and_the_file(tmp_path, pki):
