@@ -79,10 +79,19 @@ class AgentActions:
         task, not a mesh notice). None when there is none."""
         if message_id is not None:
             return self.received.get(message_id)
+        newest = self.answerable(1)
+        return newest[0] if newest else None
+
+    def answerable(self, limit: int = 3) -> list[env_pb.Envelope]:
+        """The newest messages the agent consumed that it can answer (not its task, not a mesh notice),
+        newest first, at most `limit`."""
+        found: list[env_pb.Envelope] = []
         for message in reversed(list(self.received.values())):
+            if len(found) == limit:
+                break
             if message.kind not in (env_pb.MESSAGE_KIND_TASK, env_pb.MESSAGE_KIND_CONTROL):
-                return message
-        return None
+                found.append(message)
+        return found
 
     def children_status(self) -> tuple[list[str], list[str]]:
         """Names of the agent's children on this host that have reported (their COMPLETION answering

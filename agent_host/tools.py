@@ -321,9 +321,18 @@ async def reply(ctx: ToolContext, text: str, message_id: str = "") -> dict[str, 
         if not message_id or not ctx.actions.message():
             ctx.actions.wait_for_messages()  # nothing to answer yet: the answer's question wakes the agent
             return {"error": "you have received no message to answer yet; end your turn and wait"}
-        return {"error": f"you received no message with message_id {message_id!r}"}
+        choices = "; ".join(f"message_id {m.message_id!r} ({_gist(m.content.text)})"
+                            for m in ctx.actions.answerable())
+        return {"error": f"you received no message with message_id {message_id[:120]!r}; copy the message_id of"
+                         f" the one you answer whole from this list, newest first: {choices}"}
     receipt = await ctx.actions.reply(original, text)
     return receipt_result(receipt)
+
+
+def _gist(text: str, words: int = 8) -> str:
+    """The first words of a message, to tell it apart in an error."""
+    head = text.split()
+    return repr(" ".join(head[:words]) + (" ..." if len(head) > words else ""))
 
 
 async def list_agents(ctx: ToolContext) -> dict[str, Any]:

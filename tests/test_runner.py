@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -339,3 +340,28 @@ async def test_a_wait_that_is_not_the_answers_last_call_is_skipped(running):
     assert [c["function"]["name"] for c in assistant["tool_calls"]] == ["list_agents", "wait"]
     [ended] = [e for e in agent.events if e.kind == K.EVENT_KIND_TURN_ENDED]
     assert ended.detail == "ran: list_agents, wait; skipped: wait"
+
+
+async def test_a_reply_to_a_wrong_message_id_is_told_the_ids_it_can_answer(running):
+    """A small model dropped the node prefix of an IOA message id and sent the same wrong id eleven times:
+    the error lists the messages it can answer (newest first), so the next call can copy the right one."""
+    agent, host = FakeAgent("agt_bob"), FakeHost({"agt_bob": "bob", "agt_alice": "alice"})
+
+    def copies_from_the_error(view: ContextView) -> Decision:
+        tried = view.called("reply")
+        if not tried:
+            return Decision(calls=[("reply", {"message_id": "agt_alice:m1", "text": "got it"})]) if view.new \
+                else say("waiting")
+        if "error" in tried[-1].result and len(tried) == 1:
+            [listed] = re.findall(r"message_id '([^']+)'", tried[-1].result["error"].split("newest first")[1])
+            return Decision(calls=[("reply", {"message_id": listed, "text": "got it"})])
+        return say("done")
+
+    runner = await running(runner_for(agent, host, ScriptedModel(copies_from_the_error)))
+    agent.deliver("agt_alice", "the code is K-1 and more words here", "ioa:north:agt_alice:m1")
+    await eventually(lambda: runner.state == "idle" and agent.sent, message="answered at the second try")
+    error = ContextView.parse(runner.conversation.messages, []).called("reply")[0].result["error"]
+    assert "'agt_alice:m1'" in error and "message_id 'ioa:north:agt_alice:m1' ('the code is K-1 and more words"\
+        " here')" in error, error
+    [answer] = agent.sent
+    assert answer.in_reply_to == "ioa:north:agt_alice:m1"
