@@ -922,7 +922,7 @@ class IoaRelay:
             events.append(ev.Event(kind=ev.EVENT_KIND_IOA_HELD, at_us=at, agent_id=message.direct.agent,
                                    message_id=message.ioa_message_id, sender=key[0], recipient=message.direct.agent,
                                    trace_id=trace_id(span), detail=f"waits for {after}"))
-        await self._events.record_events(events, lazy=False)
+        await self._events.record_events(events)
         return ready
 
     def _overdue(self) -> list[_Arrival]:

@@ -510,8 +510,9 @@ class EventStore(abc.ABC):
     async def record_events(self, events: list[EventRecord], *, lazy: bool = True) -> list[int]:
         """Append events that are not a side effect of another store call.
         lazy: return once queued (written with the next commit, at the latest
-        shortly after; returns []). Otherwise return their ids once durable,
-        ordered after every earlier write."""
+        shortly after; returns []), ordered before every write this process
+        makes after the call. Otherwise return their ids once durable, ordered
+        after every earlier write."""
 
     @abc.abstractmethod
     def add_commit_listener(self, callback: CommitListener) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from nats.js.errors import APIError, NotFoundError
 
@@ -29,6 +29,7 @@ from services.store.base import (
 from services.store.jetstream import kv
 from services.store.jetstream.connection import IN_PROCESS, JetStreamConnection
 from services.store.jetstream.kv import MessageState
+from services.store.jetstream.shared_writes import SharedWrites
 
 log = logging.getLogger(__name__)
 _NOTICE_PREFIX = base.RESERVED_ID_PREFIX + "notice:"
@@ -140,12 +141,18 @@ class EventLog:
         time at once."""
         if not rows:
             return []
+        return self._told(rows, await self._store(self._messages(rows), copies))
+
+    def _messages(self, rows: list[EventRow]) -> list[tuple[str, bytes, dict[str, str]]]:
         messages = []
         for row in rows:
             ident = dedup_id(row)
             messages.append((f"{self.conn.ns}.ev.{kv.token(row.agent_id or '_')}.{kv.token(row.sender or '_')}",
                              row.event(0).SerializeToString(), {"Nats-Msg-Id": ident} if ident else {}))
-        recorded = await self._store(messages, copies)
+        return messages
+
+    def _told(self, rows: list[EventRow], recorded: list[Recorded]) -> list[Recorded]:
+        """Tell this process's listeners of the rows recorded (not copies)."""
         for done, row in zip(recorded, rows):
             if done.duplicate:
                 continue
@@ -159,7 +166,11 @@ class EventLog:
     async def _store(self, messages: list[tuple[str, bytes, dict[str, str]]], copies: bool) -> list[Recorded]:
         # copies one at a time (one in an atomic batch would have it refused); the rest shared with the
         # events other calls publish at the same time (shared_writes.py)
-        acks = await (self.conn.publish_each(messages) if copies else self.conn.event_writes.publish(messages))
+        return self._recorded(await (self.conn.publish_each(messages) if copies else
+                                     self.conn.event_writes.publish(messages)))
+
+    @staticmethod
+    def _recorded(acks: list[Any]) -> list[Recorded]:
         recorded = []
         for ack in acks:
             if isinstance(ack, APIError) and ack.err_code == IN_PROCESS:
@@ -175,8 +186,16 @@ class EventLog:
         return [ack.seq for ack in await self.publish(rows)]
 
     def emit_later(self, rows: list[EventRow]) -> None:
-        """Publish in the background (owned: close() waits for it)."""
-        task = asyncio.create_task(self.emit(rows))
+        """Publish in the background (owned: close() waits for it), queued now: ordered before every event
+        this process publishes after the call (the shared writes are in order)."""
+        if not rows:
+            return
+        writes = self.conn.event_writes.enqueue(self._messages(rows))
+
+        async def told() -> list[int]:
+            return [done.seq for done in self._told(rows, self._recorded(await SharedWrites.answers(writes)))]
+
+        task = asyncio.create_task(told())
         self._pending.add(task)
         task.add_done_callback(self._emitted)
 

@@ -72,10 +72,20 @@ class SharedWrites:
         as JetStreamConnection.publish_each does). A NATS failure (timeout, connection lost) is raised to
         every caller of the flush: some of its messages may be stored. More than BATCH_MAX go as several
         writes, one after the other."""
+        return await self.answers(self.enqueue(messages))
+
+    def enqueue(self, messages: list[Message]) -> list[_Write]:
+        """Queue the messages now, behind every write queued before (publish without its wait: what
+        `answers` then waits for)."""
         writes = [_Write(messages[start:start + BATCH_MAX]) for start in range(0, len(messages), BATCH_MAX)]
         self._waiting += writes
         if writes and not self._flushing:
             self._start()
+        return writes
+
+    @staticmethod
+    async def answers(writes: list[_Write]) -> list[Any]:
+        """The answers of queued writes, in order (see publish)."""
         answers: list[Any] = []
         for write in writes:
             answers += await asyncio.shield(write.done)
