@@ -47,7 +47,7 @@ def _tls(ca: str) -> Any:
 
 
 async def run_sender(address: str, agent_id: str, credential: str, recipient: str, n: int, c: int,
-                     events_address: str = "", ca: str = "") -> None:
+                     events_address: str = "", ca: str = "", watch_credential: str = "") -> None:
     import grpc
 
     from inboxmesh.client.mesh import MeshClient, envelope
@@ -57,13 +57,16 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
     async with MeshClient(address, tls=_tls(ca)) as client, \
             MeshClient(events_address or address, tls=_tls(ca)) as events_client:
         me = client.agent(agent_id, credential)
-        watcher_view = events_client.agent(agent_id, credential)  # the receiver's replica records its acks
+        receiver_id = recipient.rpartition("/")[2]
+        # the receiver's replica records its acks; on another mesh (two meshes across IOA) the sender is
+        # unknown there, and the watch reads the receiver's own events with its credential
+        watcher_view = (events_client.agent(receiver_id, watch_credential) if watch_credential else
+                        events_client.agent(agent_id, credential))
         window = asyncio.Semaphore(c)
         consumed = 0
         all_consumed = asyncio.Event()
         target = 0
 
-        receiver_id = recipient.rpartition("/")[2]
         watched: dict[str, int] = {}
         """Message id -> event id of each consumption the watch gave."""
 
@@ -215,14 +218,18 @@ async def run_receiver(address: str, agent_id: str, credential: str, ca: str = "
         await reporter
 
 
-async def setup_agents(address: str, ca: str = "") -> tuple:
+async def setup_agents(address: str, ca: str = "", receiver_address: str = "") -> tuple:
+    """The sender and the receiver, children of one lead; with `receiver_address` (another mesh) the
+    receiver is a child of a lead of its own there."""
     from inboxmesh.client.mesh import MeshClient
 
     async with MeshClient(address, tls=_tls(ca)) as client:
         lead = await client.register("bench")
         sender = await lead.spawn("sender")
-        receiver = await lead.spawn("receiver", inbox_capacity=100_000)
-        return sender, receiver
+        if not receiver_address:
+            return sender, await lead.spawn("receiver", inbox_capacity=100_000)
+    async with MeshClient(receiver_address, tls=_tls(ca)) as far:
+        return sender, await (await far.register("bench")).spawn("receiver", inbox_capacity=100_000)
 
 
 def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store: str = "sqlite",
@@ -230,7 +237,9 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
     """One measurement. With the jetstream store a nats-server (file
     storage) runs beside the mesh, or a cluster of `nats_nodes` with every
     stream on all of them; with two replicas the sender talks to the first
-    mesh process and the receiver to the second."""
+    mesh process and the receiver to the second. Via IOA on SQLite, two
+    "replicas" are two meshes (nodes near and far), as IOA is used: each
+    does one relay's work."""
     env = python_env()
     me = [sys.executable, str(Path(__file__).resolve())]
     cli = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning"]
@@ -248,7 +257,10 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
         if via_ioa:
             network = Child("ioa-server", [*cli, "ioa-server", "--port", "0"], env)
             children.append(network)
-            extra = ["--ioa-network", network.expect("ioa network listening on "), "--node-id", "bench"]
+            extra = ["--ioa-network", network.expect("ioa network listening on ")]
+        two_meshes = via_ioa and store == "sqlite" and replicas > 1
+        if two_meshes and replicas != 2:
+            raise SystemExit("via IOA on SQLite: --replicas 2 (two meshes, near and far) or 1")
         if store == "jetstream":
             from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
 
@@ -262,13 +274,14 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
         addresses = []
         try:
             for i in range(replicas):  # one after the other: the first creates the streams and buckets
+                node = (["--node-id", ("near", "far")[i] if two_meshes else "bench"] if via_ioa else [])
                 mesh = Child(f"mesh{i}", [*cli, "up", "--port", "0", "--no-demo", "--data-dir", f"{data}/m{i}",
-                                          "--synchronous", synchronous, *extra], env)
+                                          "--synchronous", synchronous, *extra, *node], env)
                 meshes.append(mesh)
                 children.append(mesh)
                 addresses.append(mesh.expect("inboxmesh listening on ").split()[0])
-            sender, receiver = asyncio.run(setup_agents(addresses[0], ca))
-            target = f"ioa:bench/{receiver.agent_id}" if via_ioa else receiver.agent_id
+            sender, receiver = asyncio.run(setup_agents(addresses[0], ca, addresses[-1] if two_meshes else ""))
+            target = f"ioa:{'far' if two_meshes else 'bench'}/{receiver.agent_id}" if via_ioa else receiver.agent_id
             recv = Child("receiver", [*me, "--role", "receiver", "--address", addresses[-1], "--agent",
                                       receiver.agent_id, "--credential", receiver.credential, "--tls-ca", ca], env)
             children.append(recv)
@@ -276,10 +289,12 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
             send = Child("sender", [*me, "--role", "sender", "--address", addresses[0], "--agent", sender.agent_id,
                                     "--credential", sender.credential, "--recipient", target,
                                     "--events-address", addresses[-1],
-                                    "--messages", str(n), "--concurrency", str(c), "--tls-ca", ca], env)
+                                    "--messages", str(n), "--concurrency", str(c), "--tls-ca", ca,
+                                    "--watch-credential", receiver.credential if two_meshes else ""], env)
             children.append(send)
             send.expect("warmed", others=children)
-            processes = {**{m.name: m for m in meshes}, "sender": send, "receiver": recv}
+            processes = {**{m.name: m for m in meshes}, "sender": send, "receiver": recv,
+                         **({"ioa-network": children[0]} if via_ioa else {})}
             before = {k: p.cpu() for k, p in processes.items()}
             nats_before = _cpu_of(nats_node)
             send.send("go")
@@ -293,7 +308,8 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                 cpu["nats"] = _cpu_of(nats_node) - nats_before
             recv.send(f"report {len(sent_ns)}")
             consumed_ns = json.loads(recv.expect("consumed ", others=children))
-            name = ("inboxmesh-ioa" if via_ioa else "inboxmesh") + ("-tls" if tls else "")
+            name = ("inboxmesh-ioa" + ("-2meshes" if two_meshes else "") if via_ioa else "inboxmesh") + \
+                ("-tls" if tls else "")
             if store == "jetstream":
                 name += f"-jetstream-{replicas}r" + (f"-{nats_nodes}n" if nats_nodes > 1 else "")
             return summarize(name, c, sent_ns, consumed_ns, cpu)
@@ -338,13 +354,14 @@ def main() -> None:
                         help="the mesh's store (jetstream: a nats-server with file storage beside it)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="mesh processes on the jetstream store (the sender uses the first, the receiver the"
-                             " last)")
+                             " last); with --via-ioa on sqlite, 2 means two meshes (nodes near and far)")
     parser.add_argument("--nats-nodes", type=int, default=1,
                         help="jetstream: a cluster of this many nats-servers, every stream on all of them")
     parser.add_argument("--tls", action="store_true",
                         help="the mesh serves TLS (a certificate made for the run), the clients trust its CA")
     parser.add_argument("--tls-ca", default="", help=argparse.SUPPRESS)
     parser.add_argument("--events-address", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--watch-credential", default="", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--agent", help=argparse.SUPPRESS)
@@ -353,7 +370,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "sender":
         asyncio.run(run_sender(args.address, args.agent, args.credential, args.recipient, args.messages,
-                               args.concurrency, args.events_address, args.tls_ca))
+                               args.concurrency, args.events_address, args.tls_ca, args.watch_credential))
     elif args.role == "receiver":
         asyncio.run(run_receiver(args.address, args.agent, args.credential, args.tls_ca))
     else:
