@@ -39,6 +39,8 @@ SYSTEMS = [
     ("autogen", "autogen_bench.py", AUTOGEN_PYTHON, 3_000, 6_000, ()),
     ("inboxmesh", "mesh_bench.py", Path(sys.executable), 3_000, 10_000, ()),
     ("inboxmesh-ioa", "mesh_bench.py", Path(sys.executable), 1_500, 3_000, ("--via-ioa",)),
+    # two meshes (nodes near and far) across the network, as IOA is used: each does one relay's work
+    ("inboxmesh-ioa-2meshes", "mesh_bench.py", Path(sys.executable), 1_500, 3_000, ("--via-ioa", "--replicas", "2")),
 ]
 METRICS = ("msgs_per_s", "p50_ms", "p99_ms", "cpu_us_per_msg")
 
