@@ -102,4 +102,5 @@ class ConfiguredAgents:
                             spawn_as=spawn_as if len(spawn_as) > 1 else (),
                             max_working_children=sub.max_children_per_agent or None,
                             max_spawn_depth=sub.max_spawn_depth or None,
-                            subagent_models=(sub.model, *sub.model_fallbacks) if sub.model else ())
+                            subagent_models=(sub.model, *sub.model_fallbacks) if sub.model else (),
+                            team_targets={"team": True, "any": False}.get(agent.tools.send_to))

@@ -64,6 +64,9 @@ class AgentProfile:
     subagent_models: tuple[str, ...] = ()
     """Model references its children run with (a configured agent's subagents.model and fallbacks; empty:
     their own)."""
+    team_targets: bool | None = None
+    """Whether send_message offers a choice of team names (a configured agent's tools.sendTo: "team"
+    True, "any" False); None: the host's HostConfig.team_targets."""
 
 
 ProfileFactory = Callable[[HostedAgent], AgentProfile]

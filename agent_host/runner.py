@@ -289,8 +289,10 @@ class AgentRunner(Generic[HandleT]):
         return f"Your task: {task}" + (f"\n{NOTE_PREFIX}Done so far: {'; '.join(done)}." if done else "")
 
     def _team_targets(self) -> list[str] | None:
-        """send_message's choice of names (config.team_targets): the agent's children and siblings here."""
-        if not self.config.team_targets:
+        """send_message's choice of names (the profile's team_targets, else config.team_targets): the agent's
+        children and siblings here."""
+        chosen = self.profile.team_targets if self.profile is not None else None
+        if not (self.config.team_targets if chosen is None else chosen):
             return None
         team = self.host.team(self.record)
         return sorted({a.name for a in team.children + team.siblings}) or None

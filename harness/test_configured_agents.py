@@ -37,7 +37,7 @@ agents:
     - id: home
       default: true
       model: scripted/answer
-      tools: {{deny: [close_agent, spawn_agent]}}
+      tools: {{deny: [close_agent, spawn_agent], sendTo: any}}
     - id: work
       model: {{primary: down/big-model, fallbacks: [scripted/answer]}}
       tools: {{allow: [finish, wait, close_agent], deny: [close_agent]}}
@@ -48,6 +48,7 @@ agents:
     - id: boss
       model: scripted/boss
       subagents: {{allowAgents: [work]}}
+      tools: {{sendTo: team}}
 """
 TRIAGE = """---
 description: sort incoming requests
@@ -170,3 +171,14 @@ def by_name_record():
     from agent_host.hoststore import HostedAgent
 
     return HostedAgent(agent_id="agt_x", name="x", credential="c", mode="main")
+
+
+async def test_which_targets_send_message_offers_comes_from_tools_send_to(configured):
+    """tools.sendTo is served (ListConfiguredAgents) and becomes the agent's profile: "team" a choice of its
+    team's names, "any" free text, unset the host's rule (tests/test_runner.py runs both through a turn)."""
+    host, client = configured
+    served = {a.id: a.tools.send_to for a in (await client.configured_agents()).agents}
+    assert served == {"home": "any", "work": "", "code": "", "boss": "team"}
+    profiles = {config_id: host.profiles(replace(by_name_record(), config_id=config_id)).team_targets
+                for config_id in served}
+    assert profiles == {"home": False, "work": None, "code": None, "boss": True}

@@ -307,6 +307,8 @@ INVALID = [
     ("top-level-not-mapping", [1, 2], "(top level): expected a mapping, got [1, 2]", "WRONG_TYPE"),
     ("tools-deny-not-list", _agents({"id": "a", "tools": {"deny": "shell"}}),
      "agents.list[0].tools.deny: expected a list, got 'shell'", "WRONG_TYPE"),
+    ("tools-send-to", _agents({"id": "a", "tools": {"sendTo": "everyone"}}),
+     "agents.list[0].tools.sendTo: must be one of team, any, got 'everyone'", "BAD_VALUE"),
     ("tools-unknown", _agents({"id": "a", "tools": {"allow": ["send_message", "shell"]}}),
      "agents.list[0].tools.allow[1]: unknown tool 'shell'; the tools are spawn_agent, send_message, reply, list_agents,"
      " close_agent, finish, wait, space_send, space_read", "UNKNOWN_TOOL"),
@@ -468,14 +470,14 @@ def test_entry_values_override_defaults() -> None:
                 "model": {"primary": "base", "fallbacks": ["spare"]},
                 "workspace": "/ws",
                 "skills": ["search"],
-                "tools": {"allow": ["list_agents"], "deny": ["close_agent"]},
+                "tools": {"allow": ["list_agents"], "deny": ["close_agent"], "sendTo": "team"},
                 "subagents": {"maxSpawnDepth": 3, "maxChildrenPerAgent": 7, "model": "cheap",
                               "allowAgents": ["helper"]},
             },
             "list": [
                 {"id": "plain"},
                 {"id": "custom", "model": "special", "workspace": "/other", "skills": [],
-                 "agentDir": "/state", "tools": {"deny": []},
+                 "agentDir": "/state", "tools": {"deny": [], "sendTo": "Any"},
                  "subagents": {"maxSpawnDepth": 1, "allowAgents": ["*"], "model": {"primary": "mid"}}},
                 {"id": "helper"},
             ],
@@ -488,7 +490,7 @@ def test_entry_values_override_defaults() -> None:
         model=ModelConfig("base", ("spare",)),
         skills=("search",),
         subagents=SubagentPolicy(("helper",), ModelConfig("cheap"), 3, 7),
-        tools=ToolsPolicy(("list_agents",), ("close_agent",)),
+        tools=ToolsPolicy(("list_agents",), ("close_agent",), "team"),
     )
     assert custom == AgentConfig(
         id="custom",
@@ -497,12 +499,12 @@ def test_entry_values_override_defaults() -> None:
         model=ModelConfig("special"),
         skills=(),
         subagents=SubagentPolicy(("*",), ModelConfig("mid"), 1, 7),
-        tools=ToolsPolicy(("list_agents",), ()),
+        tools=ToolsPolicy(("list_agents",), (), "any"),
     )
     assert cfg.defaults == AgentConfig(
         id="main", workspace="/ws", model=ModelConfig("base", ("spare",)), skills=("search",),
         subagents=SubagentPolicy(("helper",), ModelConfig("cheap"), 3, 7),
-        tools=ToolsPolicy(("list_agents",), ("close_agent",)),
+        tools=ToolsPolicy(("list_agents",), ("close_agent",), "team"),
     )
 
 

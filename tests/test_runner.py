@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import re
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from agent_host.budget import BudgetExceeded, TaskBudget
 from agent_host.config import CLOSE_ON_COMPLETE, Budget, HostConfig
 from agent_host.conversation import Conversation
+from agent_host.host import AgentProfile
 from agent_host.hoststore import HostedAgent
 from agent_host.models.base import Model, ModelReply
 from agent_host.models.scripted import ContextView, Decision, ScriptedModel, call, echo, say
@@ -365,3 +367,39 @@ async def test_a_reply_to_a_wrong_message_id_is_told_the_ids_it_can_answer(runni
         " here')" in error, error
     [answer] = agent.sent
     assert answer.in_reply_to == "ioa:north:agt_alice:m1"
+
+
+class ToolsSeen(ScriptedModel):
+    """A scripted model that keeps the tool schemas of every request."""
+
+    def __init__(self, policy: Any):
+        super().__init__(policy, "tools-seen")
+        self.tools: list[list[dict[str, Any]]] = []
+
+    async def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *,
+                       max_output_tokens: int, max_requests: int) -> ModelReply:
+        self.tools.append(tools)
+        return await super().complete(messages, tools, max_output_tokens=max_output_tokens,
+                                      max_requests=max_requests)
+
+
+@pytest.mark.parametrize(("host_rule", "profile_rule", "choice"), [
+    (False, True, True), (True, False, False), (True, None, True), (False, None, False)])
+async def test_send_message_targets_come_from_the_agents_profile_before_the_hosts_rule(
+        running, host_rule, profile_rule, choice):
+    """A configured agent's tools.sendTo (its profile's team_targets) decides whether send_message offers a
+    choice of its team's names; without one, the host's rule does."""
+    agent, host = FakeAgent("agt_bob"), FakeHost({"agt_bob": "bob"})
+    kid = HostedAgent(agent_id="agt_kid", name="kid", credential="unused", mode="async", parent_id="agt_bob")
+    host.team_of["agt_bob"] = Team(children=(kid,))
+    model = ToolsSeen(lambda view: say("idle"))
+    runner = runner_for(agent, host, model, task="look around")
+    runner.config = replace(runner.config, team_targets=host_rule)
+    runner.profile = AgentProfile(model=model, team_targets=profile_rule)
+    await running(runner, run=True)
+    await eventually(lambda: model.tools, message="a model request")
+    [send] = [t for t in model.tools[0] if t["function"]["name"] == "send_message"]
+    offered = send["function"]["parameters"]["properties"]["to"]
+    assert ("enum" in offered) is choice, offered
+    if choice:
+        assert offered["enum"] == ["kid"]

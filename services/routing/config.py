@@ -96,6 +96,9 @@ class ToolsPolicy:
     """Tools allowed; None allows every tool not denied."""
     deny: tuple[str, ...] = ()
     """Tools refused even when allowed."""
+    send_to: str | None = None
+    """Which targets send_message offers: "team" (a choice of the agent's children and siblings by
+    name), "any" (any name, agent id or address); None = as the host decides."""
 
 
 @dataclass(frozen=True)
@@ -316,7 +319,9 @@ _AGENT_KEYS = (
 )
 _AGENT_SUBAGENT_KEYS = ("allowAgents", "model", "maxSpawnDepth", "maxChildrenPerAgent")
 _IDENTITY_KEYS = ("name", "emoji", "avatar", "avatarUrl", "theme")
-_TOOLS_KEYS = ("allow", "deny")
+_TOOLS_KEYS = ("allow", "deny", "sendTo")
+SEND_TO = ("team", "any")
+"""The values of tools.sendTo."""
 _MODEL_KEYS = ("primary", "fallbacks")
 _BINDING_KEYS = ("agentId", "match")
 _MATCH_KEYS = ("channel", "accountId", "peer", "guildId", "roles", "teamId")
@@ -478,6 +483,7 @@ class _Partial:
     skills: tuple[str, ...] | None = None
     tools_allow: tuple[str, ...] | None = None
     tools_deny: tuple[str, ...] | None = None
+    send_to: str | None = None
     allow_agents: tuple[str, ...] | None = None
     subagent_model: ModelConfig | None = None
     max_spawn_depth: int | None = None
@@ -494,6 +500,7 @@ def _partial(r: _Reader, data: dict[str, Any], path: str, subagent_keys: tuple[s
         skills=r.opt(data, "skills", path, r.strings),
         tools_allow=r.opt(tools, "allow", tools_path, r.tool_names),
         tools_deny=r.opt(tools, "deny", tools_path, r.tool_names),
+        send_to=r.opt(tools, "sendTo", tools_path, r.choice, SEND_TO),
         allow_agents=r.opt(sub, "allowAgents", sub_path, r.allow_agents),
         subagent_model=r.opt(sub, "model", sub_path, r.model),
         max_spawn_depth=r.opt(sub, "maxSpawnDepth", sub_path, r.integer, 1, 10),
@@ -515,6 +522,7 @@ def _agent(agent_id: str, entry: _Partial, defaults: _Partial, **fields: Any) ->
         tools=ToolsPolicy(
             allow=_pick(entry.tools_allow, defaults.tools_allow),
             deny=_pick(entry.tools_deny, defaults.tools_deny, ()),
+            send_to=_pick(entry.send_to, defaults.send_to),
         ),
         subagents=SubagentPolicy(
             allow_agents=_pick(entry.allow_agents, defaults.allow_agents, ()),

@@ -236,7 +236,7 @@ def configured_agent_pb(a: AgentConfig, is_default: bool) -> pb.ConfiguredAgent:
                              theme=a.identity.theme or ""),
         workspace=a.workspace or "", skills=list(a.skills or ()), all_skills=a.skills is None,
         tools=pb.ToolsPolicy(restricted=a.tools.allow is not None, allow=list(a.tools.allow or ()),
-                             deny=list(a.tools.deny)),
+                             deny=list(a.tools.deny), send_to=a.tools.send_to or ""),
         subagents=pb.SubagentPolicy(
             allow_agents=list(sub.allow_agents), model=sub.model.primary if sub.model else "",
             model_fallbacks=list(sub.model.fallbacks) if sub.model else [], max_spawn_depth=sub.max_spawn_depth,

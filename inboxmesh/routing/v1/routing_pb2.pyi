@@ -120,14 +120,16 @@ class Identity(_message.Message):
     def __init__(self, name: _Optional[str] = ..., emoji: _Optional[str] = ..., avatar: _Optional[str] = ..., avatar_url: _Optional[str] = ..., theme: _Optional[str] = ...) -> None: ...
 
 class ToolsPolicy(_message.Message):
-    __slots__ = ("restricted", "allow", "deny")
+    __slots__ = ("restricted", "allow", "deny", "send_to")
     RESTRICTED_FIELD_NUMBER: _ClassVar[int]
     ALLOW_FIELD_NUMBER: _ClassVar[int]
     DENY_FIELD_NUMBER: _ClassVar[int]
+    SEND_TO_FIELD_NUMBER: _ClassVar[int]
     restricted: bool
     allow: _containers.RepeatedScalarFieldContainer[str]
     deny: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, restricted: bool = ..., allow: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ...) -> None: ...
+    send_to: str
+    def __init__(self, restricted: bool = ..., allow: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ..., send_to: _Optional[str] = ...) -> None: ...
 
 class SubagentPolicy(_message.Message):
     __slots__ = ("allow_agents", "model", "model_fallbacks", "max_spawn_depth", "max_children_per_agent")
