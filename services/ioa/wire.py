@@ -30,6 +30,9 @@ KEPT_HEADERS = (H + "relay", *NOTICE_HEADERS)
 dead-letter notice can cross back), and a crossing notice's own."""
 
 
+_KINDS = frozenset(env_pb.MessageKind.keys())
+
+
 def address_of(node: str, agent: str) -> str:
     return f"{IOA_PREFIX}{node}/{agent}"
 
@@ -77,7 +80,7 @@ def from_address(message: net.IoaMessage, node: str, agent: str) -> net.IoaMessa
 def to_envelope(message: net.IoaMessage, *, node: str, max_hops: int, span: trace.Span) -> env_pb.Envelope:
     """The envelope node `node` stores for a received message: sender `ioa:<from>`, origin IOA, the
     IOA id as its message id, the trail in local form; traced as a child of `span`."""
-    h = message.headers
+    h = dict(message.headers)  # one copy out of the protobuf map: read a dozen times below
     sender = getattr(message, "from")
     if H + "relay" in h and h[H + "relay"].partition("/")[0] != sender.node:
         raise Refused(f"the {H}relay header names another node than the one the message came from"
@@ -87,7 +90,7 @@ def to_envelope(message: net.IoaMessage, *, node: str, max_hops: int, span: trac
         message_id=message.ioa_message_id,
         sender=address_of(sender.node, sender.agent),
         recipient=message.direct.agent,
-        kind=kind if kind in env_pb.MessageKind.keys() else "MESSAGE_KIND_TEXT",
+        kind=kind if kind in _KINDS else "MESSAGE_KIND_TEXT",
         content=env_pb.Content(text=message.text, data=message.data, media_type=message.media_type),
         in_reply_to=local_id(h.get(H + "in-reply-to", ""), node),
         conversation_id=h.get(H + "conversation-id", ""),
