@@ -282,3 +282,18 @@ def test_inboxmesh_host_serves_routed_sessions_and_they_answer_on_their_channel(
             out, _ = host.communicate(timeout=30)
         assert host.returncode == 0, out
         assert "serving the sessions of 1 configured agent(s) (helper" in out
+
+
+def test_run_offers_the_local_model_a_smaller_tool_set_unless_told():
+    """Every tool schema is part of each request's prompt: `inboxmesh run --model local` leaves out
+    list_agents and close_agent (about a fifth of the schemas) unless --tools names them."""
+    import json
+
+    from agent_host.tools import ALL_TOOLS, schemas
+    from inboxmesh.cli.run import tools_offered
+
+    local = tools_offered(None, "local")
+    assert set(local) == set(ALL_TOOLS) - {"list_agents", "close_agent"}
+    assert tools_offered(None, "openai") == ALL_TOOLS
+    assert tools_offered("finish, list_agents", "local") == ("finish", "list_agents")
+    assert len(json.dumps(schemas(local))) < 0.8 * len(json.dumps(schemas(ALL_TOOLS)))

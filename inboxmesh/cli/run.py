@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds per model request (default: INBOXMESH_MODEL_TIMEOUT, else 60; local: 240)")
     parser.add_argument("--tool-choice", choices=("auto", "required"),
                         help="auto or required (default: INBOXMESH_TOOL_CHOICE, else auto; local: required)")
-    parser.add_argument("--tools", help="comma-separated tools every agent gets (default: all; configured"
-                                        " agents: their config's)")
+    parser.add_argument("--tools", help="comma-separated tools every agent gets (default: all; --model local:"
+                                        " spawn_agent, send_message, reply, finish, wait; configured agents:"
+                                        " their config's)")
     parser.add_argument("--max-requests", type=int, default=Budget.max_model_requests, help="model requests in all")
     parser.add_argument("--max-seconds", type=float, default=Budget.max_wall_time_s, help="wall-time budget")
     parser.add_argument("--max-output-tokens", type=int, default=Budget.max_output_tokens, help="per request")
@@ -69,6 +70,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--via-ioa", action="store_true",
                         help="send every message between agents through the mesh's IOA relay")
     parser.add_argument("--quiet", action="store_true", help="no live lines, only the summary")
+
+
+LOCAL_TOOLS = ("spawn_agent", "send_message", "reply", "finish", "wait")
+"""What `--model local` offers by default: every tool schema is part of each request's prompt, and on 2 CPU
+cores a request's time grows with it; list_agents (ids, which the small model is not shown) and close_agent
+(children end with their task) are left out. `--tools` or a configured agent's tools.allow give them back."""
+
+
+def tools_offered(listed: str | None, model: str) -> tuple[str, ...]:
+    """The tools of `--tools` (comma-separated), else the default for the model."""
+    if listed:
+        return tuple(t.strip() for t in listed.split(",") if t.strip())
+    return LOCAL_TOOLS if model == "local" else ALL_TOOLS
 
 
 def small_model_rules(config: HostConfig) -> HostConfig:
@@ -81,7 +95,7 @@ def small_model_rules(config: HostConfig) -> HostConfig:
 async def _profiles(args, client: MeshClient, stack: contextlib.AsyncExitStack) -> tuple[ProfileFactory, str]:
     """The agents' profiles and a description of the model(s), starting the local model server when one is
     needed (stopped by `stack`)."""
-    tools = tuple(t.strip() for t in args.tools.split(",") if t.strip()) if args.tools else ALL_TOOLS
+    tools = tools_offered(args.tools, args.model)
     if args.policies:
         module, _, name = args.policies.partition(":")
         policies = getattr(importlib.import_module(module), name)
