@@ -21,6 +21,10 @@ CREATE TABLE IF NOT EXISTS conversations (
     messages TEXT NOT NULL,
     injected TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS marks (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
 """
 
 
@@ -95,6 +99,15 @@ class HostStore:
                                         injected=set(json.loads(injected or "[]")))
             found.append((record, conversation))
         return found
+
+    def mark(self, name: str) -> int:
+        """A position the host keeps (such as the last event of the mesh's record it handled); 0 at first."""
+        row = self._conn.execute("SELECT value FROM marks WHERE name = ?", (name,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def set_mark(self, name: str, value: int) -> None:
+        with self._conn:
+            self._conn.execute("INSERT OR REPLACE INTO marks VALUES (?, ?)", (name, value))
 
     def close(self) -> None:
         self._conn.close()

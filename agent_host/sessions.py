@@ -6,7 +6,8 @@ its answers go back on the channel by replying to the channel address (the chann
 
 Sessions it already runs (after a restart: the ones the Host resumed from host.db) are not claimed again.
 Claims are made one at a time, in the order of the record; a claim that fails is logged and retried at the
-session's next ROUTED event.
+session's next ROUTED event. The id of the last ROUTED event handled is kept in host.db (mark
+`sessions.routed`): a restarted host follows the record from there, not from its start.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from inboxmesh.events.v1 import events_pb2 as ev
 log = logging.getLogger(__name__)
 
 
+MARK = "sessions.routed"
+"""host.db's mark: the last ROUTED event this host handled."""
+
+
 class SessionHost:
     def __init__(self, host: Host, client: MeshClient, ingress_token: str):
         self.host = host
@@ -36,6 +41,8 @@ class SessionHost:
         self._versions: set[str] = set()
         """Config versions seen on ROUTED events (a new one makes the host read the configured agents again)."""
         self.failures: list[str] = []
+        self.handled = 0
+        """ROUTED events this SessionHost handled (a restarted one starts after host.db's mark)."""
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._follow(), name="sessions")
@@ -54,22 +61,28 @@ class SessionHost:
         await self.stop()
 
     async def _follow(self) -> None:
-        async for event in self.client.admin_watch_events(kinds=[ev.EVENT_KIND_ROUTED]):
-            version = event.detail.rpartition(" config=")[2]
-            profiles = self.host.profiles
-            if isinstance(profiles, ConfiguredAgents) and version and version not in self._versions:
-                self._versions.add(version)
-                if version != profiles.version:  # the mesh reloaded its routing file
-                    profiles.use(await self.client.configured_agents())
-                    self._versions.add(profiles.version)
-                    log.info("configured agents: config version %s", profiles.version)
-            if event.agent_id in self.host.runners or event.agent_id in self.claimed:
-                continue
-            try:
-                await self._claim(event)
-            except errors.MeshError as exc:
-                self.failures.append(f"{event.agent_id}: {exc}")
-                log.error("could not take over session agent %s: %s", event.agent_id, exc)
+        async for event in self.client.admin_watch_events(kinds=[ev.EVENT_KIND_ROUTED],
+                                                          after=self.host.store.mark(MARK)):
+            await self._handle(event)
+            self.host.store.set_mark(MARK, event.event_id)
+            self.handled += 1
+
+    async def _handle(self, event: ev.Event) -> None:
+        version = event.detail.rpartition(" config=")[2]
+        profiles = self.host.profiles
+        if isinstance(profiles, ConfiguredAgents) and version and version not in self._versions:
+            self._versions.add(version)
+            if version != profiles.version:  # the mesh reloaded its routing file
+                profiles.use(await self.client.configured_agents())
+                self._versions.add(profiles.version)
+                log.info("configured agents: config version %s", profiles.version)
+        if event.agent_id in self.host.runners or event.agent_id in self.claimed:
+            return
+        try:
+            await self._claim(event)
+        except errors.MeshError as exc:
+            self.failures.append(f"{event.agent_id}: {exc}")
+            log.error("could not take over session agent %s: %s", event.agent_id, exc)
 
     async def _claim(self, event: ev.Event) -> None:
         info = await self.client.admin_agent(event.agent_id)

@@ -20,7 +20,7 @@ from agent_host.config import Budget, HostConfig
 from agent_host.configured import ConfiguredAgents
 from agent_host.host import Host
 from agent_host.models.scripted import ContextView, Decision, say
-from agent_host.sessions import SessionHost
+from agent_host.sessions import MARK, SessionHost
 from harness.evidence import Record
 from harness.nats import free_port
 from inboxmesh.client.mesh import MeshClient
@@ -193,3 +193,23 @@ async def test_a_reload_moves_a_binding_and_no_message_is_lost(tmp_path):
             assert len(record.of(K.EVENT_KIND_MESSAGE_CONSUMED, message_id=message_id)) == 1, "each once"
         assert not record.of(K.EVENT_KIND_MESSAGE_DEAD_LETTERED)
         assert example.sessions.failures == []
+
+
+async def test_a_restarted_session_host_follows_the_record_from_where_it_stopped(tmp_path):
+    """host.db keeps the last ROUTED event the session host handled: a new one (a restarted host) does not
+    read the record from its start again, and serves the sessions routed after."""
+    async with home_work_code(tmp_path) as example:
+        client = example.client
+        first = await client.ingress(TOKEN, message_id="tg-1", text="buy milk", **TELEGRAM)
+        assert [m.content.text for m in await answers(client, "channel:telegram/personal", 1)] == \
+            ["home answers: buy milk"]
+        await example.sessions.stop()
+        record = await Record.read(client)
+        [routed] = record.of(K.EVENT_KIND_ROUTED)
+        assert example.host.store.mark(MARK) == routed.event_id and example.sessions.handled == 1
+        async with SessionHost(example.host, client, TOKEN) as again:
+            await client.ingress(TOKEN, message_id="dc-1", text="fix the bug", **DISCORD)
+            assert [m.content.text for m in await answers(client, "channel:discord/default", 1)] == \
+                ["code answers: fix the bug"]
+            assert again.handled == 1, "only the new ROUTED event: the first was handled before the restart"
+        assert first.session_agent_id in example.host.runners
