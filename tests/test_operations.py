@@ -117,6 +117,43 @@ def test_cli_register_send_status_events_against_a_running_mesh(tmp_path):
         assert bad.returncode == 2 and "MALFORMED_CREDENTIAL" in bad.stderr
 
 
+def test_cli_events_pages_through_the_whole_record_and_filters_by_kind_and_time(tmp_path):
+    """More events than one ListEvents page (1,000): `inboxmesh events` prints them all; --kind and
+    --since/--until filter; --last N prints the newest N and says how many it left out; a bad kind or time is
+    refused naming it."""
+    from inboxmesh.client.mesh import envelope
+
+    with MeshProcess(tmp_path) as proc:
+        async def fill() -> str:
+            async with MeshClient(proc.address, admin_token=ADMIN_TOKEN) as client:
+                lead = await client.register("lead")
+                kid = await lead.spawn("kid", inbox_capacity=10_000)
+                for start in range(0, 1_300, 100):
+                    receipts = await lead.send_batch([envelope(kid.agent_id, f"n{i}", message_id=f"m-{i}")
+                                                      for i in range(start, start + 100)])
+                    assert {r.status for r in receipts} == {pb.RECEIPT_STATUS_ACCEPTED}
+                return kid.agent_id
+
+        kid = asyncio.run(fill())
+        every = _cli("events", "--agent", kid, data_dir=tmp_path).stdout.splitlines()
+        assert sum("message_stored" in line for line in every) == 1_300, "every page, not the first 1,000"
+        listed = _cli("events", "--agent", kid, "--kind", "message_stored", data_dir=tmp_path)
+        stored = listed.stdout.splitlines()
+        assert listed.returncode == 0, listed.stderr
+        assert len(stored) == 1_300 and all("message_stored" in line for line in stored)
+        assert "msg=m-0 " in stored[0] and "msg=m-1299 " in stored[-1]
+        last = _cli("events", "--agent", kid, "--kind", "MESSAGE_STORED", "--last", "3", data_dir=tmp_path)
+        assert [line.split("msg=")[1].split()[0] for line in last.stdout.splitlines()] == ["m-1297", "m-1298", "m-1299"]
+        assert "1297 earlier matching events not shown (--last 3)" in last.stderr
+        assert len(_cli("events", "--agent", kid, "--kind", "message_stored", "--since", "1h",
+                        data_dir=tmp_path).stdout.splitlines()) == 1_300
+        assert _cli("events", "--agent", kid, "--until", "2020-01-01", data_dir=tmp_path).stdout == ""
+        bad = _cli("events", "--kind", "consumed_twice", data_dir=tmp_path)
+        assert bad.returncode == 2 and "no event kind 'consumed_twice'" in bad.stderr and "message_stored" in bad.stderr
+        when = _cli("events", "--since", "yesterday", data_dir=tmp_path)
+        assert when.returncode == 2 and "--since: 'yesterday' is neither a time" in when.stderr
+
+
 async def test_sigusr1_writes_where_each_task_waits_and_the_mesh_keeps_serving(tmp_path):
     with MeshProcess(tmp_path) as proc:
         async with MeshClient(proc.address, admin_token=ADMIN_TOKEN) as client:

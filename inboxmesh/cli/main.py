@@ -5,7 +5,7 @@
     inboxmesh send --as CRED --to ID TEXT
     inboxmesh tail --as CRED          follow an inbox live (add --consume to ack)
     inboxmesh status --as CRED MESSAGE_ID
-    inboxmesh events [--agent ID] [--message ID] [--follow]
+    inboxmesh events [--agent ID] [--message ID] [--kind K] [--since T] [--until T] [--last N] [--follow]
     inboxmesh close --as CRED [AGENT_ID]
     inboxmesh run "TASK" [--model openai|local|scripted:echo] [--agent ID] [--policies MODULE:DICT]
     inboxmesh host --ingress-token T  serve the sessions of the routing config's agents
@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 from google.protobuf import json_format
 
@@ -259,16 +262,79 @@ async def _events(args) -> int:
             fetch = client.admin_events
         else:
             raise errors.Unauthenticated("pass --as <credential>, or run next to `inboxmesh up` for its admin token")
-        after = 0
-        while True:
-            found = await fetch(agent_id=args.agent or "", message_id=args.message or "", after=after)
-            for e in found:
+        kinds = [_event_kind(k) for k in args.kind or ()]
+        since, until = _when(args.since, "--since"), _when(args.until, "--until")
+
+        def wanted(e: ev_pb.Event) -> bool:
+            return (since is None or e.at_us >= since) and (until is None or e.at_us <= until)
+
+        async def page(after: int) -> list[ev_pb.Event]:
+            return await fetch(agent_id=args.agent or "", message_id=args.message or "", kinds=kinds, after=after,
+                               limit=EVENTS_PAGE)
+
+        after, newest, left_out = 0, collections.deque[ev_pb.Event](maxlen=args.last or None), 0
+        while True:  # every page of the record, not only the first
+            found = await page(after)
+            for e in filter(wanted, found):
+                if args.last and len(newest) == args.last:
+                    left_out += 1
+                newest.append(e)
+                if not args.last:
+                    print(_event_line(e), flush=True)
+            after = found[-1].event_id if found else after
+            if len(found) < EVENTS_PAGE:
+                break
+        if args.last:
+            if left_out:
+                print(f"inboxmesh events: {left_out} earlier matching events not shown (--last {args.last});"
+                      " --last 0 shows all", file=sys.stderr, flush=True)
+            for e in newest:
+                print(_event_line(e), flush=True)
+        while args.follow:
+            found = await page(after)
+            for e in filter(wanted, found):
                 print(_event_line(e), flush=True)
             after = found[-1].event_id if found else after
-            if not args.follow:
-                return 0
             if not found:
                 await asyncio.sleep(0.5)
+        return 0
+
+
+EVENTS_PAGE = 1000
+"""Events one ListEvents call returns at most (the mesh's limit)."""
+
+
+def _event_kind(name: str) -> ev_pb.EventKind:
+    """An event kind by its name, as in the proto or as `inboxmesh events` prints it (message_consumed)."""
+    key = name.strip().upper()
+    key = key if key.startswith("EVENT_KIND_") else "EVENT_KIND_" + key
+    if key not in ev_pb.EventKind.keys() or key == "EVENT_KIND_UNSPECIFIED":
+        known = ", ".join(k.removeprefix("EVENT_KIND_").lower() for k in ev_pb.EventKind.keys()[1:])
+        raise errors.InvalidArgument(f"--kind: no event kind {name[:60]!r}; the kinds are {known}",
+                                     reason=errors.Reason.BAD_VALUE)
+    return cast(ev_pb.EventKind, ev_pb.EventKind.Value(key))
+
+
+_AGO = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _when(text: str | None, flag: str) -> int | None:
+    """A time as microseconds since the epoch: ISO 8601 (UTC unless it names a zone) or a span ago
+    (90s, 10m, 2h, 1d)."""
+    if not text:
+        return None
+    text = text.strip()
+    if text[:-1].isdigit() and text[-1:] in _AGO:
+        return int((time.time() - int(text[:-1]) * _AGO[text[-1]]) * 1_000_000)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise errors.InvalidArgument(f"{flag}: {text[:60]!r} is neither a time (2026-12-03T21:00:00, UTC unless a"
+                                     " zone is given) nor a span ago (90s, 10m, 2h, 1d)",
+                                     reason=errors.Reason.BAD_VALUE) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1_000_000)
 
 
 async def _run(args) -> int:
@@ -467,7 +533,15 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--as", dest="credential", metavar="CRED", help="default: the local mesh's admin token")
     events.add_argument("--agent")
     events.add_argument("--message")
-    events.add_argument("--follow", action="store_true")
+    events.add_argument("--follow", action="store_true", help="then print new events as they are recorded")
+    events.add_argument("--kind", action="append", metavar="KIND",
+                        help="only events of this kind (message_consumed, agent_closed, ...; repeatable)")
+    events.add_argument("--since", metavar="TIME", help="only events at or after TIME (ISO 8601, UTC unless"
+                                                        " zoned; or a span ago: 90s, 10m, 2h, 1d)")
+    events.add_argument("--until", metavar="TIME", help="only events at or before TIME (as --since)")
+    events.add_argument("--last", type=int, default=0, metavar="N",
+                        help="only the newest N matching events, saying how many earlier ones it left out"
+                             " (default 0: all, every page of the record)")
     events.set_defaults(run=_events)
 
     run = sub.add_parser("run", help="run a top-level agent with a task on an agent host (live view, summary)")

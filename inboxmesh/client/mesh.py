@@ -251,10 +251,11 @@ class MeshClient:
 
     # -- operator calls (admin token) --------------------------------------
     async def admin_events(
-        self, *, message_id: str = "", sender: str = "", agent_id: str = "", after: int = 0, limit: int = 1000
+        self, *, message_id: str = "", sender: str = "", agent_id: str = "", kinds: Iterable[ev_pb.EventKind] = (),
+        after: int = 0, limit: int = 1000,
     ) -> list[ev_pb.Event]:
         request = ev_pb.ListEventsRequest(
-            filter=ev_pb.EventFilter(message_id=message_id, sender=sender, agent_id=agent_id),
+            filter=ev_pb.EventFilter(message_id=message_id, sender=sender, agent_id=agent_id, kinds=list(kinds)),
             after_event_id=after, limit=limit,
         )
         response = await self._call(self.events.ListEvents(request, timeout=self.timeout,
