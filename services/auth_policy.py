@@ -121,6 +121,7 @@ METHOD_POLICIES: Mapping[str, Rule] = {
         "ResolveRoute": PUBLIC, "ListConfiguredAgents": PUBLIC}),  # lookups that store nothing (docs/routing.md)
     **_service(health_pb2, "Health", {"Check": PUBLIC, "Watch": PUBLIC}),
     **_service(reflection_pb2, "ServerReflection", {"ServerReflectionInfo": PUBLIC}),
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": PUBLIC,  # v1: v1alpha's messages (server.py)
 }
 """Every method a mesh serves, by the full name gRPC routes by, to what it needs."""
 

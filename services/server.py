@@ -8,7 +8,7 @@ import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
@@ -59,6 +59,21 @@ def server_options(config: MeshConfig) -> list[tuple[str, int]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def serve_reflection(names: list[str], server: grpc.aio.Server) -> None:
+    """gRPC reflection, v1alpha and v1 (what newer tools ask first). grpcio-reflection ships only v1alpha,
+    whose messages are v1's on the wire: the one servicer answers both."""
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}),))
 
 
 class Mesh:
@@ -115,9 +130,8 @@ class Mesh:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [SERVICE_NAMES[s] for s in wanted if s != "relay"] + (
             [SERVICE_NAMES["relay"]] if self.relay is not None else []) + extra
-        reflection.enable_server_reflection(
-            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-        )
+        serve_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                          reflection.SERVICE_NAME], server)
         return server
 
     async def start(self) -> int:

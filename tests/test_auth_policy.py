@@ -97,6 +97,7 @@ def test_the_methods_open_without_a_credential_are_these():
         "/inboxmesh.routing.v1.RoutingService/ListConfiguredAgents",
         "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
         "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
     }
 
 
@@ -118,6 +119,8 @@ def test_asking_who_calls_outside_a_call_is_an_internal_error():
 # -- calling through a real mesh ---------------------------------------------------------------------------
 def rpc(method: str) -> MethodDescriptor:
     _, service, name = method.split("/")
+    if service == "grpc.reflection.v1.ServerReflection":  # served with v1alpha's messages (services/server.py)
+        service = "grpc.reflection.v1alpha.ServerReflection"
     return descriptor_pool.Default().FindServiceByName(service).methods_by_name[name]
 
 

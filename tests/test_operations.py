@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from inboxmesh.client.mesh import MeshClient
@@ -38,6 +39,19 @@ async def test_health_and_reflection(mesh):
     services = await asyncio.to_thread(reflect)
     assert {"inboxmesh.inbox.v1.InboxService", "inboxmesh.registry.v1.RegistryService",
             "inboxmesh.events.v1.EventService", "grpc.health.v1.Health"} <= services
+
+    # reflection v1 (grpc.reflection.v1, what newer tools ask first): the same messages as v1alpha on the wire
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        call = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)()
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        await call.write(reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="inboxmesh.inbox.v1.InboxService"))
+        await call.done_writing()
+        listed, described = [answer async for answer in call]
+        assert "inboxmesh.inbox.v1.InboxService" in {s.name for s in listed.list_services_response.service}
+        assert described.file_descriptor_response.file_descriptor_proto, "the service's file, serialized"
 
 
 async def test_graceful_shutdown_tells_subscribers_to_come_back(tmp_path):
