@@ -22,7 +22,7 @@ class Record:
         while True:
             page = await client.admin_events(after=after, limit=1000)
             events += page
-            if len(page) < 1000:
+            if not page:  # (a page is also cut at 2 MiB: only an empty one is the end)
                 return Record(events)
             after = page[-1].event_id
 

@@ -151,3 +151,36 @@ async def test_every_message_event_carries_the_conversation_and_what_it_answers(
     await eventually(lambda: recorded(answer.message_id, b.agent_id, {(k, "c-9", question.message_id)
                                                                       for k in wanted}),
                      message="the answer's delivered and consumed events with its conversation and question")
+
+
+async def test_event_pages_and_watch_answers_stay_under_2_mib_and_page_to_the_end(client):
+    """Runtime events carry up to 4,096 characters of detail: 1,000 of them are 4 MiB, over a default gRPC
+    client's receive limit. A ListEvents page and a WatchEvents answer stop at 2 MiB; paging after the last
+    event_id until an empty page reads every event, in order."""
+    lead = await client.register("lead")
+    child = await lead.spawn("child")
+    request = ev.RecordEventsRequest(events=[
+        ev.Event(kind=ev.EVENT_KIND_TURN_ENDED, turn=n, detail=f"{n:04d}" + "x" * 4092) for n in range(1000)])
+    ids = (await client.events.RecordEvents(request, metadata=child.metadata, timeout=30)).event_ids
+    flt = ev.EventFilter(agent_id=child.agent_id, kinds=[ev.EVENT_KIND_TURN_ENDED])
+    pages, after = [], 0
+    while True:
+        page = await client.events.ListEvents(ev.ListEventsRequest(filter=flt, after_event_id=after, limit=1000),
+                                              metadata=lead.metadata, timeout=30)
+        if not page.events:
+            break
+        assert page.ByteSize() <= 2 * 1024 * 1024 + 16 * 1024, page.ByteSize()
+        pages.append(len(page.events))
+        after = page.events[-1].event_id
+    assert len(pages) >= 2 and pages[0] < 1000 and sum(pages) == 1000, pages
+    answers, seen = [], []
+    watch = client.events.WatchEvents(ev.WatchEventsRequest(filter=flt), metadata=lead.metadata)
+    try:
+        async for answer in watch:
+            answers.append(answer.ByteSize())
+            seen += [e.event_id for e in answer.events]
+            if len(seen) >= 1000:
+                break
+    finally:
+        watch.cancel()
+    assert seen == list(ids) and max(answers) <= 2 * 1024 * 1024 + 16 * 1024, answers

@@ -281,9 +281,9 @@ async def _events(args) -> int:
                 newest.append(e)
                 if not args.last:
                     print(_event_line(e), flush=True)
-            after = found[-1].event_id if found else after
-            if len(found) < EVENTS_PAGE:
+            if not found:  # the end (a page may be shorter than EVENTS_PAGE: ListEvents cuts pages at 2 MiB)
                 break
+            after = found[-1].event_id
         if args.last:
             if left_out:
                 print(f"inboxmesh events: {left_out} earlier matching events not shown (--last {args.last});"

@@ -7,6 +7,7 @@ from inboxmesh.events.v1 import events_pb2_grpc
 from services.auth_policy import authenticated
 from services.events.service import EventsService
 from services.grpc_common import streaming, unary
+from services.validation import fitting
 
 
 class EventServicer(events_pb2_grpc.EventServiceServicer):
@@ -28,4 +29,7 @@ class EventServicer(events_pb2_grpc.EventServiceServicer):
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
         caller = authenticated().caller
         async for events in self._service.watch(caller, request.filter, request.after_event_id, request.from_now):
-            yield pb.WatchEventsResponse(events=events)
+            while events:  # answers of at most PAGE_BYTES each, like ListEvents' pages
+                fit = fitting(e.ByteSize() for e in events)
+                yield pb.WatchEventsResponse(events=events[:fit])
+                events = events[fit:]

@@ -26,7 +26,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from services.clock import now_us
 from services.directory import Caller, Directory
 from services.store.base import EventQuery, EventRow, EventStore
-from services.validation import check_text, page_size, stored_int
+from services.validation import check_text, fitting, page_size, stored_int
 
 _PAGE = 1000
 RUNTIME_KINDS = frozenset(k for k in ev.EventKind.values() if k >= ev.EVENT_KIND_AGENT_SPAWNED)
@@ -162,8 +162,12 @@ class EventsService:
         return await self._store.record_events(events, lazy=False)
 
     async def list(self, caller: Caller, flt: ev.EventFilter, after: int, limit: int) -> list[ev.Event]:
+        """A page of matching events after `after`: at most `limit` (default 100, at most 1,000) and at most
+        PAGE_BYTES of them (runtime events carry up to 4,096 characters of detail), so a shorter page is
+        not the end: the end is an empty page."""
         query = await self._query(caller, flt, after, page_size(limit))
-        return await self._store.list_events(query)
+        found = await self._store.list_events(query)
+        return found[:fitting(e.ByteSize() for e in found)]
 
     async def watch(
         self, caller: Caller, flt: ev.EventFilter, after: int, from_now: bool
