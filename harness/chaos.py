@@ -84,6 +84,10 @@ class Plan:
     """What may be killed."""
     drain_s: float = 180.0
     """How long the consumers get, after the faults, to consume what was accepted."""
+    pace_s: float = 0.0
+    """The senders spread their messages over at least this long (0: as fast as they go), so the faults
+    fall among the sends however fast the machine is (an idle machine sent the suite's 1,020 in 10 s,
+    between one fault and the next)."""
     work_dir: Path | None = None
 
 
@@ -337,7 +341,8 @@ async def _register(address: str, far_address: str, plan: Plan) -> dict[str, Any
     far = await agents_of(far_address, "chaos-far", "far", plan.far_agents) if far_address else []
     per_agent = max(1, plan.messages // (len(near[0::2]) + (0 if plan.far_messages else len(far))))
     return {"seed": plan.seed, "agents": near, "far_agents": far, "per_agent": per_agent,
-            "far_per_agent": plan.far_messages or per_agent, "salt": secrets.token_hex(16)}
+            "far_per_agent": plan.far_messages or per_agent, "salt": secrets.token_hex(16),
+            "paced_from": time.time(), "pace_s": plan.pace_s}
 
 
 def _as_seen(state: dict[str, Any], sender: str, n: str) -> tuple[str, str]:
@@ -568,6 +573,10 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
         async def send(agent_id: str) -> None:
             handle = handles[agent_id]
             for n in range(upto.get(agent_id, 0), per_agent):
+                # on schedule (a host started again keeps it): message n of per_agent not before its time
+                due = state.get("paced_from", 0.0) + state.get("pace_s", 0.0) * n / per_agent
+                if due > time.time():
+                    await asyncio.sleep(due - time.time())
                 if n % RUN_EVERY == RUN_EVERY - 1 and not far:
                     run = reg.RunSpec(task=RUN_TASK, task_message_id=f"task-{n}", run_timeout_s=20,
                                       cleanup=reg.RUN_CLEANUP_DELETE)
@@ -616,6 +625,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of faults at most")
     parser.add_argument("--fault-every", type=float, default=5.0, help="seconds between faults, on average")
     parser.add_argument("--drain", type=float, default=180.0)
+    parser.add_argument("--pace", type=float, default=0.0,
+                        help="spread the sends over at least this many seconds (0: as fast as they go)")
     parser.add_argument("--faults", default=",".join(FAULTS), help="what may be killed: mesh, host, nats, ioa")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--role", choices=["host"], help=argparse.SUPPRESS)
@@ -631,7 +642,7 @@ def main() -> None:
         return
     report = soak(Plan(seed=args.seed, agents=args.agents, messages=args.messages, hosts=args.hosts,
                        far_agents=args.far_agents, far_messages=args.far_messages,
-                       duration_s=args.duration, fault_every_s=args.fault_every, drain_s=args.drain,
+                       duration_s=args.duration, fault_every_s=args.fault_every, drain_s=args.drain, pace_s=args.pace,
                        faults=tuple(args.faults.split(",")),
                        work_dir=args.work_dir))
     print(json.dumps(asdict(report), indent=2))
