@@ -46,6 +46,10 @@ class AgentActions:
         self._event = record_event
         self.received: dict[str, env_pb.Envelope] = {}
         """Every message the agent consumed, by message id, oldest first."""
+        self.replied: dict[str, str] = {}
+        """message id -> the id of the agent's reply to it (accepted, or kept in the outbox): each message is
+        answered once (a small model answered the same message again every turn, and its sender, woken by
+        each answer, wrote again: a ping-pong until the turn limit)."""
         self.turn_ends = False
         """A tool said the run ends after this turn (the agent waits for a message)."""
         self.finished = False
@@ -83,15 +87,26 @@ class AgentActions:
         return newest[0] if newest else None
 
     def answerable(self, limit: int = 3) -> list[env_pb.Envelope]:
-        """The newest messages the agent consumed that it can answer (not its task, not a mesh notice),
-        newest first, at most `limit`."""
+        """The newest messages the agent consumed that it can answer (not its task, not a mesh notice, not
+        one it answered already), newest first, at most `limit`."""
         found: list[env_pb.Envelope] = []
         for message in reversed(list(self.received.values())):
             if len(found) == limit:
                 break
-            if message.kind not in (env_pb.MESSAGE_KIND_TASK, env_pb.MESSAGE_KIND_CONTROL):
+            if self.not_answerable(message) is None:
                 found.append(message)
         return found
+
+    def not_answerable(self, message: env_pb.Envelope) -> str | None:
+        """Why the agent cannot reply to `message`, a message it consumed (None: it can)."""
+        if message.kind == env_pb.MESSAGE_KIND_TASK:
+            return f"message_id {message.message_id!r} is your task: you answer it with finish, not reply"
+        if message.kind == env_pb.MESSAGE_KIND_CONTROL:
+            return f"message_id {message.message_id!r} is a notice from the mesh: it takes no reply"
+        if message.message_id in self.replied:
+            return (f"you answered message_id {message.message_id!r} already (your reply"
+                    f" {self.replied[message.message_id]!r})")
+        return None
 
     def children_status(self) -> tuple[list[str], list[str]]:
         """Names of the agent's children on this host that have reported (their COMPLETION answering
@@ -130,10 +145,14 @@ class AgentActions:
         ctx = trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent is not None else None
         with tracer.start_as_current_span("reply", context=ctx, attributes={"inboxmesh.in_reply_to":
                                                                            original.message_id}):
-            return await self.send(original.sender, text, kind=env_pb.MESSAGE_KIND_REPLY,
-                                   in_reply_to=original.message_id, conversation_id=original.conversation_id,
-                                   trail=list(original.trail),
-                                   hop_count=original.hop_count)
+            receipt = await self.send(original.sender, text, kind=env_pb.MESSAGE_KIND_REPLY,
+                                      in_reply_to=original.message_id, conversation_id=original.conversation_id,
+                                      trail=list(original.trail),
+                                      hop_count=original.hop_count)
+        if receipt.status in (inbox_pb2.RECEIPT_STATUS_ACCEPTED, inbox_pb2.RECEIPT_STATUS_DUPLICATE,
+                              inbox_pb2.RECEIPT_STATUS_OUTBOXED):
+            self.replied[original.message_id] = receipt.message_id
+        return receipt
 
     def wait_for_messages(self) -> None:
         """End the run after this turn: there is nothing to act on until a

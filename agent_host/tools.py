@@ -317,16 +317,34 @@ async def send_message(ctx: ToolContext, to: str, text: str) -> dict[str, Any]:
 
 async def reply(ctx: ToolContext, text: str, message_id: str = "") -> dict[str, Any]:
     original = ctx.actions.message(message_id.strip() if message_id else None)
-    if original is None:
-        if not message_id or not ctx.actions.message():
+    if original is None and (not message_id or not ctx.actions.message()):
+        if not ctx.actions.replied:
             ctx.actions.wait_for_messages()  # nothing to answer yet: the answer's question wakes the agent
             return {"error": "you have received no message to answer yet; end your turn and wait"}
+        return {"error": f"you have no message left to answer; {_after_answering(ctx)}"}
+    if original is None:
         choices = "; ".join(f"message_id {m.message_id!r} ({_gist(m.content.text)})"
                             for m in ctx.actions.answerable())
         return {"error": f"you received no message with message_id {message_id[:120]!r}; copy the message_id of"
                          f" the one you answer whole from this list, newest first: {choices}"}
+    if (why := ctx.actions.not_answerable(original)) is not None:
+        if (newest := ctx.actions.message()) is not None:
+            return {"error": f"{why}; the newest message you may answer is message_id {newest.message_id!r}"
+                             f" ({_gist(newest.content.text)})"}
+        if not ctx.actions.replied:
+            ctx.actions.wait_for_messages()
+            return {"error": f"{why}; you have received no other message to answer yet: end your turn and wait"}
+        return {"error": f"{why}; you have no message left to answer: {_after_answering(ctx)}"}
     receipt = await ctx.actions.reply(original, text)
     return receipt_result(receipt)
+
+
+def _after_answering(ctx: ToolContext) -> str:
+    """What an agent that answered every message it received does next."""
+    if "finish" in offered(ctx):
+        return "if your task is done, call finish with your report; otherwise end your turn and wait"
+    ctx.actions.wait_for_messages()
+    return "end your turn and wait"
 
 
 def _gist(text: str, words: int = 8) -> str:

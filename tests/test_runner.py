@@ -403,3 +403,36 @@ async def test_send_message_targets_come_from_the_agents_profile_before_the_host
     assert ("enum" in offered) is choice, offered
     if choice:
         assert offered["enum"] == ["kid"]
+
+
+async def test_a_message_is_answered_once_and_the_task_with_finish(running):
+    """The real model (the sibling run that hit the turn limit, 2026-12-04) answered its task with reply, then
+    answered A's message again every turn; A, woken by each answer, wrote again, until B's twelfth turn. The
+    task is refused as a reply target, and so is a message already answered, each error saying what to do
+    next: the one reply stands, and the agent is steered to finish."""
+    agent = FakeAgent("agt_bob", parent_id="agt_boss")
+    host = FakeHost({"agt_bob": "bob", "agt_alice": "alice", "agt_boss": "boss"})
+
+    def answers_everything_twice(view: ContextView) -> Decision:
+        tried = view.called("reply")
+        if not tried:
+            return Decision(calls=[("reply", {"message_id": "task-1", "text": "on it"})])
+        if len(tried) < 3:
+            return Decision(calls=[("reply", {"message_id": "m1", "text": "the code is K-1"})])
+        if not view.called("finish"):
+            return Decision(calls=[("finish", {"result": "answered alice"})])
+        return say("done")
+
+    runner = await running(runner_for(agent, host, ScriptedModel(answers_everything_twice)))
+    agent.deliver("agt_boss", "answer alice", "task-1", kind=env_pb.MESSAGE_KIND_TASK)
+    agent.deliver("agt_alice", "the code is K-1", "m1")
+    await eventually(lambda: agent.ended_runs, message="finished")
+    errors_seen = [c.result.get("error", "") for c in
+                   ContextView.parse(runner.conversation.messages, []).called("reply")]
+    assert errors_seen[0] == ("message_id 'task-1' is your task: you answer it with finish, not reply; the newest"
+                              " message you may answer is message_id 'm1' ('the code is K-1')"), errors_seen
+    assert errors_seen[1] == "", errors_seen  # the one reply
+    assert "you answered message_id 'm1' already (your reply 'sent-1')" in errors_seen[2], errors_seen
+    assert "if your task is done, call finish with your report" in errors_seen[2], errors_seen
+    assert [(m.recipient, m.in_reply_to) for m in agent.sent if m.kind == env_pb.MESSAGE_KIND_REPLY] == \
+        [("agt_alice", "m1")]
