@@ -79,10 +79,16 @@ class AgentActions:
         return True
 
     def message(self, message_id: str | None = None) -> env_pb.Envelope | None:
-        """A message the agent consumed, by id; without an id the newest one it can answer (not its
+        """A message the agent consumed, by id (also by the end of its id after a `:`, when that names
+        one message: the real model dropped the node prefix of IOA message ids, then gave up replying and
+        finished, 1 of 3 runs over IOA on 2026-12-04); without an id the newest one it can answer (not its
         task, not a mesh notice). None when there is none."""
         if message_id is not None:
-            return self.received.get(message_id)
+            found = self.received.get(message_id)
+            if found is None and message_id:  # an IOA id without its node prefix, if it names one message
+                tails = [m for m in self.received.values() if m.message_id.endswith(":" + message_id)]
+                found = tails[0] if len(tails) == 1 else None
+            return found
         newest = self.answerable(1)
         return newest[0] if newest else None
 

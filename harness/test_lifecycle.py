@@ -115,8 +115,8 @@ async def test_a_fork_starts_from_a_copy_of_the_parents_conversation(mesh, clien
 
 
 def busy_then_reply(view):
-    if view.new:
-        return Decision(calls=[("reply", {"message_id": m.message_id, "text": "ok"}) for m in view.new])
+    if answerable := [m for m in view.new if m.kind != "task"]:  # a task is answered by finish, not reply
+        return Decision(calls=[("reply", {"message_id": m.message_id, "text": "ok"}) for m in answerable])
     return call("list_agents") if not view.results else say("idle")
 
 

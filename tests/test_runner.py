@@ -352,7 +352,7 @@ async def test_a_reply_to_a_wrong_message_id_is_told_the_ids_it_can_answer(runni
     def copies_from_the_error(view: ContextView) -> Decision:
         tried = view.called("reply")
         if not tried:
-            return Decision(calls=[("reply", {"message_id": "agt_alice:m1", "text": "got it"})]) if view.new \
+            return Decision(calls=[("reply", {"message_id": "north:agt_alice", "text": "got it"})]) if view.new \
                 else say("waiting")
         if "error" in tried[-1].result and len(tried) == 1:
             [listed] = re.findall(r"message_id '([^']+)'", tried[-1].result["error"].split("newest first")[1])
@@ -363,7 +363,7 @@ async def test_a_reply_to_a_wrong_message_id_is_told_the_ids_it_can_answer(runni
     agent.deliver("agt_alice", "the code is K-1 and more words here", "ioa:north:agt_alice:m1")
     await eventually(lambda: runner.state == "idle" and agent.sent, message="answered at the second try")
     error = ContextView.parse(runner.conversation.messages, []).called("reply")[0].result["error"]
-    assert "'agt_alice:m1'" in error and "message_id 'ioa:north:agt_alice:m1' ('the code is K-1 and more words"\
+    assert "'north:agt_alice'" in error and "message_id 'ioa:north:agt_alice:m1' ('the code is K-1 and more words"\
         " here')" in error, error
     [answer] = agent.sent
     assert answer.in_reply_to == "ioa:north:agt_alice:m1"
@@ -436,3 +436,22 @@ async def test_a_message_is_answered_once_and_the_task_with_finish(running):
     assert "if your task is done, call finish with your report" in errors_seen[2], errors_seen
     assert [(m.recipient, m.in_reply_to) for m in agent.sent if m.kind == env_pb.MESSAGE_KIND_REPLY] == \
         [("agt_alice", "m1")]
+
+
+async def test_a_reply_may_name_an_ioa_message_by_its_id_without_the_node_prefix(running):
+    """The real model dropped the node prefix of an IOA message id and then finished instead of trying again
+    (1 of 3 runs over IOA): the end of an id after a `:` names the message when it names exactly one."""
+    agent, host = FakeAgent("agt_bob"), FakeHost({"agt_bob": "bob", "agt_alice": "alice"})
+
+    def drops_the_prefix(view: ContextView) -> Decision:
+        if not view.called("reply") and view.new:
+            return Decision(calls=[("reply", {"message_id": "agt_alice:m1", "text": "got it"})])
+        return say("done")
+
+    runner = await running(runner_for(agent, host, ScriptedModel(drops_the_prefix)))
+    agent.deliver("agt_alice", "the code is K-1", "north:agt_alice:m1")
+    agent.deliver("agt_carol", "the code is K-2", "north:agt_carol:m1")
+    await eventually(lambda: runner.state == "idle" and agent.sent, message="answered")
+    [answer] = agent.sent
+    assert answer.in_reply_to == "north:agt_alice:m1"
+    assert runner.actions.message("m1") is None, "an end that names two messages names none"
