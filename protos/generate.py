@@ -1,5 +1,5 @@
 """Generate the Python code for every .proto under protos/ into ./inboxmesh (beside the hand-written
-inboxmesh/client and inboxmesh/cli, which it leaves alone).
+inboxmesh/client, inboxmesh/cli and inboxmesh/mcp, which it leaves alone).
 
 The one command that produces the generated package (pinned by the
 grpcio-tools version in pyproject.toml):
@@ -20,7 +20,7 @@ REPO_ROOT = PROTO_ROOT.parent
 PACKAGE = "inboxmesh"
 HEADER = '"""Generated from protos/ by `python protos/generate.py`. Do not edit."""\n'
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
-HAND_WRITTEN = ("client", "cli")
+HAND_WRITTEN = ("client", "cli", "mcp")
 """Subpackages of inboxmesh/ that are written by hand, beside the generated ones."""
 
 
@@ -63,8 +63,8 @@ def generate(out_dir: Path) -> list[Path]:
 
 def is_generated(relative: Path) -> bool:
     """Whether a file under the package (path relative to the repository) is one the generator writes:
-    the protos' modules and the `__init__.py` of their folders. The hand-written client and CLI
-    (`inboxmesh/client`, `inboxmesh/cli`) live beside them and are left alone."""
+    the protos' modules and the `__init__.py` of their folders. The hand-written client, CLI and MCP server
+    (`inboxmesh/client`, `inboxmesh/cli`, `inboxmesh/mcp`) live beside them and are left alone."""
     parts = relative.parts
     if len(parts) > 2 and parts[1] in HAND_WRITTEN:
         return False

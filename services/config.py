@@ -151,6 +151,39 @@ class RunsConfig:
 
 
 @dataclass(frozen=True)
+class WebConfig:
+    """The mesh's web view (services/webview, docs/webview.md): an HTTP port of its own on the mesh's host,
+    read-only, for the operator token."""
+
+    port: int = 0
+    """Port on the mesh's host; 0 picks a free one."""
+    any_port_if_taken: bool = False
+    """When `port` is taken, serve on a free port instead of refusing to start: how the default port of
+    `inboxmesh up` behaves (two meshes on one machine both ask for it). A port given explicitly is never
+    changed."""
+    max_streams: int = 32
+    """Live event streams (`/api/events`) served at once; one more is answered 503 with Retry-After."""
+    stream_queue: int = 4
+    """Batches of events (at most 1,000 each) waiting for one stream's client. When they are all waiting the
+    stream's watch waits too: the events stay in the record, and the watcher reads them from the store when
+    its own buffer overflows, so a slow client costs no more memory and loses nothing."""
+    write_timeout_s: float = 30.0
+    """A stream whose client has not taken a write for this long is closed; its EventSource reconnects with
+    Last-Event-ID and is served from there."""
+    keepalive_s: float = 15.0
+    """A comment line goes to an idle stream this often (proxies keep it open; a gone client is noticed)."""
+    catch_up_s: float = 10.0
+    """How long a snapshot waits for the web view to have read the record up to its last event (the first
+    one after the mesh started reads it all); then it answers with what it has read."""
+    recent_events: int = 500
+    """The newest events a snapshot carries, from which the page draws its first arrows."""
+    snapshot_agents: int = 2_000
+    """Agents a snapshot lists at most, the newest trees first (the rest are counted, not listed)."""
+    tracked_agents: int = 100_000
+    """Agents whose live state and inbox depth the web view keeps in memory at most."""
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     """One mesh process: which services it serves, where, on what store."""
 
@@ -186,6 +219,8 @@ class MeshConfig:
     """How long shutdown lets in-flight calls finish."""
     runs: RunsConfig = field(default_factory=RunsConfig)
     """Limits and timing of subagent runs."""
+    web: WebConfig | None = None
+    """The web view; None: no web view (`inboxmesh up` serves one by default, services.settings)."""
     routing: Path | None = None
     """Routing config file (YAML or TOML, docs/routing.md) whose agents, bindings,
     sessions and ingress tokens the mesh serves; None = no routing service

@@ -32,6 +32,7 @@ from services.routing.reload import RoutingReloader
 from services.runs.grpc_handler import RunServicer
 from services.store import open_store
 from services.store.base import Store
+from services.webview import WebView
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class Mesh:
         self.routing_reloader = (RoutingReloader(config.routing, self.services.routing)
                                  if config.routing is not None and self.services.routing is not None else None)
         """Watches the routing file (services/routing/reload.py)."""
+        self.web = (WebView(config.web, config, self.services.events, self.services.registry, self.store)
+                    if config.web is not None else None)
+        """The web view (services/webview), when the config asks for one; it lives and dies with the mesh."""
         self.health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
         self._state = "new"
@@ -142,6 +146,12 @@ class Mesh:
         try:
             self.server, self.port = create_server(self.config, self._build_server())
             await self.server.start()
+            if self.web is not None:
+                try:
+                    await self.web.start()
+                except BaseException:
+                    await self.server.stop(0)
+                    raise
         except BaseException:
             await self.store.close()
             self._state = "stopped"
@@ -170,6 +180,8 @@ class Mesh:
         self._state = "stopping"
         try:
             await self.health.enter_graceful_shutdown()
+            if self.web is not None:  # its live streams end before the event service does
+                await self.web.stop()
             if self.routing_reloader is not None:
                 await self.routing_reloader.stop()
             self.services.hub.shutdown()

@@ -45,6 +45,7 @@ from services.config import (
     MeshConfig,
     RunsConfig,
     StoreConfig,
+    WebConfig,
 )
 from services.routing.config import RoutingConfig, load_routing_config
 from services.tls import TlsFiles
@@ -53,6 +54,9 @@ T = TypeVar("T")
 
 DEFAULT_PORT = 7400
 """Where `inboxmesh up` listens, and where the client commands look, when nothing says otherwise."""
+DEFAULT_WEB_PORT = 7480
+"""Where `inboxmesh up` serves its web view when nothing says otherwise (a free port instead when another
+process has it). Not 7401: the README runs a second mesh there (IOA, JetStream, separate services)."""
 DEFAULT_DATA_DIR = Path(".inboxmesh")
 ENV_ADDRESS = "INBOXMESH_ADDRESS"
 ENV_DATA_DIR = "INBOXMESH_DATA_DIR"
@@ -182,6 +186,21 @@ def _one_of(*choices: str) -> Callable[[str], str | None]:
     return check
 
 
+WEB_OFF = -1
+"""The web port's value for "no web view" (`--web-port off`)."""
+
+
+def _web_port(text: str) -> int:
+    """A port number, or "off"."""
+    if text.strip().lower() == "off":
+        return WEB_OFF
+    return _integer(text)
+
+
+def _web_port_value(value: int | None) -> str | None:
+    return None if value is None or value == WEB_OFF else _at_least(0, 65535)(value)
+
+
 def _some(value: tuple[str, ...]) -> str | None:
     return None if value else "names nothing"
 
@@ -227,6 +246,12 @@ IOA_EXPOSE = Setting("ioa_expose", lambda: "all", flag="--ioa-expose", check=_te
 """Which local agents the IOA network can reach: all, none, or agent:<id>,scope:<id> items."""
 IOA_OUTBOX = Setting("ioa_outbox", lambda: False, flag="--ioa-outbox")
 """Sends to an IOA node that cannot be reached go into the outbox unless their request says otherwise."""
+WEB_PORT = Setting[int | None]("web_port", lambda: None, flag="--web-port", env="INBOXMESH_WEB_PORT",
+                               parse=_web_port, check=_web_port_value)
+"""The web view's port on the mesh's host: a number (0: any free one) or "off"; not given (None): the default
+port, or any free one when another process has it."""
+NO_WEB = Setting("no_web", lambda: False, flag="--no-web")
+"""No web view (the same as `--web-port off`)."""
 ROUTING = Setting[Path | None]("routing", lambda: None, flag="--routing", parse=Path)
 TLS_CERT = Setting[Path | None]("tls_cert", lambda: None, flag="--tls-cert", env="INBOXMESH_TLS_CERT", parse=Path)
 TLS_KEY = Setting[Path | None]("tls_key", lambda: None, flag="--tls-key", env="INBOXMESH_TLS_KEY", parse=Path)
@@ -314,7 +339,21 @@ def mesh_config(flags: Mapping[str, object], env: Mapping[str, str]) -> MeshConf
                      max_active_children=layers.value(MAX_ACTIVE_CHILDREN),
                      archive_after_s=float(layers.value(RUN_ARCHIVE_AFTER_MIN)) * 60),
         routing=routing,
+        web=_web(flags, layers),
     )
+
+
+def _web(flags: Mapping[str, object], layers: _Layers) -> WebConfig | None:
+    """`up`'s web view: on by default at DEFAULT_WEB_PORT (a free port when that one is taken); --web-port N
+    (0: any free port) or INBOXMESH_WEB_PORT; off with --no-web or --web-port off."""
+    port, off = layers.value(WEB_PORT), bool(layers.value(NO_WEB))
+    if off and flags.get(WEB_PORT.dest) is not None and port != WEB_OFF:
+        raise _bad("--no-web", "--web-port asks for a web view that --no-web turns off: give one of them")
+    if off or port == WEB_OFF:
+        return None
+    if port is None:
+        return WebConfig(port=DEFAULT_WEB_PORT, any_port_if_taken=True)
+    return WebConfig(port=port)
 
 
 def server_tls(flags: Mapping[str, object], env: Mapping[str, str]) -> TlsFiles:
@@ -369,15 +408,18 @@ def client_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Clie
 
 
 # -- the state file -----------------------------------------------------------------------------------------
-def write_state(data: Path, address: str, admin_token: str | None) -> Path:
-    """Tell other CLI commands where the mesh listens (and its admin token);
-    readable by the owner only."""
+def write_state(data: Path, address: str, admin_token: str | None, web: str | None = None) -> Path:
+    """Tell other CLI commands where the mesh listens (and its admin token, and its web view's address
+    when it serves one); readable by the owner only."""
     data.mkdir(parents=True, exist_ok=True)
     path = data / STATE_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # a file left by someone else with a looser mode is made the owner's alone first
     with os.fdopen(fd, "w") as handle:
-        json.dump({"address": address, "admin_token": admin_token, "pid": os.getpid()}, handle)
+        state: dict[str, Any] = {"address": address, "admin_token": admin_token, "pid": os.getpid()}
+        if web is not None:
+            state["web"] = web
+        json.dump(state, handle)
     return path
 
 

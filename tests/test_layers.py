@@ -1,6 +1,7 @@
 """The import graph points one way (docs/architecture.md):
 
     inboxmesh.cli  ->  agent_host, services          (the only code that sees both sides)
+    inboxmesh.cli  ->  inboxmesh.mcp  ->  inboxmesh.client   (the MCP server: a client of the mesh)
     agent_host     ->  inboxmesh.client
     services       ->  services.store  ->  inboxmesh.client  ->  inboxmesh.<service>.v1 (generated)
 
@@ -30,7 +31,8 @@ configuration, crash points, TLS files): they import nothing of the mesh."""
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (module prefix, what its imports of ours may name); the first matching prefix rules
     ("inboxmesh.client", ("inboxmesh.client",)),
-    ("inboxmesh.cli", ("inboxmesh.client", "inboxmesh.cli", "services", "agent_host")),
+    ("inboxmesh.cli", ("inboxmesh.client", "inboxmesh.cli", "inboxmesh.mcp", "services", "agent_host")),
+    ("inboxmesh.mcp", ("inboxmesh.client", "inboxmesh.mcp")),  # a client of the mesh, like the CLI's commands
     ("services.store", ("inboxmesh.client", "services.store", *SHARED_BY_SERVERS)),
     ("services.ioa_network", ("inboxmesh.client", "services.ioa_network", "services.grpc_common",
                               *SHARED_BY_SERVERS)),

@@ -10,6 +10,7 @@
     inboxmesh run "TASK" [--model openai|local|scripted:echo] [--agent ID] [--policies MODULE:DICT]
     inboxmesh host --ingress-token T  serve the sessions of the routing config's agents
     inboxmesh ioa-server [--port N]   the reference IOA network (then: up --ioa-network HOST:PORT)
+    inboxmesh mcp --transport stdio|http  an MCP server giving its client an agent (docs/interop.md)
 
 Commands find a local mesh through .inboxmesh/mesh.json (written by `up`),
 or --mesh / INBOXMESH_ADDRESS.
@@ -100,14 +101,17 @@ async def _up(args) -> int:
         hint = ". Use --port 0 for any free port." if exc.reason == errors.Reason.BIND_FAILED else ""
         print(f"inboxmesh: {exc.message}{hint}", file=sys.stderr)
         return 1
-    state = settings.write_state(settings.data_dir(flags, os.environ), mesh.address, config.admin_token)
+    web = mesh.web.url if mesh.web is not None else None
+    state = settings.write_state(settings.data_dir(flags, os.environ), mesh.address, config.admin_token, web)
     where = (f"sqlite {config.store.path}" if config.store.backend == "sqlite"
              else f"jetstream {','.join(config.store.nats_urls)} namespace {config.store.nats_namespace}")
     print(f"inboxmesh listening on {mesh.address} ({tls.mode(config.tls)}; services: {', '.join(config.services)};"
           f" store: {where})", flush=True)
     if mesh.relay is not None and config.ioa is not None:
         print(f"inboxmesh: IOA relay node {mesh.relay.node_id!r} on network {config.ioa.network}", flush=True)
-    print(f"inboxmesh: address and admin token written to {state}", flush=True)
+    if web is not None:
+        print(f"inboxmesh: web view at {web} (open it once as {web}?token=<admin token>)", flush=True)
+    print(f"inboxmesh: address{', web view' if web else ''} and admin token written to {state}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -379,11 +383,53 @@ async def _close(args) -> int:
     return 0
 
 
+async def _mcp(args) -> int:
+    """`inboxmesh mcp`: an MCP server (inboxmesh/mcp, docs/interop.md). Credentials come from environment
+    variables named by the flags, never from the command line (it shows in `ps`)."""
+    from inboxmesh.mcp import Identity, McpConfig, McpHttpServer, serve_stdio
+
+    def secret(variable: str | None, flag: str) -> str | None:
+        if not variable:
+            return None
+        value = os.environ.get(variable, "").strip()
+        if not value:
+            raise errors.InvalidArgument(f"{flag}: the environment variable {variable} is not set",
+                                         reason=errors.Reason.MISSING_CREDENTIAL)
+        return value
+
+    if args.credential_env and args.parent_credential_env:
+        raise errors.InvalidArgument("--credential-env binds to an existing agent, --parent-credential-env registers"
+                                     " a new one: give one of them", reason=errors.Reason.CONFLICTING_FIELDS)
+    found = settings.client_settings(vars(args), os.environ)
+    identity = Identity(name=args.name or "mcp", credential=secret(args.credential_env, "--credential-env"),
+                        parent_credential=secret(args.parent_credential_env, "--parent-credential-env"))
+    config = McpConfig(mesh=found.address, identity=identity, timeout_s=found.timeout_s, port=args.port,
+                       tls=tls.channel_credentials(found.tls, "inboxmesh mcp"))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)  # the sessions' agents are released before the process ends
+    if args.transport == "stdio":  # stdout is the MCP stream: nothing else may be printed there
+        await serve_stdio(config, stop)
+        return 0
+    server = McpHttpServer(config)
+    await server.start()
+    try:
+        print(f"inboxmesh mcp listening on {server.url} (one agent per MCP session; mesh {found.address})",
+              flush=True)
+        await stop.wait()
+    finally:
+        await server.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inboxmesh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--traces", default=None, help="export spans: console, otlp or none (INBOXMESH_TRACES)")
+    parser.add_argument("--traces", default=None,
+                        help="export spans: otlp, console (comma-separated) or none (default: INBOXMESH_TRACES, then"
+                             " OTEL_TRACES_EXPORTER; otlp when OTEL_EXPORTER_OTLP_ENDPOINT is set)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def client_args(p):
@@ -474,6 +520,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--run-archive-after", type=float, metavar="MINUTES",
                     help="archive ended subagent runs after this long (default: the routing config's"
                          " archiveAfterMinutes, else 60)")
+    up.add_argument("--web-port", metavar="PORT|off",
+                    help=f"the web view's port on --host (INBOXMESH_WEB_PORT; default {settings.DEFAULT_WEB_PORT}, or"
+                         " any free port when that one is taken; 0 = any free port; off = none; docs/webview.md)")
+    up.add_argument("--no-web", action="store_true", default=None, help="serve no web view")
     up.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True,
                     help="run the two-agent demo after starting (default on)")
     up.add_argument("--exit-after-demo", action="store_true", help="stop once the demo finished")
@@ -564,13 +614,38 @@ def build_parser() -> argparse.ArgumentParser:
     close.add_argument("--reason", default="closed from the CLI")
     close.add_argument("agent_id", nargs="?")
     close.set_defaults(run=_close)
+
+    mcp = sub.add_parser("mcp", help="an MCP server: each MCP session is an agent of the mesh (docs/interop.md)")
+    client_args(mcp)
+    mcp.add_argument("--transport", required=True, choices=["stdio", "http"],
+                     help="stdio: the MCP client starts this command, one agent for the process; http: streamable"
+                          " HTTP on 127.0.0.1, one agent per MCP session")
+    mcp.add_argument("--port", type=int, default=0, help="http: the port on 127.0.0.1 (default 0: any free port)")
+    who = mcp.add_mutually_exclusive_group()
+    who.add_argument("--name", help="register a new agent with this name for each session (default mcp; over http"
+                                    " a session's URL may name its own: /mcp?name=B)")
+    who.add_argument("--credential-env", metavar="VAR",
+                     help="be the existing agent whose credential is in the environment variable VAR")
+    mcp.add_argument("--parent-credential-env", metavar="VAR",
+                     help="register each session's agent as a child of the agent whose credential is in VAR")
+    mcp.set_defaults(run=_mcp)
     return parser
+
+
+SERVICE_NAMES = {"up": "inboxmesh-mesh", "host": "inboxmesh-host", "run": "inboxmesh-host",
+                 "ioa-server": "inboxmesh-ioa-network", "mcp": "inboxmesh-mcp"}
+"""A process's service.name in its spans when OTEL_SERVICE_NAME does not give one (other commands:
+inboxmesh-cli)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    configure_tracing(args.traces)
+    try:
+        tracing = configure_tracing(args.traces, SERVICE_NAMES.get(args.command, "inboxmesh-cli"))
+    except errors.MeshError as exc:
+        print(f"inboxmesh: {exc.message}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(args.run(args))
     except errors.MeshError as exc:
@@ -578,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if tracing is not None:  # the long-running commands return here on SIGTERM too: export what is queued
+            tracing.shutdown()
 
 
 if __name__ == "__main__":
