@@ -34,6 +34,7 @@ from agent_host.budget import BudgetExceeded, TaskBudget
 from agent_host.config import CLOSE_ON_COMPLETE, IDLE_TIMEOUT, HostConfig
 from agent_host.conversation import NOTE_PREFIX, Conversation
 from agent_host.hoststore import HostedAgent
+from agent_host.metrics import MODEL_USAGE
 from agent_host.models.base import Model, ModelAttempt, ModelChain, ModelError, ModelReply
 from agent_host.ports import AgentCalls, AgentHost, Inbox
 from agent_host.tools import ToolContext, offered, result_message, run_tool, schemas
@@ -386,6 +387,7 @@ class AgentRunner(Generic[HandleT]):
     def _hold_attempts(self, tried: tuple[ModelAttempt, ...]) -> None:
         for attempt in tried:
             self.hold_event(ev.EVENT_KIND_MODEL_CALLED, turn=self.record.turn, detail=attempt.detail())
+            MODEL_USAGE.count(self.agent_id, attempt)  # the host's metrics: what the event says
 
     async def _run(self) -> None:
         self.runs_active += 1

@@ -20,6 +20,12 @@ in a process of its own (tests/test_otlp_export.py's; its CPU is reported
 apart, as a backend's would be); otlp+grpc adds the call spans of
 opentelemetry-instrumentation-grpc, which the project does not install
 (`pip install opentelemetry-instrumentation-grpc==0.66b2` first).
+
+--metrics: a scraper (a thread of this driving process, whose CPU is not
+counted, as a Prometheus server's would not be) reads every mesh's /metrics
+once a second with the operator token, so each mesh folds the event record
+into its metrics (docs/metrics.md); without it the web view is served but
+nobody signs in, and nothing is folded.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -267,8 +275,38 @@ def grpc_instrumented_cli() -> None:
     sys.exit(main(sys.argv[1:]))
 
 
+class Scraper(threading.Thread):
+    """--metrics: GET each mesh's /metrics every `every_s` with its operator token (from its mesh.json)."""
+
+    def __init__(self, data_dirs: list[str], every_s: float = 1.0):
+        super().__init__(name="metrics-scraper", daemon=True)
+        states = [json.loads((Path(d) / "mesh.json").read_text()) for d in data_dirs]
+        self.targets = [(s["web"] + "metrics", s["admin_token"]) for s in states]
+        self.every_s = every_s
+        self.stopping = threading.Event()
+        self.scrapes = 0
+        self.last = ""
+
+    def scrape(self) -> None:
+        for url, token in self.targets:
+            request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                self.last = response.read().decode()
+            self.scrapes += 1
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.every_s):
+            self.scrape()
+
+    def consumed(self) -> float:
+        """inboxmesh_messages_consumed_total of the last scrape."""
+        line = next((x for x in self.last.splitlines() if x.startswith("inboxmesh_messages_consumed_total ")), "")
+        return float(line.split()[1]) if line else 0.0
+
+
 def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store: str = "sqlite",
-        replicas: int = 1, nats_nodes: int = 1, tls: bool = False, traces: str = "none") -> dict:
+        replicas: int = 1, nats_nodes: int = 1, tls: bool = False, traces: str = "none",
+        metrics: bool = False) -> dict:
     """One measurement. With the jetstream store a nats-server (file
     storage) runs beside the mesh, or a cluster of `nats_nodes` with every
     stream on all of them; with two replicas the sender talks to the first
@@ -314,6 +352,7 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
             extra += nats_node.mesh_args()
         meshes = []
         addresses = []
+        scraper: Scraper | None = None
         try:
             for i in range(replicas):  # one after the other: the first creates the streams and buckets
                 node = (["--node-id", ("near", "far")[i] if two_meshes else "bench"] if via_ioa else [])
@@ -335,6 +374,10 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                                     "--watch-credential", receiver.credential if two_meshes else ""], env)
             children.append(send)
             send.expect("warmed", others=children)
+            if metrics:
+                scraper = Scraper([f"{data}/m{i}" for i in range(replicas)])
+                scraper.scrape()  # before the measured phase: the folds have read the record of the warm-up
+                scraper.start()
             processes = {**{m.name: m for m in meshes}, "sender": send, "receiver": recv,
                          **({"ioa-network": children[0]} if via_ioa else {})}
             before = {k: p.cpu() for k, p in processes.items()}
@@ -356,6 +399,12 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                 ("-tls" if tls else "")
             if store == "jetstream":
                 name += f"-jetstream-{replicas}r" + (f"-{nats_nodes}n" if nats_nodes > 1 else "")
+            if scraper is not None:
+                scraper.stopping.set()
+                scraper.join()
+                scraper.scrape()  # the end: the metrics count every message
+                return {**summarize(name + "-metrics", c, sent_ns, consumed_ns, cpu), "scrapes": scraper.scrapes,
+                        "scraped_consumed": scraper.consumed()}
             if otlp is None:
                 return summarize(name, c, sent_ns, consumed_ns, cpu)
             result = summarize(f"{name}-{traces.replace('+', '-')}", c, sent_ns, consumed_ns, cpu)
@@ -364,6 +413,8 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
             otlp.send("report")
             return {**result, "otlp_receiver_cpu_s": round(otlp_cpu, 3), "spans_exported": int(otlp.expect("spans "))}
         finally:
+            if scraper is not None:
+                scraper.stopping.set()
             for child in reversed(children):
                 child.close()
             if otlp is not None:
@@ -413,6 +464,8 @@ def main() -> None:
                         help="the mesh serves TLS (a certificate made for the run), the clients trust its CA")
     parser.add_argument("--traces", default="none", choices=["none", "otlp", "otlp+grpc"],
                         help="export every process's spans over OTLP to a receiver (+grpc: with gRPC call spans)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="scrape every mesh's /metrics once a second during the run (docs/metrics.md)")
     parser.add_argument("--grpc-spans", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tls-ca", default="", help=argparse.SUPPRESS)
     parser.add_argument("--events-address", default="", help=argparse.SUPPRESS)
@@ -442,7 +495,7 @@ def main() -> None:
                 tracing.shutdown()
     else:
         emit(run(args.messages, args.concurrency, args.synchronous, args.via_ioa, args.store, args.replicas,
-                 args.nats_nodes, args.tls, args.traces))
+                 args.nats_nodes, args.tls, args.traces, args.metrics))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import cast
@@ -349,8 +350,9 @@ async def _run(args) -> int:
     assert me is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)  # unwinds: the model server stops
     try:
-        return await cli_run.run(args, found.address, found.data_dir,
-                                 tls=tls.channel_credentials(found.tls, "inboxmesh run"))
+        async with _host_metrics(args, "run"):
+            return await cli_run.run(args, found.address, found.data_dir,
+                                     tls=tls.channel_credentials(found.tls, "inboxmesh run"))
     except ValueError as exc:
         print(f"inboxmesh run: {exc}", file=sys.stderr)
         return 2
@@ -368,12 +370,39 @@ async def _host(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        return await cli_host.serve(args, found.address, found.data_dir, found.admin_token,
-                                    args.ingress_token or os.environ.get("INBOXMESH_INGRESS_TOKEN", ""),
-                                    tls.channel_credentials(found.tls, "inboxmesh host"), stop)
+        async with _host_metrics(args, "host"):
+            return await cli_host.serve(args, found.address, found.data_dir, found.admin_token,
+                                        args.ingress_token or os.environ.get("INBOXMESH_INGRESS_TOKEN", ""),
+                                        tls.channel_credentials(found.tls, "inboxmesh host"), stop)
     except ValueError as exc:
         print(f"inboxmesh host: {exc}", file=sys.stderr)
         return 2
+
+
+@contextlib.asynccontextmanager
+async def _host_metrics(args, command: str) -> AsyncIterator[None]:
+    """--metrics-port: the host's metrics for Prometheus (agent_host/metrics.py) on loopback while it runs."""
+    if args.metrics_port is None:
+        yield
+        return
+    from agent_host.metrics import MetricsServer
+
+    server = MetricsServer(args.metrics_port)
+    try:
+        await server.start()
+    except OSError as exc:
+        raise ValueError(f"--metrics-port {args.metrics_port}: cannot listen on 127.0.0.1 ({exc})") from None
+    try:
+        print(f"inboxmesh {command}: metrics at {server.url}", flush=True)
+        yield
+    finally:
+        await server.stop()
+
+
+def _metrics_port_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=int, metavar="N",
+                        help="serve the host's metrics for Prometheus at http://127.0.0.1:N/metrics (0: any free"
+                             " port; default: none; docs/metrics.md)")
 
 
 async def _close(args) -> int:
@@ -599,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     from inboxmesh.cli.run import add_arguments
 
     add_arguments(run)
+    _metrics_port_arg(run)
     run.set_defaults(run=_run)
 
     host = sub.add_parser("host", help="an agent host serving the sessions of the mesh's configured agents")
@@ -606,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     from inboxmesh.cli.host import add_arguments as host_arguments
 
     host_arguments(host)
+    _metrics_port_arg(host)
     host.set_defaults(run=_host)
 
     close = sub.add_parser("close", help="close an agent and its descendants")

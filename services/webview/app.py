@@ -9,9 +9,11 @@ Routes:
     GET /api/snapshot        the agent tree (registry), live states and inbox depths (the board), newest events
     GET /api/events          server-sent events after ?after=N or the Last-Event-ID header (the event id)
     GET /api/message/<id>    every event of one message, in order, with the replies its recipient stored
+    GET /metrics             the mesh's metrics in Prometheus's text format (metrics.py, docs/metrics.md)
 
 Every route but the static files needs the operator token: the cookie, or `Authorization: Bearer <token>`;
-anything else is 401 with a short JSON error. The token is never logged (the access log is off: its request
+anything else is 401 with a short JSON error (/metrics, like /api/, never takes ?token=: a token in a scrape
+URL would end up in logs). The token is never logged (the access log is off: its request
 lines would carry ?token=).
 """
 
@@ -39,6 +41,7 @@ from services.events.service import EventsService
 from services.registry.service import RegistryService
 from services.store.base import AGENT_CLOSED, AgentRecord, EventStore
 from services.webview.board import Board, LiveAgent, event_json
+from services.webview.metrics import CONTENT_TYPE, MeshMetrics
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ class WebView:
         self._registry = registry
         self._record = record
         self.board = Board(config.recent_events, config.tracked_agents)
+        self.metrics = MeshMetrics()
+        """The metrics of /metrics, folded from the same watch of the record as the board."""
         self._runner: web.AppRunner | None = None
         self._follow: asyncio.Task[None] | None = None
         self._follow_error: BaseException | None = None
@@ -132,6 +137,7 @@ class WebView:
         app.router.add_get("/api/snapshot", self._snapshot)
         app.router.add_get("/api/events", self._stream)
         app.router.add_get("/api/message/{message_id:.+}", self._message)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=self._mesh.grace_period_s)
         await runner.setup()
@@ -175,6 +181,7 @@ class WebView:
             try:
                 async for batch in self._events.watch(OPERATOR, ev.EventFilter(), self.board.last_event_id, False):
                     self.board.fold(batch)
+                    self.metrics.fold(batch)
                     self._follow_error = None
                     self._folded.set()
                 return
@@ -193,6 +200,7 @@ class WebView:
         follow, self._follow = self._follow, None
         for task in [*self._pumps, *([follow] if follow is not None else [])]:
             await _stop(task)
+        self.metrics.shutdown()
 
     # -- auth and headers ---------------------------------------------------------------------------------------
     def _signed_in(self, request: web.Request) -> bool:
@@ -205,7 +213,7 @@ class WebView:
     def _token_given(self, request: web.Request) -> bool | None:
         """Whether ?token= is this mesh's operator token; None when there is no ?token= or not on a page."""
         given = request.query.get("token")
-        if given is None or request.path.startswith(("/api/", "/static/")):
+        if given is None or request.path.startswith(("/api/", "/static/", "/metrics")):
             return None
         return hmac.compare_digest(given.encode(), self._token.encode())
 
@@ -243,8 +251,18 @@ class WebView:
             "services": list(self._mesh.services),
             "last_event_id": board.last_event_id, "caught_up": caught_up, "agents": agents,
             "all_agents_listed": listed_all,
-            "untracked_agents": board.untracked, "events": list(board.recent),
+            "untracked_agents": board.untracked, "events": [event_json(e) for e in board.recent],
         }, headers={"Cache-Control": "no-store"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """The metrics as of the record's last event when the scrape came (waiting for the fold as a snapshot
+        does; a fold still behind after that answers what it has, and inboxmesh_record_folded_event_id says
+        where it is)."""
+        await self._catch_up()
+        if self._follow_error is not None:
+            return _error(503, f"the web view lost the event record: {self._follow_error}")
+        return web.Response(body=self.metrics.exposition(),
+                            headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"})
 
     async def _catch_up(self) -> bool:
         """Wait (at most catch_up_s) for the board to reach the record's last event as of now: right after the

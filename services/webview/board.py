@@ -73,7 +73,8 @@ class Board:
         self.agents: dict[str, LiveAgent] = {}
         self.scopes: dict[str, None] = {}
         """The top-level agents (roots of their scopes), in registration order."""
-        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=recent_events)
+        self.recent: collections.deque[ev.Event] = collections.deque(maxlen=recent_events)
+        """The newest events as they came (made into JSON only when a snapshot asks: most never are)."""
         self.last_event_id = 0
         self.untracked = 0
         self._tracked_agents = tracked_agents
@@ -90,7 +91,7 @@ class Board:
     def fold(self, events: list[ev.Event]) -> None:
         for event in events:
             self._fold_one(event)
-            self.recent.append(event_json(event))
+            self.recent.append(event)
             self.last_event_id = event.event_id
 
     def _fold_one(self, event: ev.Event) -> None:
