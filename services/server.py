@@ -94,7 +94,8 @@ class Mesh:
         self.routing_reloader = (RoutingReloader(config.routing, self.services.routing)
                                  if config.routing is not None and self.services.routing is not None else None)
         """Watches the routing file (services/routing/reload.py)."""
-        self.web = (WebView(config.web, config, self.services.events, self.services.registry, self.store)
+        self.web = (WebView(config.web, config, self.services.events, self.services.registry, self.store,
+                            routing=self.services.routing)
                     if config.web is not None else None)
         """The web view (services/webview), when the config asks for one; it lives and dies with the mesh."""
         self.health = health.aio.HealthServicer()

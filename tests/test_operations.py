@@ -348,3 +348,48 @@ def test_run_offers_the_local_model_a_smaller_tool_set_unless_told():
     assert tools_offered(None, "openai") == ALL_TOOLS
     assert tools_offered("finish, list_agents", "local") == ("finish", "list_agents")
     assert len(json.dumps(schemas(local))) < 0.8 * len(json.dumps(schemas(ALL_TOOLS)))
+
+
+def test_live_lines_show_a_configured_agents_identity_and_stay_aligned(capsys):
+    """`inboxmesh run`'s live lines: an agent that runs as a configured agent with an identity shows its emoji
+    and name beside its own (`🏠 Claw (main)`); one without shows its plain name; the kind column lines up."""
+    from types import SimpleNamespace
+
+    from agent_host.host import HostEvent
+    from inboxmesh.cli.run import AgentLabels, cells, printer
+    from inboxmesh.routing.v1 import routing_pb2 as route
+
+    configured = SimpleNamespace(agents={
+        "home": route.ConfiguredAgent(id="home", identity=route.Identity(name="Claw", emoji="\U0001F3E0")),
+        "code": route.ConfiguredAgent(id="code")})
+    runners = {agent_id: SimpleNamespace(record=SimpleNamespace(config_id=config_id))
+               for agent_id, config_id in (("a1", "home"), ("a2", "code"), ("a3", ""))}
+    host = SimpleNamespace(runners=runners)
+    show = printer(100.0, AgentLabels(host, configured))  # type: ignore[arg-type]  # what AgentLabels reads
+    for agent_id, name in (("a1", "main"), ("a2", "coder"), ("a3", "plain")):
+        show(HostEvent(101.0, name, agent_id, "turn_started", "turn 1"))
+    runners.pop("a1")  # closed: the host drops its runner before the last line
+    show(HostEvent(102.0, "main", "a1", "closed", "task completed"))
+    columns = [line[len("+  1.000s  "):] for line in capsys.readouterr().out.splitlines()]  # from the agent on
+    assert columns[0].startswith("\U0001F3E0 Claw (main) ") and columns[3].startswith("\U0001F3E0 Claw (main) ")
+    assert columns[1].startswith("coder ") and columns[2].startswith("plain ") and "Claw" not in columns[1] + columns[2]
+    # the kind column starts at the same terminal cell: 12 for a name, 7 for "🏠 Claw" and 3 for " ()"; the
+    # emoji takes two cells, so its line is one character shorter
+    assert [c.index(" turn_started") for c in columns[:3]] == [21, 22, 22] and columns[3].index(" closed") == 21
+    assert {cells(c[:22 if "Claw" not in c else 21]) for c in columns} == {22}, columns
+
+    plain = printer(100.0)  # a run of no configured agent: the column as it always was
+    plain(HostEvent(101.0, "B", "b", "agent_woken", ""))
+    assert "B            agent_woken" in capsys.readouterr().out
+
+
+def test_cli_run_as_a_configured_agent_shows_its_identity_live(tmp_path):
+    routing = tmp_path / "routing.yaml"
+    routing.write_text("agents:\n  list:\n    - id: home\n      model: scripted/finish\n"
+                       "      identity: {name: Claw, emoji: \"\\U0001F3E0\"}\n")
+    with MeshProcess(tmp_path, "--routing", str(routing)):
+        result = _cli("run", "--agent", "home", "--name", "main", "Say hello.", data_dir=tmp_path)
+    assert result.returncode == 0, result.stderr
+    live = [line for line in result.stdout.splitlines() if line.startswith("+")]
+    assert live and all("\U0001F3E0 Claw (main) " in line for line in live), result.stdout
+    assert any(" turn_started " in line for line in live)

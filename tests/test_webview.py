@@ -397,3 +397,146 @@ async def test_a_browser_shows_the_sibling_scenario_as_the_record_has_it(tmp_pat
         finally:
             await browser.close()
 
+
+
+# -- configured agents' identities ------------------------------------------------------------------------
+ROUTED_TOKEN = "web-ingress"
+ROUTING = """
+agents:
+  list:
+    - id: home
+      default: true
+      identity: {{name: {home_name}, emoji: "\\U0001F3E0"}}
+      subagents: {{allowAgents: [work, code]}}
+    - id: work
+      identity: {{name: Worky, emoji: "\\U0001F6E0"}}
+    - id: code
+ingress: {{tokens: [{token}]}}
+"""
+
+
+def routed_web_config(tmp_path: Path, home_name: str = "Claw", **changes: Any) -> MeshConfig:
+    path = tmp_path / "routing.yaml"
+    path.write_text(ROUTING.format(home_name=home_name, token=ROUTED_TOKEN))
+    return replace(web_config(make_config(tmp_path)), routing=path, **changes)
+
+
+async def routed_agents(client: MeshClient) -> dict[str, str]:
+    """A session agent of `home` (by ingress) and its children: one spawned as `work`, one as `code` (no
+    identity), one as its parent's; a plain top-level agent and its child (the mesh gives that child the
+    default agent's id for its spawn policy, but it runs as none). Their ids by name."""
+    from inboxmesh.registry.v1 import registry_pb2 as reg
+    from inboxmesh.routing.v1 import routing_pb2 as route
+
+    sent = await client.ingress(ROUTED_TOKEN, route.RouteInput(channel="telegram", peer=route.Peer(
+        kind=route.PEER_KIND_DM, id="ann")), "tg-1", "hello")
+    session = await client.claim_session(ROUTED_TOKEN, sent.route.session_key)
+    ids = {"session": sent.session_agent_id}
+    for name, config_id in (("helper", "work"), ("coder", "code"), ("inherits", "")):
+        ids[name] = (await session.spawn(name, run=reg.RunSpec(task="help", agent_config_id=config_id))).agent_id
+    lead = await client.register("lead")
+    ids["lead"], ids["kid"] = lead.agent_id, (await lead.spawn("kid")).agent_id
+    return ids
+
+
+HOME = {"agent": "home", "name": "Claw", "emoji": "\U0001F3E0"}
+WORK = {"agent": "work", "name": "Worky", "emoji": "\U0001F6E0"}
+EXPECTED_IDENTITIES = {"session": HOME, "helper": WORK, "coder": None, "inherits": HOME, "lead": None, "kid": None}
+
+
+async def test_agents_that_run_as_a_configured_agent_carry_its_identity_and_a_reload_changes_it(tmp_path):
+    async with Mesh(routed_web_config(tmp_path)) as mesh, \
+            MeshClient(mesh.address, timeout=10.0, admin_token=ADMIN_TOKEN) as client:
+        assert mesh.web is not None
+        base = mesh.web.url
+        ids = await routed_agents(client)
+        names = {agent_id: name for name, agent_id in ids.items()}
+        last = (await all_events(client))[-1].event_id
+        async with aiohttp.ClientSession(headers=BEARER) as session:
+            async def snapshot(newer_than: Any = "") -> dict[str, Any] | None:
+                async with session.get(base + "api/snapshot") as response:
+                    found = await response.json()
+                if found["last_event_id"] < last:
+                    return None
+                identities = {names[a["id"]]: a["identity"] for a in found["agents"] if a["id"] in names}
+                return identities if identities["session"] != newer_than else None
+
+            shown = await eventually(snapshot, message="the web view's board to reach the record's last event")
+            assert shown == EXPECTED_IDENTITIES
+
+            # the live stream: each agent's registration carries the identity it shows (a page learns it of
+            # agents registered after its snapshot)
+            streamed = await read_stream(session, base + "api/events?after=0", count=None, until_id=last)
+            registered = {names[e["agent_id"]]: e.get("identity") for e in streamed
+                          if e["kind"] == "agent_registered" and e["agent_id"] in names}
+            assert registered == EXPECTED_IDENTITIES
+
+            # a reload that renames home's identity: the next snapshot shows the new name
+            (tmp_path / "routing.yaml").write_text(ROUTING.format(home_name="Clawdia", token=ROUTED_TOKEN))
+            renamed = await eventually(lambda: snapshot(newer_than=HOME), timeout=10, message="the reload shown")
+            assert renamed == {**EXPECTED_IDENTITIES, "session": {**HOME, "name": "Clawdia"},
+                               "inherits": {**HOME, "name": "Clawdia"}}
+
+
+async def test_a_mesh_without_routing_shows_no_identity(web_mesh):
+    assert web_mesh.web is not None
+    async with MeshClient(web_mesh.address, timeout=10.0, admin_token=ADMIN_TOKEN) as client:
+        lead = await client.register("lead", metadata={"inboxmesh-agent": "home"})  # names one; none is loaded
+        await lead.spawn("kid")
+        async with aiohttp.ClientSession(headers=BEARER) as session:
+            async with session.get(web_mesh.web.url + "api/snapshot") as response:
+                agents = (await response.json())["agents"]
+    assert [a["identity"] for a in agents] == [None, None]
+
+
+@pytest.mark.store_independent  # the browser reads the web view, not the store: its mesh is always SQLite
+async def test_a_browser_shows_the_identity_of_configured_agents_beside_their_names(tmp_path):
+    from playwright.async_api import async_playwright
+
+    browser_path = chromium_path()
+    config = routed_web_config(tmp_path, store=StoreConfig(path=tmp_path / "mesh.db"))
+    async with Mesh(config) as mesh, async_playwright() as playwright, \
+            MeshClient(mesh.address, timeout=10.0, admin_token=ADMIN_TOKEN) as client:
+        assert mesh.web is not None
+        browser = await playwright.chromium.launch(executable_path=str(browser_path), args=list(CHROMIUM_ARGS))
+        try:
+            page = await browser.new_page(viewport={"width": 1280, "height": 860})
+            problems: list[str] = []
+            page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+            await page.goto(f"{mesh.web.url}?token={ADMIN_TOKEN}")
+            await page.wait_for_selector('#connection[data-connection="live"]')
+            ids = await routed_agents(client)  # while the page watches: it learns them from the stream
+            last = (await all_events(client))[-1].event_id
+
+            async def shown_up_to_last() -> bool:
+                return int(await page.get_attribute("#last-event", "data-last-event-id") or 0) >= last
+
+            await eventually(shown_up_to_last, message=f"the page to show the record up to event {last}")
+
+            async def identities(selector: str) -> dict[str, dict[str, str] | None]:
+                found = await page.eval_on_selector_all(selector, ATTRIBUTES,
+                                                        ["data-agent-id", "data-identity-name", "data-identity-emoji"])
+                return {f["data-agent-id"]: ({"name": f["data-identity-name"], "emoji": f["data-identity-emoji"]}
+                                             if f["data-identity-name"] is not None else None) for f in found}
+
+            def expected(agent_ids: set[str]) -> dict[str, dict[str, str] | None]:
+                return {i: (lambda v: {"name": v["name"], "emoji": v["emoji"]} if v else None)(EXPECTED_IDENTITIES[n])
+                        for n, i in ids.items() if i in agent_ids}
+
+            live = await identities("li.agent")
+            assert live == expected(set(ids.values())), "learnt from the live stream"
+            session_row = await page.text_content(f'li.agent[data-agent-id="{ids["session"]}"] > .agent-line')
+            assert session_row is not None and "\U0001F3E0 Claw" in session_row
+            lanes = await identities("g.lifeline")
+            assert lanes[ids["session"]] == {"name": "Claw", "emoji": "\U0001F3E0"}, "the channel's message to it"
+            head = await page.text_content(f'g.lifeline[data-agent-id="{ids["session"]}"] text')
+            assert head is not None and head.startswith("\U0001F3E0 Claw (")
+
+            await page.reload()  # from the snapshot this time
+            await page.wait_for_selector('#connection[data-connection="live"]')
+            assert await identities("li.agent") == live, "the snapshot says the same"
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            await page.screenshot(path=str(RESULTS / "identities.png"), full_page=True)
+            assert not problems, problems
+        finally:
+            await browser.close()

@@ -18,7 +18,7 @@ from agent_host.host import Host
 from agent_host.local_model import LOCAL_MODEL
 from agent_host.local_model.server import MODELS
 from agent_host.sessions import SessionHost
-from inboxmesh.cli.run import configured_agents, printer
+from inboxmesh.cli.run import AgentLabels, configured_agents, printer
 from inboxmesh.client.mesh import MeshClient
 
 
@@ -57,7 +57,7 @@ async def serve(args, address: str, data_dir: Path, admin_token: str | None, ing
         profiles = await configured_agents(args, client, stack)
         host = await stack.enter_async_context(Host(config, profiles, client=client))
         if not args.quiet:
-            host.observers.append(printer(started))
+            host.observers.append(printer(started, AgentLabels(host, profiles)))
         await stack.enter_async_context(SessionHost(host, client, ingress_token))
         print(f"inboxmesh host: serving the sessions of {len(profiles.agents)} configured agent(s)"
               f" ({', '.join(sorted(profiles.agents))}; config {profiles.version}) on {address}", flush=True)

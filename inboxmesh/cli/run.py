@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import sys
 import time
+import unicodedata
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from agent_host.tools import ALL_TOOLS
 from inboxmesh.client.mesh import AgentHandle, MeshClient
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
+from inboxmesh.routing.v1 import routing_pb2 as route_pb
 
 _SHOWN = {"registered", "agent_spawned", "agent_woken", "turn_started", "turn_ended", "consumed", "sent", "tool",
           "task_completed", "agent_idle", "closed", "run_cancelled", "failed", "model", "resumed", "recovered"}
@@ -151,10 +153,61 @@ async def configured_agents(args, client: MeshClient, stack: contextlib.AsyncExi
     return ConfiguredAgents(listing, catalog, SkillLibrary(dirs), default_model=default_model, base_tools=tools)
 
 
-def printer(started: float):
+NAME_WIDTH = 12
+"""The live lines' agent column, in terminal cells, for a plain name (longer names push the line on)."""
+
+
+def cells(text: str) -> int:
+    """How many terminal cells `text` takes: wide characters (most emoji, CJK) two, combining marks and
+    format characters (variation selectors, zero-width joiners) none."""
+    return sum(0 if unicodedata.category(c) in ("Mn", "Me", "Cf") else
+               2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def identity_text(identity: route_pb.Identity) -> str:
+    """`🏠 Claw` for a configured agent's identity (emoji, then display name); empty when it has neither."""
+    return " ".join(part.strip() for part in (identity.emoji, identity.name) if part.strip())
+
+
+class AgentLabels:
+    """The live lines' agent column for a host that runs configured agents: `🏠 Claw (home)` (the identity's
+    emoji and name, then the agent's own name) for an agent whose record names a configured agent with an
+    identity (HostedAgent.config_id: `--agent`, its children, a claimed session), the plain name otherwise.
+    The configured agents are read at each line, so a config the host took up later (SessionHost) counts."""
+
+    def __init__(self, host: Host, configured: ConfiguredAgents):
+        self._host = host
+        self._configured = configured
+        self._labels: dict[str, str] = {}
+        """The label of each agent shown and not closed (a closed agent's runner is gone by its last line)."""
+
+    @property
+    def width(self) -> int:
+        """The column's width: a plain name's, plus the widest identity and its parentheses when there is one,
+        so that plain lines and identity lines stay aligned."""
+        widest = max((cells(identity_text(a.identity)) for a in self._configured.agents.values()), default=0)
+        return NAME_WIDTH + (widest + 3 if widest else 0)
+
+    def __call__(self, event: HostEvent) -> str:
+        runner = self._host.runners.get(event.agent_id)
+        if runner is not None:
+            found = self._configured.agents.get(runner.record.config_id) if runner.record.config_id else None
+            shown = identity_text(found.identity) if found is not None else ""
+            self._labels[event.agent_id] = f"{shown} ({event.agent_name})" if shown else event.agent_name
+        if event.kind == "closed":
+            return self._labels.pop(event.agent_id, event.agent_name)
+        return self._labels.get(event.agent_id, event.agent_name)
+
+
+def printer(started: float, labels: AgentLabels | None = None):
+    """One line per shown host event: time, agent (with its identity when `labels` gives one), kind, detail."""
+    width = labels.width if labels is not None else NAME_WIDTH
+
     def show(event: HostEvent) -> None:
         if event.kind in _SHOWN:
-            print(f"+{event.at - started:7.3f}s  {event.agent_name:<12} {event.kind:<15} {event.detail}", flush=True)
+            name = labels(event) if labels is not None else event.agent_name
+            name += " " * max(0, width - cells(name))
+            print(f"+{event.at - started:7.3f}s  {name} {event.kind:<15} {event.detail}", flush=True)
     return show
 
 
@@ -175,7 +228,8 @@ async def run(args, mesh_address: str, data_dir: Path, tls: grpc.ChannelCredenti
         print(f"inboxmesh run: {args.name!r} on {mesh_address}, model: {described}", flush=True)
         async with Host(config, profiles, client=client) as host:
             if not args.quiet:
-                host.observers.append(printer(started))
+                host.observers.append(printer(started, AgentLabels(host, profiles)
+                                              if isinstance(profiles, ConfiguredAgents) else None))
             runner = await host.start_task(args.name, args.task, config_id=args.agent or "")
             outcome = await host.outcome(runner.agent_id)
             top = runner.handle

@@ -39,8 +39,10 @@ from services.config import MeshConfig, WebConfig
 from services.directory import Caller
 from services.events.service import EventsService
 from services.registry.service import RegistryService
+from services.routing.service import RoutingService
 from services.store.base import AGENT_CLOSED, AgentRecord, EventStore
 from services.webview.board import Board, LiveAgent, event_json
+from services.webview.identities import Identities
 from services.webview.metrics import CONTENT_TYPE, MeshMetrics
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ class WebView:
     shut down (services.server.Mesh does both). `url` is where it serves."""
 
     def __init__(self, config: WebConfig, mesh: MeshConfig, events: EventsService, registry: RegistryService,
-                 record: EventStore):
+                 record: EventStore, routing: RoutingService | None = None):
         if not mesh.admin_token:
             raise errors.InvalidArgument("the web view is for the operator token, and this mesh has none: give"
                                          " --admin-token, or turn the web view off (--no-web)",
@@ -91,6 +93,9 @@ class WebView:
         self._events = events
         self._registry = registry
         self._record = record
+        self.identities = Identities(routing)
+        """The configured agents' identities shown beside the agents that run as one (the routing service's
+        current config; none without one)."""
         self.board = Board(config.recent_events, config.tracked_agents)
         self.metrics = MeshMetrics()
         """The metrics of /metrics, folded from the same watch of the record as the board."""
@@ -246,7 +251,9 @@ class WebView:
             return _error(503, f"the web view lost the event record: {self._follow_error}")
         records, listed_all = await self._tree()
         board = self.board  # read at once, with no await in between: one consistent fold at last_event_id
-        agents = [self._agent_json(r, board.agents.get(r.agent_id)) for r in records]
+        by_id = {r.agent_id: r for r in records}
+        agents = [{**self._agent_json(r, board.agents.get(r.agent_id)),
+                   "identity": self.identities.of(r, by_id.get(r.parent_id))} for r in records]
         return web.json_response({
             "services": list(self._mesh.services),
             "last_event_id": board.last_event_id, "caught_up": caught_up, "agents": agents,
@@ -406,7 +413,8 @@ class WebView:
                 if taking not in done:
                     taking.cancel()
                 if taking in done:
-                    yield b"".join(_sse(e) for e in taking.result())
+                    batch = taking.result()
+                    yield b"".join([_sse(e, await self._registered_identity(e)) for e in batch])
                 elif closing in done:
                     return
                 elif pumping in done:
@@ -417,6 +425,21 @@ class WebView:
         finally:
             await _stop(closing)
             await _stop(pumping)
+
+
+    async def _registered_identity(self, event: ev.Event) -> dict[str, Any] | None:
+        """For an AGENT_REGISTERED event on a mesh with a routing config, the identity its agent shows (so a
+        page learns it of agents registered after its snapshot): its record, and its parent's when that
+        decides (Identities.runs_as); one read each per registration. None otherwise."""
+        if event.kind != ev.EVENT_KIND_AGENT_REGISTERED or not self.identities.routed:
+            return None
+        try:
+            record = await self._registry.get(OPERATOR, event.agent_id)
+            parent = await self._registry.get(OPERATOR, record.parent_id) \
+                if record.parent_id and self.identities.needs_parent(record) else None
+        except errors.MeshError:  # gone from the store (a wiped store): shown plain
+            return None
+        return self.identities.of(record, parent)
 
 
 async def _stop(task: asyncio.Task[Any]) -> None:
@@ -430,8 +453,12 @@ async def _stop(task: asyncio.Task[Any]) -> None:
         log.debug("web view: %s ended with %r", task.get_name(), task.exception())
 
 
-def _sse(event: ev.Event) -> bytes:
+def _sse(event: ev.Event, identity: dict[str, Any] | None = None) -> bytes:
     """One server-sent event (type "message"); its id is the event id, which a reconnecting EventSource sends
-    back as Last-Event-ID."""
-    data = json.dumps(event_json(event), separators=(",", ":"))
+    back as Last-Event-ID. An AGENT_REGISTERED event on a mesh with a routing config carries its agent's
+    `identity` (an object or null)."""
+    shown = event_json(event)
+    if identity is not None:
+        shown["identity"] = identity
+    data = json.dumps(shown, separators=(",", ":"))
     return f"id: {event.event_id}\ndata: {data}\n\n".encode()

@@ -20,7 +20,7 @@ const PROGRESS = {
 };
 
 const view = {
-  agents: new Map(),     // id -> {id, name, parent_id, scope_id, mode, state, done, depth}
+  agents: new Map(),     // id -> {id, name, parent_id, scope_id, mode, state, done, depth, identity}
   arrows: new Map(),     // sender + "\n" + message_id -> arrow
   reports: new Set(),    // keys named by TASK_COMPLETED before their message was seen
   tasks: new Set(),      // keys named by AGENT_SPAWNED (a parent's task to its child)
@@ -74,7 +74,8 @@ async function getJSON(url) {
 function agentOf(id) {
   let agent = view.agents.get(id);
   if (!agent && id && !id.startsWith("ioa:") && !id.startsWith("channel:")) {
-    agent = {id, name: id, parent_id: "", scope_id: "", mode: "", state: "registered", done: false, depth: 0};
+    agent = {id, name: id, parent_id: "", scope_id: "", mode: "", state: "registered", done: false, depth: 0,
+             identity: null};
     view.agents.set(id, agent);
   }
   return agent;
@@ -145,6 +146,8 @@ function fold(e) {
         agent.scope_id = found[3];
         agent.parent_id = e.sender;
       }
+      // on a mesh with routing, the live stream says which configured agent's identity it shows
+      if (agent && e.identity) agent.identity = e.identity;
       break;
     }
     case "agent_closed": if (agent) agent.state = "closed"; break;
@@ -186,6 +189,23 @@ function nameOf(id) {
   return agent ? agent.name : id;
 }
 
+// "🏠 Claw": the identity of the configured agent an agent runs as (services/webview/identities.py); "" for none
+function identityText(agent) {
+  const identity = agent && agent.identity;
+  return identity ? [identity.emoji, identity.name].filter(Boolean).join(" ") : "";
+}
+
+// a lifeline's head: "🏠 Claw (home)" for an agent with an identity, else its name
+function laneName(id) {
+  const shown = identityText(view.agents.get(id));
+  return shown ? `${shown} (${nameOf(id)})` : nameOf(id);
+}
+
+function identityAttrs(agent) {
+  const identity = agent && agent.identity;
+  return identity ? {"data-identity-name": identity.name, "data-identity-emoji": identity.emoji} : {};
+}
+
 function treeOrder() {
   const children = new Map();
   const roots = [];
@@ -206,9 +226,13 @@ function drawTree() {
     const item = el("li", {
       class: "agent", "data-agent-id": agent.id, "data-agent-name": agent.name, "data-parent-id": agent.parent_id,
       "data-mode": agent.mode, "data-state": agent.state, "data-depth": agent.depth, "data-done": agent.done,
+      ...identityAttrs(agent),
     });
+    const shown = identityText(agent);
     const line = el("div", {class: "agent-line", title: agent.id},
-                    el("span", {class: "name"}, agent.name), " ",
+                    shown ? el("span", {class: "identity", title: `configured agent ${agent.identity.agent}`}, shown) : "",
+                    shown ? " " : "",
+                    el("span", {class: "name"}, shown ? `(${agent.name})` : agent.name), " ",
                     el("span", {class: "mode"}, agent.mode), " ",
                     el("span", {class: `state state-${agent.state}`}, agent.state),
                     agent.done ? el("span", {class: "done"}, "done") : "",
@@ -252,8 +276,8 @@ function drawDiagram(tree) {
   defs.append(marker);
   root.append(defs);
   for (const id of lanes) {
-    const lane = svg("g", {class: "lifeline", "data-agent-id": id});
-    lane.append(svg("text", {x: x.get(id), y: 18, "text-anchor": "middle", class: "lane-name"}, nameOf(id)));
+    const lane = svg("g", {class: "lifeline", "data-agent-id": id, ...identityAttrs(view.agents.get(id))});
+    lane.append(svg("text", {x: x.get(id), y: 18, "text-anchor": "middle", class: "lane-name"}, laneName(id)));
     lane.append(svg("line", {x1: x.get(id), y1: 26, x2: x.get(id), y2: height, class: "lane"}));
     root.append(lane);
   }
