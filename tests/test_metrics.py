@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_host.metrics import MetricsServer
+from agent_host.metrics import TRACKED_AGENTS, HostMetrics, MetricsServer
 from agent_host.models.base import ModelReply, Usage
 from agent_host.models.scripted import ScriptedModel
 from harness.evidence import Record
@@ -220,7 +220,9 @@ class CountedModel(ScriptedModel):
 
 async def test_host_metrics_count_model_requests_per_agent_as_the_record_does(mesh, client, tmp_path):
     models = {name: CountedModel(policy, name=f"counted:{name}") for name, policy in SIBLING_POLICIES.items()}
-    async with MetricsServer(0) as server, aiohttp.ClientSession() as session:
+    # every agent the process counts is listed (not the 20 busiest): the suite's process has run many agents
+    # before this test, with more model requests than these (CI listed none of this test's agents)
+    async with MetricsServer(0, HostMetrics(top_agents=TRACKED_AGENTS)) as server, aiohttp.ClientSession() as session:
         before = await scrape_plain(session, server.url)
         async with scripted_host(mesh.address, tmp_path / "host", models) as host:
             outcome = await host.run_task("parent", "Coordinate A and B. The secret code for A is SEC-000042.",
