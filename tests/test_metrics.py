@@ -20,7 +20,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_host.metrics import TRACKED_AGENTS, HostMetrics, MetricsServer
+from agent_host import runner as runner_module
+from agent_host.metrics import TRACKED_AGENTS, HostMetrics, MetricsServer, ModelUsage
 from agent_host.models.base import ModelReply, Usage
 from agent_host.models.scripted import ScriptedModel
 from harness.evidence import Record
@@ -218,11 +219,15 @@ class CountedModel(ScriptedModel):
                                           completion_tokens=answer))
 
 
-async def test_host_metrics_count_model_requests_per_agent_as_the_record_does(mesh, client, tmp_path):
+async def test_host_metrics_count_model_requests_per_agent_as_the_record_does(mesh, client, tmp_path, monkeypatch):
     models = {name: CountedModel(policy, name=f"counted:{name}") for name, policy in SIBLING_POLICIES.items()}
-    # every agent the process counts is listed (not the 20 busiest): the suite's process has run many agents
-    # before this test, with more model requests than these (CI listed none of this test's agents)
-    async with MetricsServer(0, HostMetrics(top_agents=TRACKED_AGENTS)) as server, aiohttp.ClientSession() as session:
+    # the usage of a host process of its own: the suite's process has run many agents and models before this
+    # test (in CI, busier agents pushed this test's out of the 20 listed, and over 100 models made its own
+    # `other`), so the runner counts into a fresh ModelUsage here, as a new `inboxmesh host` would
+    usage = ModelUsage()
+    monkeypatch.setattr(runner_module, "MODEL_USAGE", usage)
+    async with MetricsServer(0, HostMetrics(usage, top_agents=TRACKED_AGENTS)) as server, \
+            aiohttp.ClientSession() as session:
         before = await scrape_plain(session, server.url)
         async with scripted_host(mesh.address, tmp_path / "host", models) as host:
             outcome = await host.run_task("parent", "Coordinate A and B. The secret code for A is SEC-000042.",
@@ -248,7 +253,7 @@ async def test_host_metrics_count_model_requests_per_agent_as_the_record_does(me
         model_tokens[(model, "output")] += int(output or 0)
     assert set(requests) == {r.agent_id for r in host.runners.values()} and sum(tokens.values()) > 0
     assert {m for m, _ in by_model} == {f"counted:{name}" for name in SIBLING_POLICIES}
-    # the counts are the process's: agents of this process's earlier tests are there too (other agent ids)
+    # only this test's agents are counted (a fresh ModelUsage)
     per_agent = by_label(after, "inboxmesh_host_agent_model_requests_total", "agent_id")
     assert {a: n for a, n in per_agent.items() if a in requests} == dict(requests)
     agent_tokens = {(dict(labels)["agent_id"], dict(labels)["type"]): value for (name, labels), value in after.items()
