@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from inboxmesh.client.mesh import MeshClient
-from services.config import InboxLimits, MeshConfig, StoreConfig
+from services.config import InboxLimits, MeshConfig, StoreConfig, WebConfig
 from services.server import Mesh
 
 if TYPE_CHECKING:
@@ -104,6 +104,22 @@ async def mesh(mesh_config):
         yield instance
     finally:
         await instance.stop(grace=0.5)
+
+
+def web_config(config: MeshConfig) -> MeshConfig:
+    """The config with the web view on a free port."""
+    return replace(config, web=WebConfig(port=0))
+
+
+@pytest.fixture
+async def web_mesh(tmp_path):
+    """A mesh on the test's store serving the web view (tests/test_webview.py, tests/test_metrics.py)."""
+    mesh = Mesh(web_config(make_config(tmp_path)))
+    await mesh.start()
+    try:
+        yield mesh
+    finally:
+        await mesh.stop(grace=0.5)
 
 
 @pytest.fixture

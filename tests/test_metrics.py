@@ -11,7 +11,6 @@ import asyncio
 import collections
 import re
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,11 +29,10 @@ from harness.policies import SIBLING_POLICIES
 from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
-from services.server import Mesh
 from services.webview.metrics import MeshMetrics
-from tests.fixtures import ADMIN_TOKEN, make_config
+from tests.fixtures import ADMIN_TOKEN
 from tests.streams import Collector
-from tests.test_webview import run_sibling_scenario, web_config
+from tests.test_webview import run_sibling_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 K = ev.EventKind
@@ -51,16 +49,6 @@ def parse(text: str) -> Samples:
 
 def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
     return {dict(labels)[label]: value for (n, labels), value in samples.items() if n == name}
-
-
-@pytest.fixture
-async def web_mesh(tmp_path) -> AsyncIterator[Mesh]:
-    mesh = Mesh(web_config(make_config(tmp_path)))
-    await mesh.start()
-    try:
-        yield mesh
-    finally:
-        await mesh.stop(grace=0.5)
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> Samples:

@@ -14,7 +14,6 @@ import secrets
 import ssl
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from services import settings
 from services.config import MeshConfig, StoreConfig, WebConfig
 from services.server import Mesh
-from tests.fixtures import ADMIN_TOKEN, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, eventually, make_config, web_config
 from tests.test_tls import Pki
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,18 +47,6 @@ LIFECYCLE = {K.EVENT_KIND_AGENT_WOKEN: "running", K.EVENT_KIND_TURN_STARTED: "ru
 """What the record says an agent is doing after each of these events (docs/webview.md "States")."""
 
 
-def web_config(config: MeshConfig) -> MeshConfig:
-    return replace(config, web=WebConfig(port=0))
-
-
-@pytest.fixture
-async def web_mesh(tmp_path) -> AsyncIterator[Mesh]:
-    mesh = Mesh(web_config(make_config(tmp_path)))
-    await mesh.start()
-    try:
-        yield mesh
-    finally:
-        await mesh.stop(grace=0.5)
 
 
 async def all_events(client: MeshClient) -> list[ev.Event]:
