@@ -139,7 +139,9 @@ async def test_close_with_messages_in_flight_dead_letters_them_and_tells_the_sen
                                                       "talker": talker}) as host:
         lead = await host.start_task("lead", "set up")
         await asyncio.wait_for(victim_model.waiting.wait(), 10)  # victim's run is in progress (turn 2)
-        talker_runner = by_name(host, "talker")
+        # the lead spawns talker after victim: victim's second request may start before talker exists
+        talker_runner = await eventually(lambda: next((r for r in host.runners.values() if r.record.name == "talker"),
+                                                      None), message="talker started")
         await eventually(lambda: len(tool_results(talker_runner, "send_message")) == 1)
         (_, sent), = tool_results(talker_runner, "send_message")
         victim = by_name(host, "victim")
