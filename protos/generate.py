@@ -20,7 +20,7 @@ REPO_ROOT = PROTO_ROOT.parent
 PACKAGE = "inboxmesh"
 HEADER = '"""Generated from protos/ by `python protos/generate.py`. Do not edit."""\n'
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
-HAND_WRITTEN = ("client", "cli", "mcp")
+HAND_WRITTEN = ("client", "cli", "mcp", "a2a")
 """Subpackages of inboxmesh/ that are written by hand, beside the generated ones."""
 
 

@@ -26,6 +26,7 @@ from inboxmesh.client.errors import Reason
 from services.config import MeshConfig
 from services.directory import Directory
 from services.events.service import EventsService
+from services.gateway.service import GatewayService, gateway_agent_id
 from services.inbox.delivery import DeliveryHub
 from services.inbox.service import InboxService
 from services.inbox.writer import InboxWriter
@@ -57,6 +58,8 @@ class Services:
     """Present when the mesh has a routing config."""
     relay: IoaRelay | None
     """Present when the mesh is on an IOA network (MeshConfig.ioa)."""
+    gateway: GatewayService
+    """Gateways to outside agent networks (A2A): served with the inbox."""
 
 
 def check(config: MeshConfig, routing: RoutingConfig | None) -> None:
@@ -104,8 +107,16 @@ def assemble(config: MeshConfig, store: Store, routing: RoutingConfig | None) ->
                                          deliver=writer.deliver_from_channel, limits=limits,
                                          admin_token=config.admin_token)
         routing_service.on_change(runs.use_routing)
+    a2a_agent_id = gateway_agent_id("a2a")
+
+    async def a2a_gateway():
+        return await directory.get(a2a_agent_id)
+
     inbox = InboxService(store, store, directory, limits, hub, writer,
                          forward_to_ioa=relay.start_forward if relay is not None else None,
-                         channel_gateway=routing_service.gateway if routing_service is not None else None)
+                         channel_gateway=routing_service.gateway if routing_service is not None else None,
+                         a2a_gateway=a2a_gateway)
+    gateway = GatewayService(store, directory, limits, validate=inbox.validate_external,
+                             deliver=writer.deliver_from_a2a)
     return Services(directory=directory, hub=hub, registry=registry, runs=runs, inbox=inbox,
-                    events=EventsService(store, directory), routing=routing_service, relay=relay)
+                    events=EventsService(store, directory), routing=routing_service, relay=relay, gateway=gateway)

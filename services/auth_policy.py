@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2
+from inboxmesh.gateway.v1 import gateway_pb2
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.ioa.v1 import relay_pb2
 from inboxmesh.registry.v1 import registry_pb2
@@ -119,6 +120,9 @@ METHOD_POLICIES: Mapping[str, Rule] = {
     **_service(routing_pb2, "RoutingService", {
         "Ingress": INGRESS_TOKEN, "ClaimSession": INGRESS_TOKEN,
         "ResolveRoute": PUBLIC, "ListConfiguredAgents": PUBLIC}),  # lookups that store nothing (docs/routing.md)
+    **_service(gateway_pb2, "GatewayService", {
+        "ClaimGateway": Rule(Policy.ADMIN, action="claiming a gateway"),
+        "Deliver": Rule(Policy.AGENT, action="delivering from a gateway")}),  # the gateway agent's own credential
     **_service(health_pb2, "Health", {"Check": PUBLIC, "Watch": PUBLIC}),
     **_service(reflection_pb2, "ServerReflection", {"ServerReflectionInfo": PUBLIC}),
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": PUBLIC,  # v1: v1alpha's messages (server.py)

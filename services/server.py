@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2, events_pb2_grpc
+from inboxmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from inboxmesh.inbox.v1 import inbox_pb2, inbox_pb2_grpc
 from inboxmesh.ioa.v1 import relay_pb2, relay_pb2_grpc
 from inboxmesh.registry.v1 import registry_pb2, registry_pb2_grpc
@@ -22,6 +23,7 @@ from services import settings, tls
 from services.assembly import assemble, check
 from services.config import MeshConfig
 from services.events.grpc_handler import EventServicer
+from services.gateway.grpc_handler import GatewayServicer
 from services.grpc_common import mesh_interceptors, receive_limit
 from services.inbox.grpc_handler import InboxServicer
 from services.ioa.grpc_handler import IoaRelayServicer
@@ -44,6 +46,8 @@ SERVICE_NAMES = {  # the names services.assembly.KNOWN_SERVICES allows
 }
 RUNS_SERVICE = runs_pb2.DESCRIPTOR.services_by_name["SubagentRunService"].full_name
 """Served with the registry (children are registered with their runs)."""
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+"""Served with the inbox (gateways to outside agent networks: A2A)."""
 ROUTING_SERVICE = routing_pb2.DESCRIPTOR.services_by_name["RoutingService"].full_name
 """Served beside the inbox when the mesh has a routing config."""
 
@@ -128,6 +132,8 @@ class Mesh:
             extra.append(ROUTING_SERVICE)
         if "inbox" in wanted:
             inbox_pb2_grpc.add_InboxServiceServicer_to_server(InboxServicer(built.inbox), server)
+            gateway_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(built.gateway), server)
+            extra.append(GATEWAY_SERVICE)
         if "events" in wanted:
             events_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(built.events), server)
         if built.relay is not None:

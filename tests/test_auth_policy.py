@@ -31,7 +31,7 @@ from services.auth_policy import METHOD_POLICIES, Policy, method_name
 from services.config import IoaConfig
 from services.ioa_network.server import SERVICE_NAME as NETWORK_SERVICE
 from services.ioa_network.server import NetworkConfig, NetworkServer
-from services.server import ROUTING_SERVICE, RUNS_SERVICE, SERVICE_NAMES, Mesh
+from services.server import GATEWAY_SERVICE, ROUTING_SERVICE, RUNS_SERVICE, SERVICE_NAMES, Mesh
 from tests.fixtures import ADMIN_TOKEN, make_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def generated_services() -> dict[str, list[str]]:
     return found
 
 
-MESH_SERVICES = {*SERVICE_NAMES.values(), RUNS_SERVICE, ROUTING_SERVICE}
+MESH_SERVICES = {*SERVICE_NAMES.values(), RUNS_SERVICE, ROUTING_SERVICE, GATEWAY_SERVICE}
 NOT_THE_MESHS = {NETWORK_SERVICE: "the reference IOA network: a separate program, which authenticates nobody"}
 
 
@@ -258,7 +258,8 @@ async def test_every_policy_refuses_a_missing_or_bad_credential_as_before(channe
 async def test_the_admin_token_cannot_act_as_an_agent_and_an_agent_cannot_sweep(channel, lead):
     agent_only = {m: rule for m, rule in METHOD_POLICIES.items() if rule.policy is Policy.AGENT}
     assert set(agent_only) == {"/inboxmesh.inbox.v1.InboxService/Ack", "/inboxmesh.ioa.v1.IoaRelayService/SpaceSend",
-                               "/inboxmesh.registry.v1.RegistryService/RegisterChildren"}
+                               "/inboxmesh.registry.v1.RegistryService/RegisterChildren",
+                               "/inboxmesh.gateway.v1.GatewayService/Deliver"}
     for method, rule in agent_only.items():
         refused(await outcome(channel, method, least_requests(method), bearer(ADMIN_TOKEN)),
                 grpc.StatusCode.PERMISSION_DENIED, "AGENT_CREDENTIAL_REQUIRED",
@@ -267,6 +268,9 @@ async def test_the_admin_token_cannot_act_as_an_agent_and_an_agent_cannot_sweep(
     refused(await outcome(channel, sweep, [first_request(sweep)], bearer(lead.credential)),
             grpc.StatusCode.PERMISSION_DENIED, "NOT_ADMIN", "running the sweeper needs the admin token", sweep)
     assert await outcome(channel, sweep, [first_request(sweep)], bearer(ADMIN_TOKEN)) is None
+    claim = "/inboxmesh.gateway.v1.GatewayService/ClaimGateway"
+    refused(await outcome(channel, claim, [first_request(claim)], bearer(lead.credential)),
+            grpc.StatusCode.PERMISSION_DENIED, "NOT_ADMIN", "claiming a gateway needs the admin token", claim)
 
 
 def subscribing(method: str, *credentials: str) -> list[Message]:

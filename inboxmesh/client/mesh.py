@@ -22,6 +22,8 @@ from inboxmesh.client.tracing import inject, tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev_pb
 from inboxmesh.events.v1 import events_pb2_grpc
+from inboxmesh.gateway.v1 import gateway_pb2 as gw_pb
+from inboxmesh.gateway.v1 import gateway_pb2_grpc
 from inboxmesh.inbox.v1 import inbox_pb2 as inbox_pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from inboxmesh.ioa.v1 import relay_pb2 as relay_pb
@@ -190,6 +192,7 @@ class MeshClient:
         self.runs = runs_pb2_grpc.SubagentRunServiceStub(self.channel)
         self.routing = routing_pb2_grpc.RoutingServiceStub(self.channel)
         self.relay = relay_pb2_grpc.IoaRelayServiceStub(self.channel)
+        self.gateway = gateway_pb2_grpc.GatewayServiceStub(self.channel)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -269,10 +272,11 @@ class MeshClient:
         return response.agent
 
     async def admin_watch_events(self, *, kinds: Iterable[ev_pb.EventKind] = (), after: int = 0,
-                                 from_now: bool = False) -> AsyncIterator[ev_pb.Event]:
-        """Follow the whole event record live (admin token): events after `after` first, then new ones."""
-        request = ev_pb.WatchEventsRequest(filter=ev_pb.EventFilter(kinds=list(kinds)), after_event_id=after,
-                                           from_now=from_now)
+                                 from_now: bool = False, agent_id: str = "") -> AsyncIterator[ev_pb.Event]:
+        """Follow the whole event record live (admin token): events after `after` first, then new ones
+        (only those about `agent_id` when given)."""
+        request = ev_pb.WatchEventsRequest(filter=ev_pb.EventFilter(kinds=list(kinds), agent_id=agent_id),
+                                           after_event_id=after, from_now=from_now)
         async for event in _watch(self, request, self._admin_metadata()):
             yield event
 
@@ -284,6 +288,12 @@ class MeshClient:
     async def admin_run(self, *, run_id: str = "", child_id: str = "") -> runs_pb.SubagentRun:
         return await self._call(self.runs.GetRun(runs_pb.GetRunRequest(run_id=run_id, child_id=child_id),
                                             timeout=self.timeout, metadata=self._admin_metadata()))
+
+    async def claim_gateway(self, family: str = "a2a") -> AgentHandle:
+        """The gateway agent of an address family, with a new credential (admin token): docs/interop.md."""
+        response = await self._call(self.gateway.ClaimGateway(gw_pb.ClaimGatewayRequest(family=family),
+                                                              timeout=self.timeout, metadata=self._admin_metadata()))
+        return AgentHandle(self, response.agent, response.credential)
 
     # -- routing (ingress token) -------------------------------------------
     async def ingress(self, token: str, source: route_pb.RouteInput, message_id: str, text: str,
@@ -507,6 +517,17 @@ class AgentHandle:
             token = response.next_page_token
             if not token:
                 return found
+
+    async def deliver(self, envelopes: list[env_pb.Envelope], timeout: float | None = None) -> list[inbox_pb.Receipt]:
+        """As a gateway agent (MeshClient.claim_gateway): store messages from outside addresses."""
+        spans = self._traced(envelopes)
+        try:
+            response = await self.client._call(self.client.gateway.Deliver(
+                gw_pb.DeliverRequest(messages=envelopes), **self._opts(timeout)))
+        finally:
+            for span in spans:
+                span.end()
+        return list(response.receipts)
 
     # -- events -------------------------------------------------------------
     async def events(

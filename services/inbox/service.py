@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from inboxmesh.client import errors
+from inboxmesh.client.addressing import A2A_TO_HEADER
 from inboxmesh.client.errors import Reason
 from inboxmesh.client.tracing import context_of, tracer
 from inboxmesh.common.v1 import envelope_pb2
@@ -24,6 +25,7 @@ from services.faults import crash_point
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.inbox.writer import InboxWriter
 from services.store.base import (
+    A2A_PREFIX,
     CHANNEL_PREFIX,
     IOA_PREFIX,
     NOT_PERMITTED,
@@ -61,6 +63,8 @@ the relay is configured)) -> what waits for their receipts, once their first cop
 order of the calls: the IOA relay's start_forward."""
 ChannelGateway = Callable[[str, str], Awaitable[AgentRecord]]
 """(channel, account) -> the channel account's gateway agent (services.routing.service.RoutingService.gateway)."""
+A2aGateway = Callable[[], Awaitable[AgentRecord | None]]
+"""The A2A gateway agent, None while no gateway claimed it (services.gateway.service)."""
 CHANNEL_TO_HEADER = "inboxmesh-channel-to"
 """On a message stored in a channel gateway's inbox: the channel address it answers (docs/routing.md "Answers")."""
 _OUTBOX_CHOICE: dict[int, bool | None] = {pb.IOA_DELIVERY_DEFAULT: None, pb.IOA_DELIVERY_DIRECT: False,
@@ -123,7 +127,7 @@ class StreamSenders:
 class InboxService:
     def __init__(self, store: InboxStore, events: EventStore, directory: Directory, limits: InboxLimits,
                  hub: DeliveryHub, writer: InboxWriter, forward_to_ioa: ForwardToIoa | None,
-                 channel_gateway: ChannelGateway | None = None):
+                 channel_gateway: ChannelGateway | None = None, a2a_gateway: A2aGateway | None = None):
         self._store = store
         self._events = events
         self._directory = directory
@@ -136,6 +140,8 @@ class InboxService:
         self._channel_gateway = channel_gateway
         """The gateway agent of a channel account (services.routing.service.RoutingService.gateway); None: the
         mesh routes no channels, and a send to a channel address is UNKNOWN_TARGET."""
+        self._a2a_gateway = a2a_gateway
+        """The A2A gateway agent: sends to `a2a:` addresses are stored in its inbox (UNKNOWN_TARGET without it)."""
         self._frontiers: collections.OrderedDict[str, Frontier | None] = collections.OrderedDict()
         """Recently used agents' Frontiers (loop guard), most recent last; bounded by _FRONTIERS_KEPT."""
 
@@ -149,7 +155,13 @@ class InboxService:
                 reason=Reason.BATCH_TOO_LARGE,
             )
 
-    def _validate(self, sender_id: str, envelopes: list[envelope_pb2.Envelope], first_index: int = 0) -> None:
+    def validate_external(self, prefix: str, envelopes: list[envelope_pb2.Envelope]) -> None:
+        """A gateway's messages (GatewayService.deliver) checked as sends are, their senders addresses starting
+        with `prefix` instead of the caller's id."""
+        self._validate(prefix, envelopes, external=True)
+
+    def _validate(self, sender_id: str, envelopes: list[envelope_pb2.Envelope], first_index: int = 0, *,
+                  external: bool = False) -> None:
         limits = self._limits
         self._check_count(envelopes)
         for index, env in enumerate(envelopes, start=first_index):
@@ -161,7 +173,12 @@ class InboxService:
             for field, value in (("message_id", env.message_id), ("recipient", env.recipient),
                                  ("conversation_id", env.conversation_id), ("in_reply_to", env.in_reply_to)):
                 check_text(f"{where}: {field}", value, max_len=limits.max_id_length)
-            if env.sender and env.sender != sender_id:
+            if external and not env.sender.startswith(sender_id):
+                raise errors.InvalidArgument(
+                    f"{where}: a gateway delivers messages from addresses starting with {sender_id!r};"
+                    f" sender {errors.clip(env.sender)!r} is not one", reason=Reason.BAD_GATEWAY_SENDER,
+                    metadata={"index": str(index), "sender": errors.clip(env.sender)})
+            if not external and env.sender and env.sender != sender_id:
                 raise errors.PermissionDenied(
                     f"{where} names sender {env.sender} but the credential is {sender_id}'s:"
                     " an agent can only send as itself",
@@ -177,9 +194,9 @@ class InboxService:
                                              metadata={"index": str(index), "field": "in_reply_to"})
             if env.kind not in envelope_pb2.MessageKind.values():
                 raise errors.InvalidArgument(f"{where}: unknown kind {env.kind}", reason=Reason.BAD_KIND)
-            if env.origin.kind == envelope_pb2.ORIGIN_KIND_IOA:
-                raise errors.PermissionDenied(f"{where}: only the IOA relay may send with an IOA origin",
-                                              reason=Reason.ORIGIN_NOT_ALLOWED)
+            if env.origin.kind in (envelope_pb2.ORIGIN_KIND_IOA, envelope_pb2.ORIGIN_KIND_A2A) and not external:
+                raise errors.PermissionDenied(f"{where}: only the IOA relay and the A2A gateway may send with"
+                                              " their origins", reason=Reason.ORIGIN_NOT_ALLOWED)
             size = env.ByteSize()
             if size > limits.max_message_bytes:
                 raise errors.InvalidArgument(
@@ -405,6 +422,8 @@ class InboxService:
             return rejection
         if env.recipient.startswith(CHANNEL_PREFIX):
             return await self._to_channel(sender_id, env)
+        if env.recipient.startswith(A2A_PREFIX):
+            return await self._to_a2a(env)
         target = await self._directory.get(env.recipient)
         if target is None:
             return UNKNOWN_TARGET, f"no agent {env.recipient}"
@@ -433,6 +452,22 @@ class InboxService:
                                    " of a session answer on its channel")
         gateway = await self._channel_gateway(channel, account)
         env.headers[CHANNEL_TO_HEADER] = address
+        env.recipient = gateway.agent_id
+        return None
+
+    async def _to_a2a(self, env: envelope_pb2.Envelope) -> tuple[int, str] | None:
+        """A message to an A2A agent (`a2a:<agent card URL>`) or to a caller of an exposed agent
+        (`a2a:client/...`, the sender of what the A2A gateway delivered): stored in the A2A gateway agent's
+        inbox, the address kept in the header `inboxmesh-a2a-to` (docs/interop.md)."""
+        address = env.recipient
+        rest = address.removeprefix(A2A_PREFIX)
+        if not (rest.startswith(("http://", "https://", "client/")) and len(rest) > len("client/")):
+            return UNKNOWN_TARGET, (f"{errors.clip(address, 200)!r} is not an A2A address (a2a:<agent card URL>,"
+                                    " or the a2a:client/... sender of a message from an A2A client)")
+        gateway = await self._a2a_gateway() if self._a2a_gateway is not None else None
+        if gateway is None:
+            return UNKNOWN_TARGET, "this mesh has no A2A gateway: start one with `inboxmesh a2a` (docs/interop.md)"
+        env.headers[A2A_TO_HEADER] = address
         env.recipient = gateway.agent_id
         return None
 

@@ -24,6 +24,7 @@ from services.directory import Directory
 from services.inbox.delivery import DeliveryHub
 from services.ioa.exposure import Exposure
 from services.store.base import (
+    A2A_PREFIX,
     ACCEPTED,
     CHANNEL_PREFIX,
     IOA_PREFIX,
@@ -73,6 +74,31 @@ class InboxWriter:
             env.created_at_us = env.created_at_us or now
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
         return await self.store([[AppendItem(e)] for e in envelopes], now)
+
+    async def deliver_from_a2a(self, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
+        """Store messages the A2A gateway delivered (services.gateway.service), in order, by the ordinary path.
+        Their senders are `a2a:` addresses and their message ids the gateway's idempotency keys, so a
+        retried delivery is a DUPLICATE. The chain the gateway names (hop_count, trail: the message an
+        answer answers) continues with the sender; unknown recipients are UNKNOWN_TARGET."""
+        now = now_us()
+        items = []
+        for env in envelopes:
+            if not env.sender.startswith(A2A_PREFIX) or env.origin.kind != envelope_pb2.ORIGIN_KIND_A2A:
+                raise errors.Internal(f"the A2A gateway delivered {env.message_id} without an a2a: sender and origin")
+            env.created_at_us = env.created_at_us or now
+            env.sequence = env.stored_at_us = env.delivery_attempt = 0
+            env.hop_count = max(env.hop_count, 1)
+            env.trail.append(env.sender)
+            rejection = self.loop_rejection(env)
+            if rejection is None and await self._directory.get(env.recipient) is None:
+                rejection = (UNKNOWN_TARGET, f"no agent {errors.clip(env.recipient)}")
+            items.append(AppendItem(env, rejection))
+        by_sender: dict[str, list[AppendItem]] = {}
+        for item in items:
+            by_sender.setdefault(item.envelope.sender, []).append(item)
+        stored = await self.store(list(by_sender.values()), now)
+        outcome_of = dict(zip((id(i) for group in by_sender.values() for i in group), stored))
+        return [outcome_of[id(item)] for item in items]
 
     async def deliver_from_ioa(self, envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
         """Store messages the IOA relay received, in order, by the ordinary

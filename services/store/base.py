@@ -27,6 +27,9 @@ from dataclasses import dataclass, field, fields
 from typing import cast
 
 from inboxmesh.client.addressing import (  # re-exported: the store's users name them here
+    A2A_PREFIX as A2A_PREFIX,
+)
+from inboxmesh.client.addressing import (
     CHANNEL_PREFIX as CHANNEL_PREFIX,
 )
 from inboxmesh.client.addressing import (

@@ -22,6 +22,7 @@ class OriginKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ORIGIN_KIND_IOA: _ClassVar[OriginKind]
     ORIGIN_KIND_MESH: _ClassVar[OriginKind]
     ORIGIN_KIND_CHANNEL: _ClassVar[OriginKind]
+    ORIGIN_KIND_A2A: _ClassVar[OriginKind]
 MESSAGE_KIND_UNSPECIFIED: MessageKind
 MESSAGE_KIND_TEXT: MessageKind
 MESSAGE_KIND_TASK: MessageKind
@@ -33,6 +34,7 @@ ORIGIN_KIND_LOCAL: OriginKind
 ORIGIN_KIND_IOA: OriginKind
 ORIGIN_KIND_MESH: OriginKind
 ORIGIN_KIND_CHANNEL: OriginKind
+ORIGIN_KIND_A2A: OriginKind
 
 class Content(_message.Message):
     __slots__ = ("text", "data", "media_type")

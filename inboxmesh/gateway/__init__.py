@@ -1,0 +1,1 @@
+"""Generated from protos/ by `python protos/generate.py`. Do not edit."""
