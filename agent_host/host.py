@@ -28,7 +28,7 @@ from agent_host.ports import AgentCalls, Team
 from agent_host.runner import AgentRunner
 from agent_host.tools import ALL_TOOLS, relay_call
 from inboxmesh.client import errors
-from inboxmesh.client.addressing import IOA_PREFIX
+from inboxmesh.client.addressing import A2A_PREFIX, CHANNEL_PREFIX, IOA_PREFIX
 from inboxmesh.client.mesh import AgentHandle, MeshClient
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -351,7 +351,7 @@ class Host:
     async def address_for(self, sender: AgentCalls, to: str) -> str:
         """Where a message to `to` goes: the agent itself, or with
         route_via_ioa its IOA address (kept per agent)."""
-        if not self.config.route_via_ioa or to.startswith(IOA_PREFIX):
+        if not self.config.route_via_ioa or to.startswith((IOA_PREFIX, A2A_PREFIX, CHANNEL_PREFIX)):
             return to
         address = self._addresses.get(to)
         if address is None:
@@ -363,6 +363,8 @@ class Host:
             node, _, local = agent_id.removeprefix(IOA_PREFIX).partition("/")
             known = self._names.get(local)
             return f"{known}@{node}" if known else agent_id
+        if agent_id.startswith((A2A_PREFIX, CHANNEL_PREFIX)):  # an address, not an agent here: its own name
+            return agent_id
         name = self._names.get(agent_id)
         if name is None:
             asker = next(iter(self.runners.values()), None)

@@ -34,7 +34,7 @@ from agent_host.hoststore import HostedAgent
 from agent_host.models.base import ToolCall
 from agent_host.ports import AgentCalls, AgentHost
 from inboxmesh.client import errors
-from inboxmesh.client.addressing import IOA_PREFIX
+from inboxmesh.client.addressing import A2A_PREFIX, IOA_PREFIX
 from inboxmesh.client.errors import Reason
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.ioa.v1 import network_pb2 as net
@@ -253,11 +253,11 @@ async def relay_call(call: Awaitable[_T]) -> _T:
 
 
 async def resolve(ctx: ToolContext, target: str) -> reg.Agent | dict[str, Any]:
-    """An agent by id, IOA address or name (in this agent's scope), or an
+    """An agent by id, IOA or A2A address or name (in this agent's scope), or an
     error result."""
     target = target.strip()
-    if target.startswith(IOA_PREFIX):
-        return reg.Agent(agent_id=target)  # a peer on the IOA network: the relay answers for it
+    if target.startswith((IOA_PREFIX, A2A_PREFIX)):
+        return reg.Agent(agent_id=target)  # a peer elsewhere: the relay or the A2A gateway answers for it
     if target.startswith("agt_"):
         try:
             return await ctx.handle.get(target)

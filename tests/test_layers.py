@@ -2,6 +2,7 @@
 
     inboxmesh.cli  ->  agent_host, services          (the only code that sees both sides)
     inboxmesh.cli  ->  inboxmesh.mcp  ->  inboxmesh.client   (the MCP server: a client of the mesh)
+    inboxmesh.cli  ->  inboxmesh.a2a  ->  inboxmesh.client   (the A2A gateway: a client of the mesh)
     agent_host     ->  inboxmesh.client
     services       ->  services.store  ->  inboxmesh.client  ->  inboxmesh.<service>.v1 (generated)
 
@@ -31,8 +32,10 @@ configuration, crash points, TLS files): they import nothing of the mesh."""
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (module prefix, what its imports of ours may name); the first matching prefix rules
     ("inboxmesh.client", ("inboxmesh.client",)),
-    ("inboxmesh.cli", ("inboxmesh.client", "inboxmesh.cli", "inboxmesh.mcp", "services", "agent_host")),
+    ("inboxmesh.cli", ("inboxmesh.client", "inboxmesh.cli", "inboxmesh.mcp", "inboxmesh.a2a", "services",
+                       "agent_host")),
     ("inboxmesh.mcp", ("inboxmesh.client", "inboxmesh.mcp")),  # a client of the mesh, like the CLI's commands
+    ("inboxmesh.a2a", ("inboxmesh.client", "inboxmesh.a2a")),  # likewise
     ("services.store", ("inboxmesh.client", "services.store", *SHARED_BY_SERVERS)),
     ("services.ioa_network", ("inboxmesh.client", "services.ioa_network", "services.grpc_common",
                               *SHARED_BY_SERVERS)),

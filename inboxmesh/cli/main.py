@@ -11,6 +11,7 @@
     inboxmesh host --ingress-token T  serve the sessions of the routing config's agents
     inboxmesh ioa-server [--port N]   the reference IOA network (then: up --ioa-network HOST:PORT)
     inboxmesh mcp --transport stdio|http  an MCP server giving its client an agent (docs/interop.md)
+    inboxmesh a2a --agent ID    the A2A gateway: the agent as an A2A agent, a2a: addresses (docs/interop.md)
 
 Commands find a local mesh through .inboxmesh/mesh.json (written by `up`),
 or --mesh / INBOXMESH_ADDRESS.
@@ -452,6 +453,62 @@ async def _mcp(args) -> int:
     return 0
 
 
+def _tokens(text: str, variable: str) -> dict[str, str]:
+    """`principal=token,principal=token` (INBOXMESH_A2A_TOKENS) -> {token: principal}."""
+    tokens: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        principal, eq, token = entry.partition("=")
+        if not eq or not principal.strip() or not token.strip():
+            raise errors.InvalidArgument(f"{variable}: each entry is principal=token (comma-separated); one entry"
+                                         " is not", reason=errors.Reason.BAD_VALUE, metadata={"variable": variable})
+        tokens[token.strip()] = principal.strip()
+    return tokens
+
+
+async def _a2a(args) -> int:
+    """`inboxmesh a2a`: the A2A gateway (inboxmesh/a2a, docs/interop.md). Tokens come from environment
+    variables, never from the command line (it shows in `ps`)."""
+    from inboxmesh.a2a import A2aConfig, A2aServer
+
+    found = settings.client_settings(vars(args), os.environ)
+    if not found.admin_token:
+        raise errors.InvalidArgument("inboxmesh a2a claims the mesh's A2A gateway with the admin token: give it"
+                                     " (INBOXMESH_ADMIN_TOKEN, or the data directory of a local mesh)",
+                                     reason=errors.Reason.MISSING_CREDENTIAL)
+    tokens = _tokens(os.environ.get(args.tokens_env, ""), args.tokens_env)
+    if not tokens and not args.anonymous:
+        raise errors.InvalidArgument(f"no bearer tokens: set {args.tokens_env} (principal=token,...), or accept"
+                                     " callers without one with --anonymous", reason=errors.Reason.MISSING_CREDENTIAL)
+    skills = []
+    for skill in args.skill or ():
+        skill_id, eq, text = skill.partition("=")
+        if not eq or not skill_id.strip():
+            raise errors.InvalidArgument(f"--skill {skill[:80]!r}: give id=description", reason=errors.Reason.BAD_VALUE)
+        skills.append((skill_id.strip(), text.strip()))
+    state = Path(args.state) if args.state else found.data_dir / "a2a" / f"{args.agent}.sqlite"
+    config = A2aConfig(
+        mesh=found.address, admin_token=found.admin_token, agent_id=args.agent, state=state, host=args.host,
+        http_port=args.http_port, grpc_port=args.grpc_port, tokens=tokens, anonymous=args.anonymous,
+        public_url=args.public_url or "", description=args.description or "", skills=tuple(skills),
+        send_wait_s=args.send_wait, remote_token=os.environ.get(args.remote_token_env) or None,
+        remote_timeout_s=args.remote_timeout, keep_days=args.keep_days, max_streams=args.max_streams,
+        timeout_s=found.timeout_s,
+        tls=tls.channel_credentials(found.tls, "inboxmesh a2a"))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = A2aServer(config)
+    await server.start()
+    try:
+        print(f"inboxmesh a2a: agent {args.agent} at {server.http_url}.well-known/agent-card.json (JSON-RPC"
+              f" {server.http_url}, gRPC {server.grpc_target}); mesh {found.address}", flush=True)
+        await stop.wait()
+    finally:
+        await server.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inboxmesh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -660,11 +717,39 @@ def build_parser() -> argparse.ArgumentParser:
     mcp.add_argument("--parent-credential-env", metavar="VAR",
                      help="register each session's agent as a child of the agent whose credential is in VAR")
     mcp.set_defaults(run=_mcp)
+
+    gateway = sub.add_parser("a2a", help="the A2A gateway: a mesh agent as an A2A agent, and a2a: addresses"
+                                         " (docs/interop.md)")
+    client_args(gateway)
+    gateway.add_argument("--agent", required=True, metavar="AGENT_ID", help="the mesh agent to expose")
+    gateway.add_argument("--state", metavar="PATH", help="the gateway's task book, SQLite (default: the data"
+                                                         " directory's a2a/<agent>.sqlite)")
+    gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    gateway.add_argument("--http-port", type=int, default=0, help="JSON-RPC and the Agent Card (default 0: any)")
+    gateway.add_argument("--grpc-port", type=int, default=0, help="the gRPC binding (default 0: any)")
+    gateway.add_argument("--public-url", help="the base URL the card advertises (default http://host:http-port)")
+    gateway.add_argument("--tokens-env", default="INBOXMESH_A2A_TOKENS", metavar="VAR",
+                         help="environment variable holding principal=token,... (default INBOXMESH_A2A_TOKENS)")
+    gateway.add_argument("--anonymous", action="store_true", help="also accept callers without a token")
+    gateway.add_argument("--skill", action="append", metavar="ID=DESCRIPTION", help="a skill the card lists")
+    gateway.add_argument("--description", help="the card's description")
+    gateway.add_argument("--send-wait", type=float, default=30.0, metavar="S",
+                         help="a non-streaming SendMessage waits this long for the answer (default 30)")
+    gateway.add_argument("--remote-token-env", default="INBOXMESH_A2A_REMOTE_TOKEN", metavar="VAR",
+                         help="bearer token sent to remote A2A agents (default INBOXMESH_A2A_REMOTE_TOKEN)")
+    gateway.add_argument("--remote-timeout", type=float, default=120.0, metavar="S",
+                         help="a remote A2A agent must answer within this (default 120)")
+    gateway.add_argument("--keep-days", type=float, default=7.0, metavar="D",
+                         help="forget ended tasks D days after they ended (default 7)")
+    gateway.add_argument("--max-streams", type=int, default=256, metavar="N",
+                         help="streams served at once; one more is TOO_MANY_STREAMS (default 256)")
+    gateway.set_defaults(run=_a2a)
     return parser
 
 
 SERVICE_NAMES = {"up": "inboxmesh-mesh", "host": "inboxmesh-host", "run": "inboxmesh-host",
-                 "ioa-server": "inboxmesh-ioa-network", "mcp": "inboxmesh-mcp"}
+                 "ioa-server": "inboxmesh-ioa-network", "mcp": "inboxmesh-mcp",
+                 "a2a": "inboxmesh-a2a"}
 """A process's service.name in its spans when OTEL_SERVICE_NAME does not give one (other commands:
 inboxmesh-cli)."""
 
