@@ -61,7 +61,7 @@ class Gateway:
     async def start(self) -> None:
         args = ["-m", "inboxmesh.cli.main", "a2a", "--mesh", self.mesh, "--agent", self.agent_id,
                 "--state", str(self.tmp / "a2a.sqlite"), "--http-port", str(self.http_port),
-                "--grpc-port", str(self.grpc_port), "--send-wait", "20", "--remote-timeout", "20", *self.extra]
+                "--grpc-port", str(self.grpc_port), "--send-wait", "20", "--remote-timeout", "6", *self.extra]
         env = {**os.environ, "INBOXMESH_ADMIN_TOKEN": ADMIN_TOKEN,
                "INBOXMESH_A2A_TOKENS": ",".join(f"{p}={t}" for p, t in TOKENS.items()),
                "INBOXMESH_A2A_REMOTE_TOKEN": "remote-secret"}
@@ -281,7 +281,7 @@ async def test_every_refusal_is_an_a2a_error_and_stores_nothing(setup):
 async def test_an_agent_reaches_an_a2a_agent_and_its_answer_comes_back_as_a_reply(setup):
     client, exposed, answerer, gateway = setup
     caller = await client.register("caller")
-    async with pong_agent(token="remote-secret") as (url, executor):
+    async with pong_agent(token="remote-secret", slow_s=15) as (url, executor):
         stream = InboxStream([caller])
         inbox: list[env_pb.Envelope] = []
 
@@ -303,11 +303,14 @@ async def test_an_agent_reaches_an_a2a_agent_and_its_answer_comes_back_as_a_repl
             # a failing remote and an unknown one: a dead-letter notice, as for a local message
             await caller.send(f"a2a:{url}", "fail please", message_id="out-2")
             await caller.send("a2a:http://127.0.0.1:9/", "anyone?", message_id="out-3")
-            await eventually(lambda: {m.in_reply_to for m in inbox} >= {"out-2", "out-3"}, timeout=60,
-                             message="two notices")
+            await caller.send(f"a2a:{url}", "slow, longer than --remote-timeout", message_id="out-5")
+            await eventually(lambda: {m.in_reply_to for m in inbox} >= {"out-2", "out-3", "out-5"}, timeout=60,
+                             message="three notices")
             notices = {m.in_reply_to: m for m in inbox if m.kind == env_pb.MESSAGE_KIND_CONTROL}
             assert notices["out-2"].headers["inboxmesh-reason"] == "A2A_FAILED"
             assert notices["out-3"].headers["inboxmesh-reason"] == "UNKNOWN_TARGET"
+            assert notices["out-5"].headers["inboxmesh-reason"] == "A2A_TIMEOUT"
+            assert len([m for m in inbox if m.in_reply_to == "out-5"]) == 1
             assert all(n.headers["inboxmesh-notice"] == "dead-lettered" for n in notices.values())
         finally:
             stream.stop()

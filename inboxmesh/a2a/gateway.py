@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ NOTICE_HEADERS = {"inboxmesh-notice": "dead-lettered"}
 MAX_STREAMS = 256
 """Streams (SendStreamingMessage, SubscribeToTask) served at once; one more is TOO_MANY_STREAMS."""
 PRUNE_EVERY_S = 3600.0
+CURSOR_EVERY = 1000
+"""The record watch saves its cursor at every event that changed a task, and at least every this many."""
 
 
 @dataclass(frozen=True)
@@ -177,17 +180,21 @@ class Gateway(RequestHandler):
         backoff = 0.1
         while True:
             try:
+                unsaved = 0
                 async for event in self.client.admin_watch_events(kinds=kinds, after=self.book.cursor(),
                                                                   agent_id=self.config.agent_id):
-                    self._on_record_event(event)
-                    self.book.set_cursor(event.event_id)
+                    unsaved += 1
+                    if self._on_record_event(event) or unsaved >= CURSOR_EVERY:
+                        self.book.set_cursor(event.event_id)  # events after it are read again on a restart
+                        unsaved = 0
                     backoff = 0.1
             except errors.MeshError as exc:
                 log.warning("record watch ended (%s: %s); resuming in %.1fs", exc.reason, exc.message, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    def _on_record_event(self, event: ev_pb.Event) -> None:
+    def _on_record_event(self, event: ev_pb.Event) -> bool:
+        """Whether the event changed a task."""
         changed = False
         if event.kind == ev_pb.EVENT_KIND_AGENT_CLOSED and event.agent_id == self.config.agent_id:
             for task in self.book.open_tasks(self.config.agent_id):
@@ -198,7 +205,7 @@ class Gateway(RequestHandler):
         elif event.sender.startswith(CLIENT_PREFIX) and event.recipient == self.config.agent_id:
             found = self.book.task(event.message_id)
             if found is None:
-                return
+                return False
             task = found
             if event.kind == ev_pb.EVENT_KIND_MESSAGE_CONSUMED:
                 changed = self.book.add_event(task.task_id, f"consumed:{task.task_id}",
@@ -209,9 +216,25 @@ class Gateway(RequestHandler):
                     message=_agent_text(task, f"the mesh dead-lettered the message: {event.detail[:300]}")) is not None
         if changed:
             self._bump()
+        return changed
 
     # -- the gateway agent's inbox: answers to A2A clients, messages to A2A agents ---------------------
     async def _read_inbox(self) -> None:
+        """Follow the gateway agent's inbox. Should handling a message fail unexpectedly, the stream is
+        replaced by a new one: the mesh delivers what was not acked again to the new subscriber."""
+        assert self.agent is not None
+        while True:
+            try:
+                await self._follow_inbox()
+                return
+            except (errors.MeshError, sqlite3.Error, OSError) as exc:
+                log.error("reading the gateway's inbox failed (%r); subscribing again", exc)
+                assert self._stream is not None
+                self._stream.stop()
+                self._stream = InboxStream([self.agent], max_in_flight=64)
+                await asyncio.sleep(1.0)
+
+    async def _follow_inbox(self) -> None:
         assert self._stream is not None and self.agent is not None
         async for item in self._stream:
             if item.agent_event is not None:
