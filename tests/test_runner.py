@@ -455,3 +455,25 @@ async def test_a_reply_may_name_an_ioa_message_by_its_id_without_the_node_prefix
     [answer] = agent.sent
     assert answer.in_reply_to == "north:agt_alice:m1"
     assert runner.actions.message("m1") is None, "an end that names two messages names none"
+
+
+async def test_a_reply_may_name_the_message_by_its_senders_id_when_one_message_is_from_that_sender(running):
+    """The real model gave the sender's agent id as the message_id, was told the right id, and finished
+    instead of answering (1 run over IOA in CI on 2026-12-04): an id that is the sender of exactly one message
+    the agent can answer names that message; of two, none."""
+    agent, host = FakeAgent("agt_bob"), FakeHost({"agt_bob": "bob", "agt_alice": "alice"})
+
+    def names_the_sender(view: ContextView) -> Decision:
+        if not view.called("reply") and view.new:
+            return Decision(calls=[("reply", {"message_id": "agt_alice", "text": "got it"})])
+        return say("done")
+
+    runner = await running(runner_for(agent, host, ScriptedModel(names_the_sender)))
+    agent.deliver("agt_alice", "the code is K-1", "north:agt_alice:m1")
+    await eventually(lambda: runner.state == "idle" and agent.sent, message="answered")
+    [answer] = agent.sent
+    assert answer.in_reply_to == "north:agt_alice:m1"
+    agent.deliver("agt_carol", "one", "north:agt_carol:m2")
+    agent.deliver("agt_carol", "two", "north:agt_carol:m3")
+    await eventually(lambda: runner.state == "idle" and len(runner.actions.received) == 3, message="delivered")
+    assert runner.actions.message("agt_carol") is None, "a sender of two messages names neither"
