@@ -16,6 +16,7 @@ from agent_host.conversation import Conversation
 from agent_host.hoststore import HostedAgent
 from agent_host.ports import AgentCalls, AgentHost
 from inboxmesh.client import errors
+from inboxmesh.client.addressing import IOA_PREFIX
 from inboxmesh.client.errors import Reason
 from inboxmesh.client.tracing import tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
@@ -27,6 +28,16 @@ Consume = Callable[[list[env_pb.Envelope]], Awaitable[list[env_pb.Envelope] | No
 """The runner's consume: ack in the current turn; the messages won (None: the inbox stream is lost)."""
 RecordEvent = Callable[..., Awaitable[None]]
 """The runner's event(kind, **fields): a runtime event in the mesh's event record."""
+
+
+_DELIVERED = (inbox_pb2.RECEIPT_STATUS_ACCEPTED, inbox_pb2.RECEIPT_STATUS_DUPLICATE, inbox_pb2.RECEIPT_STATUS_OUTBOXED)
+"""Receipts of a message that is (or will be) in its recipient's inbox."""
+
+
+def _peer(address: str) -> str:
+    """Who an address names, for counting messages per peer: an agent reached through the IOA relay
+    (route_via_ioa) is counted as its agent id, the last part of its IOA address."""
+    return address.rpartition("/")[2] if address.startswith(IOA_PREFIX) else address
 
 
 class ChildGone(Exception):
@@ -50,6 +61,9 @@ class AgentActions:
         """message id -> the id of the agent's reply to it (accepted, or kept in the outbox): each message is
         answered once (a small model answered the same message again every turn, and its sender, woken by
         each answer, wrote again: a ping-pong until the turn limit)."""
+        self._peer_sends: dict[str, int] = {}
+        """recipient -> messages sent to it since a third party (not that recipient, not the mesh) last wrote
+        to this agent: the count HostConfig.max_messages_per_peer limits."""
         self.turn_ends = False
         """A tool said the run ends after this turn (the agent waits for a message)."""
         self.finished = False
@@ -64,6 +78,10 @@ class AgentActions:
     def took(self, message: env_pb.Envelope, span: trace.SpanContext | None = None) -> None:
         """The agent consumed `message` (its consume span, which a reply to it continues)."""
         self.received[message.message_id] = message
+        if message.kind != env_pb.MESSAGE_KIND_CONTROL:  # new input: every exchange but the one with its sender
+            # may need more messages
+            sender = _peer(message.sender)
+            self._peer_sends = {sender: self._peer_sends[sender]} if sender in self._peer_sends else {}
         if span is not None:
             self._consume_contexts[message.message_id] = span
 
@@ -121,6 +139,10 @@ class AgentActions:
                     f" {self.replied[message.message_id]!r})")
         return None
 
+    def sent_to_peer(self, peer: str) -> int:
+        """Messages sent to `peer` since a third party last wrote to this agent."""
+        return self._peer_sends.get(_peer(peer), 0)
+
     def children_status(self) -> tuple[list[str], list[str]]:
         """Names of the agent's children on this host that have reported (their COMPLETION answering
         their task was consumed by the agent) and of those still working."""
@@ -147,6 +169,9 @@ class AgentActions:
             fields.setdefault("conversation_id", cause.conversation_id or self.record.conversation_id)
         to = await self.host.address_for(self.handle, to)
         receipt = await self.handle.send(to, text, **fields)
+        if receipt.status in _DELIVERED and fields.get("kind") != env_pb.MESSAGE_KIND_TASK:  # a task is not
+            # part of an exchange
+            self._peer_sends[_peer(to)] = self._peer_sends.get(_peer(to), 0) + 1
         self.host.observe(self.record, "sent", f"{receipt.message_id} to {await self.host.name_of(to)}: "
                           f"{inbox_pb2.ReceiptStatus.Name(receipt.status).removeprefix('RECEIPT_STATUS_')}")
         return receipt
@@ -162,8 +187,7 @@ class AgentActions:
                                       in_reply_to=original.message_id, conversation_id=original.conversation_id,
                                       trail=list(original.trail),
                                       hop_count=original.hop_count)
-        if receipt.status in (inbox_pb2.RECEIPT_STATUS_ACCEPTED, inbox_pb2.RECEIPT_STATUS_DUPLICATE,
-                              inbox_pb2.RECEIPT_STATUS_OUTBOXED):
+        if receipt.status in _DELIVERED:
             self.replied[original.message_id] = receipt.message_id
         return receipt
 

@@ -74,6 +74,11 @@ class HostConfig:
     min_task_words: int = 0
     """spawn_agent refuses a task of fewer words (0: any): small models write a label ("send_code") where
     the child needs its whole task with every fact in it."""
+    max_messages_per_peer: int = 0
+    """send_message and reply refuse a message to an agent that already has this many from this agent since
+    a third party last wrote to it (0: no limit): a per-pair ping-pong limit, as OpenClaw's
+    maxPingPongTurns. Two small models thanked and welcomed each other for the rest of the budget (20
+    messages, docs/real-llm.md), which the mesh's loop guard, counting visits per causal chain, let through."""
     offer_ioa_addresses: bool = False
     """Tell models that send_message takes IOA addresses (ioa:<node>/<agent>): only for a mesh with an IOA
     relay (route_via_ioa implies it); elsewhere a model offered them invents some."""

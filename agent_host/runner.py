@@ -92,7 +92,8 @@ class AgentRunner(Generic[HandleT]):
         """The turn in progress: what it consumed, whether the model was called, the calls run and skipped."""
         self._tools = ToolContext(agent=record, handle=handle, host=host, actions=self.actions,
                                   max_spawns=max_spawns, max_working=max_working, max_depth=max_depth,
-                                  min_task_words=config.min_task_words)
+                                  min_task_words=config.min_task_words,
+                                  max_messages_per_peer=config.max_messages_per_peer)
         self._items: AsyncGenerator[StreamItem, None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._idle_timer: asyncio.TimerHandle | None = None

@@ -175,6 +175,9 @@ class ToolContext:
     min_task_words: int = 0
     """A subagent's task is all it knows: shorter than this many words it is a label ("send_code"), refused
     (HostConfig.min_task_words)."""
+    max_messages_per_peer: int = 0
+    """Messages to one agent since a third party last wrote to this one (HostConfig.max_messages_per_peer;
+    0: no limit)."""
 
 
 def available(agent: HostedAgent, max_spawns: int | None, *, working: int = 0,
@@ -311,8 +314,20 @@ async def send_message(ctx: ToolContext, to: str, text: str) -> dict[str, Any]:
     target = await resolve(ctx, to)
     if isinstance(target, dict):
         return target
+    if (refused := await _peer_limit(ctx, target.agent_id)) is not None:
+        return refused
     receipt = await ctx.actions.send(target.agent_id, text)
     return receipt_result(receipt, target)
+
+
+async def _peer_limit(ctx: ToolContext, peer: str) -> dict[str, Any] | None:
+    """The refusal of one more message to `peer` past ctx.max_messages_per_peer (None: it may go)."""
+    sent = ctx.actions.sent_to_peer(peer)
+    if not ctx.max_messages_per_peer or sent < ctx.max_messages_per_peer:
+        return None
+    name = await ctx.host.name_of(peer)
+    return {"error": f"you have sent {name} {sent} message{'s' if sent > 1 else ''} since anyone else wrote to you:"
+                     f" no more to {name} now; {_after_answering(ctx)}"}
 
 
 async def reply(ctx: ToolContext, text: str, message_id: str = "") -> dict[str, Any]:
@@ -335,6 +350,8 @@ async def reply(ctx: ToolContext, text: str, message_id: str = "") -> dict[str, 
             ctx.actions.wait_for_messages()
             return {"error": f"{why}; you have received no other message to answer yet: end your turn and wait"}
         return {"error": f"{why}; you have no message left to answer: {_after_answering(ctx)}"}
+    if (refused := await _peer_limit(ctx, original.sender)) is not None:
+        return refused
     receipt = await ctx.actions.reply(original, text)
     return receipt_result(receipt)
 

@@ -145,3 +145,60 @@ async def test_a_full_inbox_is_reported_and_nothing_is_evicted(mesh, client, tmp
                                       if m["role"] == "user" and "load" in m["content"]]) == 1)
         loads = [m["content"] for m in sink_runner.conversation.messages if "load" in m["content"]][0]
         assert "load 1" in loads and "load 2" in loads and "load 3" not in loads
+
+
+def chatty(view):
+    """Answer every new message, and also write to the other sibling: a pair that would thank each other
+    forever (two small models did, docs/real-llm.md). News from the lead is passed on to the sibling."""
+    other = "B" if "You are A" in view.system else "A"
+    calls = []
+    for m in view.new:
+        if m.kind == "task":
+            if "start" in m.text:
+                calls.append(("send_message", {"to": other, "text": "hello"}))
+        elif m.sender_name == "lead":
+            calls.append(("send_message", {"to": other, "text": f"news: {m.text}"}))
+        elif m.kind != "control":
+            calls.append(("reply", {"message_id": m.message_id, "text": "thanks"}))
+    return Decision(calls=calls) if calls else say("idle")
+
+
+def pair_lead(view):
+    if not view.called("spawn_agent"):
+        return Decision(calls=[("spawn_agent", {"agent_name": "B", "task": "Answer A."}),
+                               ("spawn_agent", {"agent_name": "A", "task": "Say hello to B: start."})])
+    return say("waiting")
+
+
+def refusals(runner):
+    return [r["error"] for _, r in tool_results(runner, "send_message") + tool_results(runner, "reply")
+            if "error" in r]
+
+
+async def test_messages_to_one_agent_stop_at_the_per_pair_limit_until_a_third_party_writes(mesh, client, tmp_path):
+    """max_messages_per_peer (OpenClaw's maxPingPongTurns): two agents answering each other forever send each
+    other at most that many messages; a message from a third party lets the agent it reached write again,
+    the other still may not. Counted from the event record."""
+    async with scripted_host(mesh.address, tmp_path, {"lead": pair_lead, "A": chatty, "B": chatty},
+                             max_messages_per_peer=2) as host:
+        lead = await host.start_task("lead", "start the pair")
+        await eventually(lambda: len(host.runners) == 3 and all(
+            r.state == "idle" for r in host.runners.values()) and refusals(by_name(host, "A")),
+                         message="A refused a third message")
+        a, b = by_name(host, "A"), by_name(host, "B")
+        assert refusals(a) == ["you have sent B 2 messages since anyone else wrote to you: no more to B now;"
+                               " if your task is done, call finish with your report; otherwise end your turn and"
+                               " wait"], refusals(a)
+        record = await Record.read(client)
+
+        def between(sender, recipient):
+            return [e for e in record.of(K.EVENT_KIND_MESSAGE_STORED, sender=sender.agent_id)
+                    if e.recipient == recipient.agent_id]
+
+        assert (len(between(a, b)), len(between(b, a))) == (2, 2) and not refusals(b)
+        news = await lead.send(a.agent_id, "the lead writes")
+        await eventually(lambda: news.message_id in a.received and refusals(b)
+                         and all(r.state == "idle" for r in host.runners.values()), message="news passed on")
+        record = await Record.read(client)
+        assert (len(between(a, b)), len(between(b, a))) == (3, 2), "A heard from the lead, B did not"
+        assert refusals(b) == [refusals(a)[0].replace("B", "A")]
