@@ -74,6 +74,10 @@ class HostConfig:
     min_task_words: int = 0
     """spawn_agent refuses a task of fewer words (0: any): small models write a label ("send_code") where
     the child needs its whole task with every fact in it."""
+    refuse_own_task: bool = False
+    """spawn_agent refuses a subagent task that holds the agent's own whole task (the subagent would do all
+    of it again, and learn every fact meant for its siblings): a small model gave one child the plain task
+    it had itself been given (docs/real-llm.md)."""
     max_messages_per_peer: int = 0
     """send_message and reply refuse a message to an agent that already has this many from this agent since
     a third party last wrote to it (0: no limit): a per-pair ping-pong limit, as OpenClaw's

@@ -93,6 +93,7 @@ class AgentRunner(Generic[HandleT]):
         self._tools = ToolContext(agent=record, handle=handle, host=host, actions=self.actions,
                                   max_spawns=max_spawns, max_working=max_working, max_depth=max_depth,
                                   min_task_words=config.min_task_words,
+                                  refuse_own_task=config.refuse_own_task,
                                   max_messages_per_peer=config.max_messages_per_peer)
         self._items: AsyncGenerator[StreamItem, None] | None = None
         self._tasks: list[asyncio.Task[None]] = []

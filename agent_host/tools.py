@@ -175,6 +175,8 @@ class ToolContext:
     min_task_words: int = 0
     """A subagent's task is all it knows: shorter than this many words it is a label ("send_code"), refused
     (HostConfig.min_task_words)."""
+    refuse_own_task: bool = False
+    """A subagent's task holding the agent's own whole task is refused (HostConfig.refuse_own_task)."""
     max_messages_per_peer: int = 0
     """Messages to one agent since a third party last wrote to this one (HostConfig.max_messages_per_peer;
     0: no limit)."""
@@ -294,13 +296,22 @@ def receipt_result(receipt: inbox_pb2.Receipt, to: reg.Agent | None = None) -> d
 async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = "async",
                       agent: str = "") -> dict[str, Any]:
     # `agent_name`, not `name`: small models confuse a `name` argument with the tool call's own "name"
+    about = _sentences_naming(ctx.agent.task_text, agent_name)
+    quoted = (f". Your own task says about {agent_name}: \"{about}\" Give {agent_name} its task in such words."
+              if about else "")
     if len(task.split()) < ctx.min_task_words:
-        about = _sentences_naming(ctx.agent.task_text, agent_name)
         return {"error": f"the task {task[:80]!r} is not a task: write {agent_name}'s whole task in plain sentences,"
-                         f" with every fact {agent_name} needs (it knows nothing but its task)"
-                         + (f". Your own task says about {agent_name}: \"{about}\" Give {agent_name} its task in"
-                            " such words." if about else "")}
+                         f" with every fact {agent_name} needs (it knows nothing but its task){quoted}"}
+    own = _words(ctx.agent.task_text)
+    if ctx.refuse_own_task and own and f" {own} " in f" {_words(task)} ":
+        return {"error": f"that task holds your own whole task: {agent_name} would do all of it again. Give"
+                         f" {agent_name} only its own part{quoted or '.'}"}
     return await ctx.actions.spawn(agent_name, task, mode, config_id=agent)
+
+
+def _words(text: str) -> str:
+    """`text` as lower-case words joined by single spaces (to compare tasks, whatever their punctuation)."""
+    return " ".join(re.findall(r"\w+", text.lower()))
 
 
 def _sentences_naming(text: str, name: str) -> str:

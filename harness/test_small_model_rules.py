@@ -1,0 +1,84 @@
+"""The host rules the real-model scenarios found for small models (docs/lifecycle.md, docs/real-llm.md),
+each through a real host on a real mesh, checked from the tool results the model saw and the event record:
+a subagent task that is a label or the agent's own whole task is refused with what its own task says about
+that subagent; `wait` is refused to a top-level agent that nothing would wake. (The per-pair message limit:
+harness/test_addressing.py.)"""
+
+from agent_host.models.scripted import Decision, call, say
+from harness.evidence import K, Record
+from harness.hosts import by_name, scripted_host
+from harness.test_addressing import tool_results
+from tests.fixtures import eventually
+
+TASK = "Create two helpers named A and B. Tell A the word blue. B must greet A."
+
+
+def delegator(view):
+    """A label for A, then the whole task for B, then tasks in its own words; then finish."""
+    step = len(view.called("spawn_agent"))
+    plan = [("A", "greet"), ("B", TASK.upper().replace(".", "!")), ("A", "The word is blue: tell B."),
+            ("B", "Greet A when A writes to you.")]
+    if step < len(plan):
+        return call("spawn_agent", agent_name=plan[step][0], task=plan[step][1])
+    return finisher(view)
+
+
+def finisher(view):
+    """Finish (again after a refusal: a parent's finish waits for its children's reports)."""
+    done = any("error" not in r.result for r in view.called("finish"))
+    return say("done") if done else call("finish", result="done")
+
+
+async def test_a_label_or_the_agents_own_task_is_refused_as_a_subagents_task(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"lead": delegator, "A": finisher, "B": finisher},
+                             min_task_words=3, refuse_own_task=True) as host:
+        outcome = await host.run_task("lead", TASK, timeout=30)
+        assert outcome.ok, outcome.error
+        lead = by_name(host, "lead")
+        label, own, first, second = (result for _, result in tool_results(lead, "spawn_agent"))
+        about_a = ('Your own task says about A: "Create two helpers named A and B. Tell A the word blue. B must greet'
+                   ' A."')
+        about_b = 'Your own task says about B: "Create two helpers named A and B. B must greet A."'
+        assert label == {"error": "the task 'greet' is not a task: write A's whole task in plain sentences, with every"
+                                  f" fact A needs (it knows nothing but its task). {about_a} Give A its task in such"
+                                  " words."}, label
+        assert own == {"error": "that task holds your own whole task: B would do all of it again. Give B only its own"
+                                f" part. {about_b} Give B its task in such words."}, own
+        assert first["status"] == second["status"] == "started"
+    record = await Record.read(client)
+    spawned = [e.detail for e in record.of(K.EVENT_KIND_AGENT_SPAWNED, agent_id=lead.agent_id)]
+    assert [d.split(" ")[1] for d in spawned] == ["name=A", "name=B"], "the refused tasks started nobody"
+    tasks = {by_name(host, n).record.task_text for n in ("A", "B")}
+    assert tasks == {"The word is blue: tell B.", "Greet A when A writes to you."}
+
+
+def idler(view):
+    """Wait at once; told nothing would wake it, finish."""
+    if not view.called("wait"):
+        return call("wait")
+    return call("finish", result="did it myself") if not view.called("finish") else say("done")
+
+
+async def test_wait_is_refused_to_a_top_level_agent_that_nothing_would_wake(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"lead": idler}) as host:
+        outcome = await host.run_task("lead", "do it", timeout=30)
+        assert outcome.ok and outcome.result.startswith("did it myself"), outcome
+        [(_, refused)] = tool_results(by_name(host, "lead"), "wait")
+        assert refused == {"error": "nothing will wake you: none of your subagents is working. Do your task now."}
+
+
+def spawn_then_wait(view):
+    if not view.called("spawn_agent"):
+        return Decision(calls=[("spawn_agent", {"agent_name": "kid", "task": "Finish when told."}), ("wait", {})])
+    if view.new and any(m.kind == "completion" for m in view.new):
+        return call("finish", result="kid done")
+    return say("idle")
+
+
+async def test_wait_is_allowed_while_a_subagent_works(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"lead": spawn_then_wait, "kid": finisher}) as host:
+        outcome = await host.run_task("lead", "have the kid do it", timeout=30)
+        assert outcome.ok, outcome.error
+        lead = by_name(host, "lead")
+        await eventually(lambda: tool_results(lead, "wait"))
+        assert tool_results(lead, "wait") == [({}, {"status": "waiting"})]
