@@ -837,19 +837,20 @@ class InboxLog:
 
     # -- queries ----------------------------------------------------------------------
     async def by_inbox(self, recipient: str, seq: int) -> MessageRecord | None:
-        found = await kv.get(self.conn.msgs, kv.state_key(recipient, seq), kv.MESSAGE_STATE)
+        """The message's record as the leaders of the streams have it (kv.get_latest)."""
+        found = await kv.get_latest(self.conn, "msgs", kv.state_key(recipient, seq), kv.MESSAGE_STATE)
         if found is not None:
             return None if found.value.state == REJECTED else found.value.record()
         unmarked = self._unmarked.get((recipient, seq))
         if unmarked is not None:  # delivered here, its state not written yet
             return unmarked.record()
-        env = await self.messages.envelope_at(recipient, seq)
+        env = await self.messages.envelope_at(recipient, seq, latest=True)
         if env is None:
             return None
         return MessageRecord(envelope=env, state=QUEUED, attempts=0, stored_at_us=env.stored_at_us)
 
     async def by_sender(self, sender: str, message_id: str) -> MessageRecord | None:
-        found = await kv.get(self.conn.msgs, kv.idem_key(sender, message_id), kv.STORED)
+        found = await kv.get_latest(self.conn, "msgs", kv.idem_key(sender, message_id), kv.STORED)
         if found is None:
             return None
         return await self.by_inbox(found.value.recipient, found.value.seq)

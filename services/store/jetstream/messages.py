@@ -55,11 +55,12 @@ class InboxMessages:
     def subject(self, agent_id: str) -> str:
         return f"{self.conn.ns}.inbox.{kv.token(agent_id)}"
 
-    async def next(self, recipient: str, seq: int) -> envelope_pb2.Envelope | None:
-        """The first message of the inbox at or after `seq`, its sequence filled in."""
+    async def next(self, recipient: str, seq: int, latest: bool = False) -> envelope_pb2.Envelope | None:
+        """The first message of the inbox at or after `seq`, its sequence filled in. `latest`: as the stream's
+        leader has it when there are replicas (a direct get may be answered by a follower behind it)."""
         try:
             msg = await self.conn.js.get_msg(self.conn.inbox_stream, seq=seq, subject=self.subject(recipient),
-                                             next=True, direct=True)
+                                             next=True, direct=not latest or self.conn.config.nats_replicas == 1)
         except NotFoundError:
             return None
         return _envelope(msg)
@@ -99,8 +100,8 @@ class InboxMessages:
             return 0
         return int(msg.seq)
 
-    async def envelope_at(self, recipient: str, seq: int) -> envelope_pb2.Envelope | None:
-        env = await self.next(recipient, seq)
+    async def envelope_at(self, recipient: str, seq: int, latest: bool = False) -> envelope_pb2.Envelope | None:
+        env = await self.next(recipient, seq, latest)
         return env if env is not None and env.sequence == seq else None
 
     async def delete(self, seq: int) -> None:
