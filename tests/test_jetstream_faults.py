@@ -640,3 +640,49 @@ async def test_a_watcher_misses_nothing_when_a_lagging_follower_answers_its_read
                 for task in (consumer, watcher):
                     task.cancel()
                 await asyncio.gather(consumer, watcher, return_exceptions=True)
+
+
+async def test_status_of_an_accepted_message_is_found_when_a_lagging_follower_answers_direct_gets(tmp_path):
+    """Three NATS nodes, every stream on all three. A follower that restarted catches up stream by stream
+    (each its own Raft group): it may already have a message's removal from the inbox stream and not yet the
+    msgs bucket's entries saying where it went. The three-node fault test once got NOT_FOUND so, for a message
+    accepted and consumed (empty-cache CI run of cf3f470). Here every direct get of the msgs bucket is
+    answered as such a follower answers it (nothing there): Status by sender and by inbox must still find
+    the message, queued and then consumed."""
+    with NatsCluster(tmp_path / "nats") as cluster:
+        await wait_for_jetstream(cluster.urls, replicas=3)
+        config = replace(make_config(tmp_path),
+                         store=cluster.node_store_config(nats_namespace=f"f{uuid.uuid4().hex[:10]}"))
+        async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+            assert isinstance(mesh.store, JetStreamStore)
+            conn = mesh.store.conn
+            lead = await client.register("lead")
+            sender, receiver = await lead.spawn("sender"), await lead.spawn("receiver")
+            receipt = await sender.send(receiver.agent_id, "hello", message_id="m-1")
+            assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED
+            real = conn.js.get_msg
+            msgs_stream = conn.kv_stream("msgs")
+
+            async def behind(stream: str, *args, **kwargs):
+                if stream == msgs_stream and kwargs.get("direct"):
+                    raise nats.js.errors.NotFoundError  # a follower without the bucket's newest entries
+                return await real(stream, *args, **kwargs)
+
+            conn.js.get_msg = behind  # type: ignore[method-assign]
+            queued = await sender.status("m-1")
+            assert queued.state == pb.MESSAGE_STATE_QUEUED and queued.envelope.content.text == "hello"
+            got = Collector(receiver)
+            try:
+                [delivered] = await got.wait_for(1)
+                await receiver.ack([delivered.sequence])
+            finally:
+                await got.stop()
+            consumed = await eventually(lambda: _consumed(sender, "m-1"), message="Status says consumed")
+            assert consumed.envelope.sequence == receipt.sequence
+            by_inbox = await receiver.inbox_status(receipt.sequence)
+            assert by_inbox.state == pb.MESSAGE_STATE_CONSUMED
+
+
+async def _consumed(agent, message_id: str):
+    record = await agent.status(message_id)
+    return record if record.state == pb.MESSAGE_STATE_CONSUMED else None
