@@ -668,7 +668,7 @@ async def test_status_of_an_accepted_message_is_found_when_a_lagging_follower_an
                     raise nats.js.errors.NotFoundError  # a follower without the bucket's newest entries
                 return await real(stream, *args, **kwargs)
 
-            conn.js.get_msg = behind  # type: ignore[method-assign]
+            conn.js.get_msg = behind
             queued = await sender.status("m-1")
             assert queued.state == pb.MESSAGE_STATE_QUEUED and queued.envelope.content.text == "hello"
             got = Collector(receiver)
