@@ -436,8 +436,16 @@ class AgentRunner(Generic[HandleT]):
                             self.host.observe(self.record, "tool",
                                               f"{call.name} -> skipped: the turn ended with a wait")
                             continue
-                        with tracer.start_as_current_span(f"tool {call.name}"):
-                            result = await run_tool(self._tools, call, given)
+                        if call.name == "finish" and turn.failed:
+                            # written before the model saw that calls before it failed: its result cannot
+                            # account for them (the real model spawned nobody and finished in one answer)
+                            result = {"error": f"not finished: {', '.join(turn.failed)} failed earlier in this"
+                                               " answer; read those errors and deal with them first"}
+                        else:
+                            with tracer.start_as_current_span(f"tool {call.name}"):
+                                result = await run_tool(self._tools, call, given)
+                        if "error" in result and not self.actions.turn_ends:
+                            turn.failed.append(call.name)
                         turn.ran.append((call.id, call.name))
                         sent = sent or (call.name == "send_message" and "error" not in result)
                         self.conversation.messages.append(result_message(call, result))
@@ -455,6 +463,12 @@ class AgentRunner(Generic[HandleT]):
                     return
                 if not reply.tool_calls:
                     return
+                if turn.failed:
+                    # a wait (or a refusal that waits) written before the model saw its errors does not end
+                    # the run: the next turn shows them (the real model's parent idled for its whole budget
+                    # with a refused spawn it never saw)
+                    self.actions.turn_ends = False
+                    continue
                 if self.actions.turn_ends or (self.config.yield_after_send and sent):
                     self.actions.turn_ends = False
                     return  # wait for answers: the next message wakes the agent
@@ -542,6 +556,8 @@ class _Turn:
     skipped: list[str] = field(default_factory=list)
     """Tools the model called that were not carried out: after a call that ended the turn (a wait), and a
     wait that was not the answer's last call."""
+    failed: list[str] = field(default_factory=list)
+    """Tools whose call came back with an error that did not end the turn (a refusal that waits ends it)."""
 
     def calls(self) -> str:
         """`ran: a, b` (or `ran: none`), then `; skipped: c` when some were skipped."""

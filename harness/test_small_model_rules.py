@@ -82,3 +82,35 @@ async def test_wait_is_allowed_while_a_subagent_works(mesh, client, tmp_path):
         lead = by_name(host, "lead")
         await eventually(lambda: tool_results(lead, "wait"))
         assert tool_results(lead, "wait") == [({}, {"status": "waiting"})]
+
+
+def blind_planner(view):
+    """The real model's habit: the whole plan in one answer (a spawn, a finish, a wait), written before any
+    result is seen; then, seeing a refusal, a proper spawn; a finish once the report is in."""
+    if not view.results:
+        return Decision(calls=[("spawn_agent", {"agent_name": "kid", "task": "go"}), ("finish", {"result": "done"}),
+                               ("wait", {})])
+    if len(view.called("spawn_agent")) == 1:
+        return Decision(calls=[("spawn_agent", {"agent_name": "kid", "task": "Finish with the word done."}),
+                               ("wait", {})])
+    if any(m.kind == "completion" for m in view.new):
+        return call("finish", result="kid reported")
+    return call("wait")
+
+
+async def test_a_finish_or_wait_written_before_an_error_was_seen_does_not_end_the_run(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"lead": blind_planner, "kid": finisher},
+                             min_task_words=3) as host:
+        outcome = await host.run_task("lead", "have a kid do it", timeout=30)
+        assert outcome.ok and outcome.result == "kid reported", outcome
+        lead = by_name(host, "lead")
+        (_, label), (_, proper) = tool_results(lead, "spawn_agent")
+        assert "is not a task" in label["error"] and proper["status"] == "started"
+        first_finish = tool_results(lead, "finish")[0][1]
+        assert first_finish == {"error": "not finished: spawn_agent failed earlier in this answer; read those errors"
+                                         " and deal with them first"}
+    record = await Record.read(client)
+    ended = [e.detail for e in record.of(K.EVENT_KIND_TURN_ENDED, agent_id=lead.agent_id)]
+    assert ended[:2] == ["ran: spawn_agent, finish, wait", "ran: spawn_agent, wait"], ended
+    idle = record.of(K.EVENT_KIND_AGENT_IDLE, agent_id=lead.agent_id)
+    assert idle and idle[0].turn == 2, "the run went on to turn 2 before the lead idled"
