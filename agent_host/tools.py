@@ -315,10 +315,14 @@ def _words(text: str) -> str:
 
 
 def _sentences_naming(text: str, name: str) -> str:
-    """The sentences of `text` that name `name` as a word (at most 400 characters of them)."""
+    """The sentences of `text` that say what `name` does: those that begin with `name`, else those that name it
+    as a word (at most 400 characters of them). A sentence about another subagent that names this one in
+    passing is left out where one is about it: quoted every sentence naming B, the real model copied a
+    sentence with A's code into B's task."""
     sentences = re.split(r"(?<=[.!?])\s+", text)
-    found = " ".join(s for s in sentences if re.search(rf"\b{re.escape(name)}\b", s))
-    return found[:400]
+    word = rf"\b{re.escape(name)}\b"
+    found = [s for s in sentences if re.match(rf"\W*{word}", s)] or [s for s in sentences if re.search(word, s)]
+    return " ".join(found)[:400]
 
 
 async def send_message(ctx: ToolContext, to: str, text: str) -> dict[str, Any]:
@@ -337,8 +341,11 @@ async def _peer_limit(ctx: ToolContext, peer: str) -> dict[str, Any] | None:
     if not ctx.max_messages_per_peer or sent < ctx.max_messages_per_peer:
         return None
     name = await ctx.host.name_of(peer)
+    # waiting would be for a third party, and a subagent's parent waits for its report: finish, if it may
+    then = ("call finish now with your report: what you sent, and what you received" if "finish" in offered(ctx)
+            else _after_answering(ctx))
     return {"error": f"you have sent {name} {sent} message{'s' if sent > 1 else ''} since anyone else wrote to you:"
-                     f" no more to {name} now; {_after_answering(ctx)}"}
+                     f" no more to {name} now; {then}"}
 
 
 async def reply(ctx: ToolContext, text: str, message_id: str = "") -> dict[str, Any]:

@@ -187,8 +187,7 @@ async def test_messages_to_one_agent_stop_at_the_per_pair_limit_until_a_third_pa
                          message="A refused a third message")
         a, b = by_name(host, "A"), by_name(host, "B")
         assert refusals(a) == ["you have sent B 2 messages since anyone else wrote to you: no more to B now;"
-                               " if your task is done, call finish with your report; otherwise end your turn and"
-                               " wait"], refusals(a)
+                               " call finish now with your report: what you sent, and what you received"], refusals(a)
         record = await Record.read(client)
 
         def between(sender, recipient):

@@ -38,7 +38,7 @@ async def test_a_label_or_the_agents_own_task_is_refused_as_a_subagents_task(mes
         label, own, first, second = (result for _, result in tool_results(lead, "spawn_agent"))
         about_a = ('Your own task says about A: "Create two helpers named A and B. Tell A the word blue. B must greet'
                    ' A."')
-        about_b = 'Your own task says about B: "Create two helpers named A and B. B must greet A."'
+        about_b = 'Your own task says about B: "B must greet A."'  # the sentence that begins with B
         assert label == {"error": "the task 'greet' is not a task: write A's whole task in plain sentences, with every"
                                   f" fact A needs (it knows nothing but its task). {about_a} Give A its task in such"
                                   " words."}, label
