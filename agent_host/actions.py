@@ -34,6 +34,12 @@ _DELIVERED = (inbox_pb2.RECEIPT_STATUS_ACCEPTED, inbox_pb2.RECEIPT_STATUS_DUPLIC
 """Receipts of a message that is (or will be) in its recipient's inbox."""
 
 
+def _name_key(name: str) -> str:
+    """A name as send_message's `to` may give it: case and an `agt_` a model put in front set aside."""
+    key = name.strip().lower()
+    return key.removeprefix("agt_") or key
+
+
 def _peer(address: str) -> str:
     """Who an address names, for counting messages per peer: an agent reached through the IOA relay
     (route_via_ioa) is counted as its agent id, the last part of its IOA address."""
@@ -64,6 +70,9 @@ class AgentActions:
         self._peer_sends: dict[str, int] = {}
         """recipient -> messages sent to it since a third party (not that recipient, not the mesh) last wrote
         to this agent: the count HostConfig.max_messages_per_peer limits."""
+        self.missed: set[str] = set()
+        """Names (and ids) send_message could not find (`reached_for`): when an agent of that name joins the
+        team, this agent is told (AgentRunner.team_joined)."""
         self.turn_ends = False
         """A tool said the run ends after this turn (the agent waits for a message)."""
         self.finished = False
@@ -138,6 +147,18 @@ class AgentActions:
             return (f"you answered message_id {message.message_id!r} already (your reply"
                     f" {self.replied[message.message_id]!r})")
         return None
+
+    def reached_for(self, target: str) -> None:
+        """send_message found no agent `target` (a name, or an id a model made of one, agt_<name>)."""
+        self.missed.add(_name_key(target))
+
+    def was_missed(self, name: str) -> bool:
+        """Whether send_message could not find an agent named `name` before (forgotten once asked)."""
+        key = _name_key(name)
+        if key in self.missed:
+            self.missed.discard(key)
+            return True
+        return False
 
     def sent_to_peer(self, peer: str) -> int:
         """Messages sent to `peer` since a third party last wrote to this agent."""

@@ -304,6 +304,9 @@ class Host:
         runner = self._runner(record, child, Conversation(), budget, history)
         self.save(record, runner.conversation)
         await runner.start()  # attached to the host's inbox stream before its first turn
+        for sibling in self.team(record).siblings:  # one that could not reach this name before is told
+            if (other := self.runners.get(sibling.agent_id)) is not None:
+                other.team_joined(record)
         return record
 
     async def close(self, agent_id: str, *, reason: str, by: AgentRunner[Any] | None = None) -> list[str]:

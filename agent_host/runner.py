@@ -102,6 +102,8 @@ class AgentRunner(Generic[HandleT]):
         self._held: list[tuple[ev.EventKind, dict[str, Any]]] = []
         """Runtime events to record with the next one (hold_event): an AGENT_WOKEN goes with its turn's
         TURN_STARTED, one mesh call (one commit) between the message and the turn instead of two."""
+        self.notes: list[str] = []
+        """Runtime notes for the agent's next turn, with no message behind them (team_joined)."""
         self._stream_down = False
         """An ack failed because the inbox stream was lost; cleared when it attaches again."""
 
@@ -300,6 +302,16 @@ class AgentRunner(Generic[HandleT]):
         team = self.host.team(self.record)
         return sorted({a.name for a in team.children + team.siblings}) or None
 
+    def team_joined(self, agent: HostedAgent) -> None:
+        """`agent` joined this agent's team: if this agent's send_message could not find that name before
+        (a sibling spawned after it tried), its next turn is told, now if it is idle (the real model's A
+        sent to a B not spawned yet, waited, and nothing ever woke it)."""
+        if self.record.completed or not self.actions.was_missed(agent.name):
+            return
+        self.notes.append(f"{agent.name} has joined your team now; you could not reach {agent.name} before.")
+        self.start_requested = True
+        self.wake.set()
+
     # -- the one loop ---------------------------------------------------------
     async def _loop(self) -> None:
         while not self.stopping:
@@ -317,6 +329,8 @@ class AgentRunner(Generic[HandleT]):
             if not (self.pending or self.start_requested):
                 continue
             self._cancel_idle_timer()
+            if self.notes and not self.pending and self.state == "idle":
+                self.hold_event(ev.EVENT_KIND_AGENT_WOKEN, detail=" ".join(self.notes)[:500])
             if self.pending and self.state in ("idle", "failed"):
                 senders = sorted({await self.host.name_of(m.sender) for m in self.pending})
                 with tracer.start_as_current_span("wake", links=[trace.Link(c.get_span_context())
@@ -408,6 +422,9 @@ class AgentRunner(Generic[HandleT]):
                 await self.event(ev.EVENT_KIND_TURN_STARTED, turn=turn.number)
                 with tracer.start_as_current_span("turn", attributes={"inboxmesh.agent": self.agent_id,
                                                                       "inboxmesh.turn": turn.number}):
+                    if self.notes:
+                        self.conversation.add_user(NOTE_PREFIX + f"\n{NOTE_PREFIX}".join(self.notes))
+                        self.notes = []
                     if not await self._take_pending() and not self.conversation.has_new_input():
                         # the turn was for messages it could not consume: no model call on old input;
                         # they stay pending and the agent wakes when the inbox stream is back

@@ -328,6 +328,8 @@ def _sentences_naming(text: str, name: str) -> str:
 async def send_message(ctx: ToolContext, to: str, text: str) -> dict[str, Any]:
     target = await resolve(ctx, to)
     if isinstance(target, dict):
+        if target["error"].startswith("no "):  # nobody of that name or id (yet): told if one joins the team
+            ctx.actions.reached_for(to)
         return target
     if (refused := await _peer_limit(ctx, target.agent_id)) is not None:
         return refused

@@ -114,3 +114,40 @@ async def test_a_finish_or_wait_written_before_an_error_was_seen_does_not_end_th
     assert ended[:2] == ["ran: spawn_agent, finish, wait", "ran: spawn_agent, wait"], ended
     idle = record.of(K.EVENT_KIND_AGENT_IDLE, agent_id=lead.agent_id)
     assert idle and idle[0].turn == 2, "the run went on to turn 2 before the lead idled"
+
+
+def early_sender(view):
+    """Send hello to B on its task (B does not exist yet), then wait; woken again, send again."""
+    sends = view.called("send_message")
+    if not sends or (len(sends) == 1 and view.called("wait")):
+        return call("send_message", to="B", text="hello")
+    return call("wait")
+
+
+def spawn_a(view):
+    return Decision(calls=[("spawn_agent", {"agent_name": "A", "task": "Send hello to B."}), ("wait", {})]) \
+        if not view.called("spawn_agent") else say("idle")
+
+
+async def test_an_agent_that_could_not_reach_a_name_is_woken_when_an_agent_of_that_name_joins(
+        mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"lead": spawn_a, "A": early_sender,
+                                                      "B": lambda v: say("idle")}) as host:
+        await host.start_task("lead", "have A greet B")
+        await eventually(lambda: len(host.runners) == 2 and by_name(host, "A").state == "idle"
+                         and tool_results(by_name(host, "A"), "wait"), message="A tried B, then waited")
+        a, lead = by_name(host, "A"), by_name(host, "lead")
+        [(_, missed)] = tool_results(a, "send_message")
+        assert "no open agent named 'B'" in missed["error"]
+        await host.start_child(lead.record, name="B", task="Wait for A's greeting.", mode="async",
+                               history=[], budget=lead.budget)
+        await eventually(lambda: len(tool_results(a, "send_message")) == 2, message="A sent again")
+        assert tool_results(a, "send_message")[1][1]["status"] == "accepted"
+        notes = [m["content"] for m in a.conversation.messages if m["role"] == "user" and "joined" in m["content"]]
+        assert notes == ["-- B has joined your team now; you could not reach B before."], notes
+    record = await Record.read(client)
+    woken = [e for e in record.of(K.EVENT_KIND_AGENT_WOKEN, agent_id=a.agent_id) if "joined" in e.detail]
+    assert len(woken) == 1 and "B has joined your team now" in woken[0].detail
+    b = by_name(host, "B")
+    stored = [e for e in record.of(K.EVENT_KIND_MESSAGE_STORED, sender=a.agent_id) if e.recipient == b.agent_id]
+    assert len(stored) == 1
