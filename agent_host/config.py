@@ -72,8 +72,9 @@ class HostConfig:
     """Send every message between agents through the mesh's IOA relay
     (to the recipient's IOA address) instead of directly."""
     min_task_words: int = 0
-    """spawn_agent refuses a task of fewer words (0: any): small models write a label ("send_code") where
-    the child needs its whole task with every fact in it."""
+    """A subagent task of fewer words (0: any) is a label ("send_code") where the child needs its whole task:
+    spawn_agent completes it with what the agent's own task says about that subagent, or refuses it when that
+    says nothing (agent_host/tools.py spawn_agent)."""
     refuse_own_task: bool = False
     """spawn_agent refuses a subagent task that holds the agent's own whole task (the subagent would do all
     of it again, and learn every fact meant for its siblings): a small model gave one child the plain task

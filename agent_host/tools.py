@@ -300,8 +300,17 @@ async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = 
     quoted = (f". Your own task says about {agent_name}: \"{about}\" Give {agent_name} its task in such words."
               if about else "")
     if len(task.split()) < ctx.min_task_words:
-        return {"error": f"the task {task[:80]!r} is not a task: write {agent_name}'s whole task in plain sentences,"
-                         f" with every fact {agent_name} needs (it knows nothing but its task){quoted}"}
+        if not about:
+            return {"error": f"the task {task[:80]!r} is not a task: write {agent_name}'s whole task in plain"
+                             f" sentences, with every fact {agent_name} needs (it knows nothing but its task)"}
+        # a label, and the agent's own task says what this subagent does: the label with those sentences (the
+        # real model wrote "Confirm K-7026" for B again after each refusal that quoted them, for 12 turns)
+        given = f"{task.strip().rstrip('.')}. {about}"
+        result = await ctx.actions.spawn(agent_name, given, mode, config_id=agent)
+        if "error" not in result:
+            result["note"] = (f"the task {task[:80]!r} was too short to be a task: {agent_name} got it with what your"
+                              f" own task says about {agent_name}: {given!r}")
+        return result
     own = _words(ctx.agent.task_text)
     if ctx.refuse_own_task and own and f" {own} " in f" {_words(task)} ":
         return {"error": f"that task holds your own whole task: {agent_name} would do all of it again. Give"

@@ -14,10 +14,10 @@ TASK = "Create two helpers named A and B. Tell A the word blue. B must greet A."
 
 
 def delegator(view):
-    """A label for A, then the whole task for B, then tasks in its own words; then finish."""
+    """A label for A, then the whole task for B, then B's task in its own words, a label for C; then finish."""
     step = len(view.called("spawn_agent"))
-    plan = [("A", "greet"), ("B", TASK.upper().replace(".", "!")), ("A", "The word is blue: tell B."),
-            ("B", "Greet A when A writes to you.")]
+    plan = [("A", "greet"), ("B", TASK.upper().replace(".", "!")), ("B", "Greet A when A writes to you."),
+            ("C", "go")]
     if step < len(plan):
         return call("spawn_agent", agent_name=plan[step][0], task=plan[step][1])
     return finisher(view)
@@ -29,27 +29,32 @@ def finisher(view):
     return say("done") if done else call("finish", result="done")
 
 
-async def test_a_label_or_the_agents_own_task_is_refused_as_a_subagents_task(mesh, client, tmp_path):
+async def test_a_label_is_completed_from_the_agents_own_task_and_the_whole_own_task_is_refused(
+        mesh, client, tmp_path):
+    """min_task_words: a label becomes the subagent's task with what the agent's own task says about that
+    subagent (refused when it says nothing); refuse_own_task: the agent's own whole task is refused, quoting
+    the sentence about that subagent."""
     async with scripted_host(mesh.address, tmp_path, {"lead": delegator, "A": finisher, "B": finisher},
                              min_task_words=3, refuse_own_task=True) as host:
         outcome = await host.run_task("lead", TASK, timeout=30)
         assert outcome.ok, outcome.error
         lead = by_name(host, "lead")
-        label, own, first, second = (result for _, result in tool_results(lead, "spawn_agent"))
-        about_a = ('Your own task says about A: "Create two helpers named A and B. Tell A the word blue. B must greet'
-                   ' A."')
-        about_b = 'Your own task says about B: "B must greet A."'  # the sentence that begins with B
-        assert label == {"error": "the task 'greet' is not a task: write A's whole task in plain sentences, with every"
-                                  f" fact A needs (it knows nothing but its task). {about_a} Give A its task in such"
-                                  " words."}, label
+        label, own, proper, unknown = (result for _, result in tool_results(lead, "spawn_agent"))
+        a_task = "greet. Create two helpers named A and B. Tell A the word blue. B must greet A."
+        assert label["status"] == "started" and label["note"] == (
+            "the task 'greet' was too short to be a task: A got it with what your own task says about A:"
+            f" {a_task!r}"), label
         assert own == {"error": "that task holds your own whole task: B would do all of it again. Give B only its own"
-                                f" part. {about_b} Give B its task in such words."}, own
-        assert first["status"] == second["status"] == "started"
+                                ' part. Your own task says about B: "B must greet A." Give B its task in such'
+                                " words."}, own  # the sentence that begins with B
+        assert proper["status"] == "started"
+        assert unknown == {"error": "the task 'go' is not a task: write C's whole task in plain sentences, with every"
+                                    " fact C needs (it knows nothing but its task)"}, unknown
     record = await Record.read(client)
     spawned = [e.detail for e in record.of(K.EVENT_KIND_AGENT_SPAWNED, agent_id=lead.agent_id)]
     assert [d.split(" ")[1] for d in spawned] == ["name=A", "name=B"], "the refused tasks started nobody"
-    tasks = {by_name(host, n).record.task_text for n in ("A", "B")}
-    assert tasks == {"The word is blue: tell B.", "Greet A when A writes to you."}
+    assert by_name(host, "A").record.task_text == a_task
+    assert by_name(host, "B").record.task_text == "Greet A when A writes to you."
 
 
 def idler(view):
@@ -101,7 +106,7 @@ def blind_planner(view):
 async def test_a_finish_or_wait_written_before_an_error_was_seen_does_not_end_the_run(mesh, client, tmp_path):
     async with scripted_host(mesh.address, tmp_path, {"lead": blind_planner, "kid": finisher},
                              min_task_words=3) as host:
-        outcome = await host.run_task("lead", "have a kid do it", timeout=30)
+        outcome = await host.run_task("lead", "get it done", timeout=30)  # says nothing about the kid
         assert outcome.ok and outcome.result == "kid reported", outcome
         lead = by_name(host, "lead")
         (_, label), (_, proper) = tool_results(lead, "spawn_agent")
