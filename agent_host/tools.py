@@ -303,13 +303,14 @@ async def spawn_agent(ctx: ToolContext, agent_name: str, task: str, mode: str = 
         if not about:
             return {"error": f"the task {task[:80]!r} is not a task: write {agent_name}'s whole task in plain"
                              f" sentences, with every fact {agent_name} needs (it knows nothing but its task)"}
-        # a label, and the agent's own task says what this subagent does: the label with those sentences (the
-        # real model wrote "Confirm K-7026" for B again after each refusal that quoted them, for 12 turns)
-        given = f"{task.strip().rstrip('.')}. {about}"
+        # a label, and the agent's own task says what this subagent does: those sentences (the real model wrote
+        # "Confirm K-7026" for B again after each refusal that quoted them, for 12 turns; given the label too,
+        # B took the code in it for its own, though the task has A pass it to B)
+        given = about
         result = await ctx.actions.spawn(agent_name, given, mode, config_id=agent)
         if "error" not in result:
-            result["note"] = (f"the task {task[:80]!r} was too short to be a task: {agent_name} got it with what your"
-                              f" own task says about {agent_name}: {given!r}")
+            result["note"] = (f"the task {task[:80]!r} was too short to be a task: {agent_name} got what your own task"
+                              f" says about {agent_name} instead: {given!r}")
         return result
     own = _words(ctx.agent.task_text)
     if ctx.refuse_own_task and own and f" {own} " in f" {_words(task)} ":

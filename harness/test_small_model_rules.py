@@ -31,8 +31,8 @@ def finisher(view):
 
 async def test_a_label_is_completed_from_the_agents_own_task_and_the_whole_own_task_is_refused(
         mesh, client, tmp_path):
-    """min_task_words: a label becomes the subagent's task with what the agent's own task says about that
-    subagent (refused when it says nothing); refuse_own_task: the agent's own whole task is refused, quoting
+    """min_task_words: in place of a label the subagent gets what the agent's own task says about it (a
+    label is refused when it says nothing); refuse_own_task: the agent's own whole task is refused, quoting
     the sentence about that subagent."""
     async with scripted_host(mesh.address, tmp_path, {"lead": delegator, "A": finisher, "B": finisher},
                              min_task_words=3, refuse_own_task=True) as host:
@@ -40,9 +40,9 @@ async def test_a_label_is_completed_from_the_agents_own_task_and_the_whole_own_t
         assert outcome.ok, outcome.error
         lead = by_name(host, "lead")
         label, own, proper, unknown = (result for _, result in tool_results(lead, "spawn_agent"))
-        a_task = "greet. Create two helpers named A and B. Tell A the word blue. B must greet A."
+        a_task = "Create two helpers named A and B. Tell A the word blue. B must greet A."
         assert label["status"] == "started" and label["note"] == (
-            "the task 'greet' was too short to be a task: A got it with what your own task says about A:"
+            "the task 'greet' was too short to be a task: A got what your own task says about A instead:"
             f" {a_task!r}"), label
         assert own == {"error": "that task holds your own whole task: B would do all of it again. Give B only its own"
                                 ' part. Your own task says about B: "B must greet A." Give B its task in such'
