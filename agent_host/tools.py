@@ -456,6 +456,14 @@ async def wait(ctx: ToolContext) -> dict[str, Any]:
             not c.completed for c in ctx.host.team(agent).children):
         # a top-level agent's task is open and no subagent of it is working: nothing would ever wake it
         return {"error": "nothing will wake you: none of your subagents is working. Do your task now."}
+    unanswered = ctx.actions.message() if agent.task_text and not agent.completed and "reply" in offered(ctx) \
+        else None
+    if unanswered is not None:
+        # its sender waits for the answer (a run yields after a send): waiting here, nobody moves (the real
+        # model's B waited on A's message, and A, B and their parent idled until the budget ran out)
+        return {"error": f"nothing will wake you while you hold a message you have not answered: message_id"
+                         f" {unanswered.message_id!r} from {await ctx.host.name_of(unanswered.sender)}"
+                         f" ({_gist(unanswered.content.text)}). Answer it with reply, or finish your task."}
     ctx.actions.wait_for_messages()
     return {"status": "waiting"}
 

@@ -156,3 +156,27 @@ async def test_an_agent_that_could_not_reach_a_name_is_woken_when_an_agent_of_th
     b = by_name(host, "B")
     stored = [e for e in record.of(K.EVENT_KIND_MESSAGE_STORED, sender=a.agent_id) if e.recipient == b.agent_id]
     assert len(stored) == 1
+
+
+def waits_on_a_question(view):
+    """Wait whatever comes in; told to answer first, reply; then wait."""
+    waits = view.called("wait")
+    if waits and "error" in waits[-1].result and not view.called("reply"):
+        return call("reply", text="got it")
+    return call("wait")
+
+
+async def test_wait_is_refused_to_an_agent_holding_a_message_it_has_not_answered(mesh, client, tmp_path):
+    async with scripted_host(mesh.address, tmp_path, {"lead": spawn_a, "A": waits_on_a_question}) as host:
+        lead_runner = await host.start_task("lead", "have A answer")
+        await eventually(lambda: len(host.runners) == 2 and tool_results(by_name(host, "A"), "wait"))
+        a = by_name(host, "A")
+        receipt = await lead_runner.send(a.agent_id, "what is 6*7?")
+        await eventually(lambda: tool_results(a, "reply"), message="A answered")
+        refusals = [r for _, r in tool_results(a, "wait") if "error" in r]
+        assert refusals == [{"error": "nothing will wake you while you hold a message you have not answered:"
+                                      f" message_id {receipt.message_id!r} from lead ('what is 6*7?'). Answer it"
+                                      " with reply, or finish your task."}], refusals
+    record = await Record.read(client)
+    replies = [e for e in record.of(K.EVENT_KIND_MESSAGE_STORED, sender=a.agent_id) if e.in_reply_to]
+    assert [e.in_reply_to for e in replies] == [receipt.message_id]

@@ -240,9 +240,10 @@ class LlamaServer:
 
     `async with LlamaServer(binary, model) as server:` then use `server.base_url`. Output goes to
     `log_path`. One server serves `parallel` requests at once, each with ctx_size/parallel tokens of
-    context; further requests queue in the server."""
+    context (8,192 each by default: a lead's conversation in the configured scenario passed 4,096 tokens in
+    2 of 10 runs on 2026-12-05, and the server refused it); further requests queue in the server."""
 
-    def __init__(self, binary: Path, model: Path, *, log_path: Path | None = None, ctx_size: int = 8192,
+    def __init__(self, binary: Path, model: Path, *, log_path: Path | None = None, ctx_size: int = 16384,
                  parallel: int = 2, threads: int = 2, cache_ram_mib: int = 512,
                  startup_timeout_s: float = 60.0):
         name = f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{id(self):x}.log"
