@@ -70,6 +70,9 @@ class AgentActions:
         self._peer_sends: dict[str, int] = {}
         """recipient -> messages sent to it since a third party (not that recipient, not the mesh) last wrote
         to this agent: the count HostConfig.max_messages_per_peer limits."""
+        self.unanswered: set[str] = set()
+        """Ids of the messages this agent sent (not tasks) that no message it consumed has answered yet: an
+        answer may still wake it."""
         self.missed: set[str] = set()
         """Names (and ids) send_message could not find (`reached_for`): when an agent of that name joins the
         team, this agent is told (AgentRunner.team_joined)."""
@@ -87,6 +90,7 @@ class AgentActions:
     def took(self, message: env_pb.Envelope, span: trace.SpanContext | None = None) -> None:
         """The agent consumed `message` (its consume span, which a reply to it continues)."""
         self.received[message.message_id] = message
+        self.unanswered.discard(message.in_reply_to)
         if message.kind != env_pb.MESSAGE_KIND_CONTROL:  # new input: every exchange but the one with its sender
             # may need more messages
             sender = _peer(message.sender)
@@ -193,6 +197,7 @@ class AgentActions:
         if receipt.status in _DELIVERED and fields.get("kind") != env_pb.MESSAGE_KIND_TASK:  # a task is not
             # part of an exchange
             self._peer_sends[_peer(to)] = self._peer_sends.get(_peer(to), 0) + 1
+            self.unanswered.add(receipt.message_id)
         self.host.observe(self.record, "sent", f"{receipt.message_id} to {await self.host.name_of(to)}: "
                           f"{inbox_pb2.ReceiptStatus.Name(receipt.status).removeprefix('RECEIPT_STATUS_')}")
         return receipt

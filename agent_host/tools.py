@@ -452,9 +452,10 @@ async def space_read(ctx: ToolContext, space: str, after: int = 0) -> dict[str, 
 
 async def wait(ctx: ToolContext) -> dict[str, Any]:
     agent = ctx.agent
-    if agent.task_text and not agent.parent_id and not agent.completed and not any(
+    if agent.task_text and not agent.parent_id and not agent.completed and not ctx.actions.unanswered and not any(
             not c.completed for c in ctx.host.team(agent).children):
-        # a top-level agent's task is open and no subagent of it is working: nothing would ever wake it
+        # a top-level agent's task is open, no subagent of it is working and no message it sent waits for an
+        # answer: nothing would ever wake it
         return {"error": "nothing will wake you: none of your subagents is working. Do your task now."}
     unanswered = ctx.actions.message() if agent.task_text and not agent.completed and "reply" in offered(ctx) \
         else None

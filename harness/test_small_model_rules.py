@@ -4,11 +4,15 @@ a subagent task that is a label or the agent's own whole task is refused with wh
 that subagent; `wait` is refused to a top-level agent that nothing would wake. (The per-pair message limit:
 harness/test_addressing.py.)"""
 
+import asyncio
+
 from agent_host.models.scripted import Decision, call, say
 from harness.evidence import K, Record
-from harness.hosts import by_name, scripted_host
+from harness.hosts import GatedModel, by_name, scripted_host
 from harness.test_addressing import tool_results
+from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from tests.fixtures import eventually
+from tests.streams import Collector
 
 TASK = "Create two helpers named A and B. Tell A the word blue. B must greet A."
 
@@ -180,3 +184,34 @@ async def test_wait_is_refused_to_an_agent_holding_a_message_it_has_not_answered
     record = await Record.read(client)
     replies = [e for e in record.of(K.EVENT_KIND_MESSAGE_STORED, sender=a.agent_id) if e.in_reply_to]
     assert [e.in_reply_to for e in replies] == [receipt.message_id]
+
+
+def pinger(view):
+    """Ask `outside`, wait for the answer, finish with it."""
+    if not view.called("send_message"):
+        return Decision(calls=[("send_message", {"to": "outside", "text": "ping"}), ("wait", {})])
+    answers = [m for m in view.inbox if m.in_reply_to]
+    return call("finish", result=answers[0].text) if answers else call("wait")
+
+
+async def test_wait_is_allowed_to_a_top_level_agent_whose_message_awaits_an_answer(mesh, client, tmp_path):
+    """The A2A test's asker (tests/test_a2a_gateway.py) was refused `wait` while its message to a remote agent
+    was out, and looped through its 50 turns on a slow run: a sent message not yet answered may wake it.
+    `outside` is the lead's child in the mesh, run by no host here (so no subagent of the lead is working)."""
+    gate = asyncio.Event()
+    async with scripted_host(mesh.address, tmp_path, {"lead": GatedModel(pinger, {1: gate})}) as host:
+        lead = await host.start_task("lead", "ask outside")
+        outside = await client.agent(lead.agent_id, lead.record.credential).spawn("outside")
+        gate.set()
+        await eventually(lambda: tool_results(lead, "wait") and lead.state == "idle", message="the lead waits")
+        assert [r for _, r in tool_results(lead, "wait")] == [{"status": "waiting"}]
+        got = Collector(outside)
+        try:
+            [ping] = await got.wait_for(1)
+            await outside.ack([ping.sequence])
+        finally:
+            await got.stop()
+        await outside.send(lead.agent_id, "pong", kind=env_pb.MESSAGE_KIND_REPLY, in_reply_to=ping.message_id)
+        outcome = await host.outcome(lead.agent_id, timeout=30)
+        assert outcome.ok and outcome.result.startswith("pong"), outcome
+        assert lead.record.turn == 2, "one turn to ask, one to finish: no turn spent on a refused wait"
