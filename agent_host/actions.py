@@ -71,8 +71,8 @@ class AgentActions:
         """recipient -> messages sent to it since a third party (not that recipient, not the mesh) last wrote
         to this agent: the count HostConfig.max_messages_per_peer limits."""
         self.unanswered: set[str] = set()
-        """Ids of the messages this agent sent (not tasks) that no message it consumed has answered yet: an
-        answer may still wake it."""
+        """Ids of the messages this agent sent (not tasks, replies or reports) that no message it consumed has
+        answered yet: an answer may still wake it."""
         self.missed: set[str] = set()
         """Names (and ids) send_message could not find (`reached_for`): when an agent of that name joins the
         team, this agent is told (AgentRunner.team_joined)."""
@@ -197,7 +197,9 @@ class AgentActions:
         if receipt.status in _DELIVERED and fields.get("kind") != env_pb.MESSAGE_KIND_TASK:  # a task is not
             # part of an exchange
             self._peer_sends[_peer(to)] = self._peer_sends.get(_peer(to), 0) + 1
-            self.unanswered.add(receipt.message_id)
+            if fields.get("kind") not in (env_pb.MESSAGE_KIND_REPLY, env_pb.MESSAGE_KIND_COMPLETION):  # an
+                # answer or a report asks for nothing back
+                self.unanswered.add(receipt.message_id)
         self.host.observe(self.record, "sent", f"{receipt.message_id} to {await self.host.name_of(to)}: "
                           f"{inbox_pb2.ReceiptStatus.Name(receipt.status).removeprefix('RECEIPT_STATUS_')}")
         return receipt
@@ -227,8 +229,13 @@ class AgentActions:
         in this same turn."""
         for existing in self.host.team(self.record).children:
             if existing.name == name and existing.task_text == task:  # the same call again: a retry, not a twin
+                # what to do instead, said: the real model's lead repeated its spawns, each a success, until its
+                # turn limit, while B's report was on its way
+                note = (f"{name} has finished this task and its result was sent to you" if existing.completed
+                        else f"{name} is working on this task: its result comes to you as a message when it"
+                             " finishes, so do not start it again; wait for it")
                 return {"agent_id": existing.agent_id, "name": name, "mode": existing.mode,
-                        "task_message_id": existing.task_message_id, "status": "already started"}
+                        "task_message_id": existing.task_message_id, "status": "already started", "note": note}
         if self.max_spawns is not None and self.record.spawned >= self.max_spawns:
             return {"error": f"you may start {self.max_spawns} subagents and have started them all"}
         taken = await self._name_taken(name)

@@ -84,6 +84,14 @@ class HostConfig:
     a third party last wrote to it (0: no limit): a per-pair ping-pong limit, as OpenClaw's
     maxPingPongTurns. Two small models thanked and welcomed each other for the rest of the budget (20
     messages, docs/real-llm.md), which the mesh's loop guard, counting visits per causal chain, let through."""
+    quiet_wake_s: float = 0.0
+    """When every agent of a task tree on this host (the runners on one budget) has been idle this long
+    (seconds; 0: never) with nothing pending, none of them consuming a message meanwhile, and no message any
+    of them sent waiting for an answer, nothing will ever wake them: each subagent whose task is open and
+    whose own subagents have all finished is woken once (AGENT_WOKEN with the note), told that no message is
+    on its way and to finish with its report. Once per quiet spell: it is not woken again until a message is
+    consumed in the tree. A small model's B answered A and then waited, with its task open, while A and the
+    lead waited for its report (docs/real-llm.md)."""
     offer_ioa_addresses: bool = False
     """Tell models that send_message takes IOA addresses (ioa:<node>/<agent>): only for a mesh with an IOA
     relay (route_via_ioa implies it); elsewhere a model offered them invents some."""

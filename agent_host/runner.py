@@ -98,6 +98,9 @@ class AgentRunner(Generic[HandleT]):
         self._items: AsyncGenerator[StreamItem, None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._quiet_timer: asyncio.TimerHandle | None = None
+        self._quiet_woken_at = -1
+        """The tree's consumption count (_tree_consumed) when this agent was last woken for a quiet tree."""
         self._recording: set[asyncio.Future[None]] = set()
         self._held: list[tuple[ev.EventKind, dict[str, Any]]] = []
         """Runtime events to record with the next one (hold_event): an AGENT_WOKEN goes with its turn's
@@ -140,6 +143,8 @@ class AgentRunner(Generic[HandleT]):
         """Stop reading and running (the agent itself stays as it is in the mesh)."""
         self.stopping = True
         self._cancel_idle_timer()
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
         self.stream.stop()
         for task in self._tasks:
             task.cancel()
@@ -373,6 +378,7 @@ class AgentRunner(Generic[HandleT]):
             await self.event(ev.EVENT_KIND_AGENT_IDLE, turn=self.record.turn)
             if not self.pending:
                 self._arm_idle_timer()
+                self._arm_quiet_timer()
 
     def _alone(self) -> bool:
         """No other agent working on this agent's budget has a run in progress (its children are idle)."""
@@ -554,6 +560,39 @@ class AgentRunner(Generic[HandleT]):
         if self.state == "idle":
             self.host.close_soon(self.agent_id, f"idle for {self.config.idle_timeout_s:.0f}s after completing"
                                                 " its task")
+
+    # -- a quiet tree (HostConfig.quiet_wake_s) ---------------------------------
+    def _tree_consumed(self) -> int:
+        return sum(len(r.actions.received) for r in self.host.runners_on(self.budget))
+
+    def _arm_quiet_timer(self) -> None:
+        if not self.config.quiet_wake_s or self.budget.failed is not None:
+            return
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+        self._quiet_timer = asyncio.get_running_loop().call_later(
+            self.config.quiet_wake_s, self._quiet_check, self._tree_consumed())
+
+    def _quiet_check(self, consumed: int) -> None:
+        """The tree has been idle since this agent went idle, `consumed` messages consumed then: when it still
+        is, with nothing pending and no answer awaited, wake the subagents that can end their open tasks."""
+        self._quiet_timer = None
+        runners = [r for r in self.host.runners_on(self.budget) if not r.record.closed]
+        if (self.stopping or self.budget.failed is not None or self._tree_consumed() != consumed
+                or any(r.state != "idle" or r.run_task is not None or r.pending or r.start_requested
+                       or r.actions.unanswered for r in runners)):
+            return
+        for r in runners:
+            record = r.record
+            if (not record.parent_id or not record.task_text or record.completed or r._quiet_woken_at == consumed
+                    or any(not c.completed for c in self.host.team(record).children)):
+                continue
+            r._quiet_woken_at = consumed
+            r.notes.append(f"No message is on its way to you: every agent of your team has been waiting for"
+                           f" {self.config.quiet_wake_s:g} s. Your task is still open: finish it now with your"
+                           f" report (what you sent, and what you received).")
+            r.start_requested = True
+            r.wake.set()
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:

@@ -36,6 +36,7 @@ from agent_host.ports import AgentCalls, AgentHost
 from inboxmesh.client import errors
 from inboxmesh.client.addressing import A2A_PREFIX, IOA_PREFIX
 from inboxmesh.client.errors import Reason
+from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.registry.v1 import registry_pb2 as reg
@@ -450,6 +451,9 @@ async def space_read(ctx: ToolContext, space: str, after: int = 0) -> dict[str, 
     return {"space": space, "messages": messages}
 
 
+_NOT_ASKING = (env_pb.MESSAGE_KIND_REPLY, env_pb.MESSAGE_KIND_COMPLETION)
+
+
 async def wait(ctx: ToolContext) -> dict[str, Any]:
     agent = ctx.agent
     if agent.task_text and not agent.parent_id and not agent.completed and not ctx.actions.unanswered and not any(
@@ -457,11 +461,13 @@ async def wait(ctx: ToolContext) -> dict[str, Any]:
         # a top-level agent's task is open, no subagent of it is working and no message it sent waits for an
         # answer: nothing would ever wake it
         return {"error": "nothing will wake you: none of your subagents is working. Do your task now."}
-    unanswered = ctx.actions.message() if agent.task_text and not agent.completed and "reply" in offered(ctx) \
-        else None
+    questions = ctx.actions.answerable(len(ctx.actions.received)) if agent.task_text and not agent.completed \
+        and "reply" in offered(ctx) else []
+    unanswered = next((m for m in questions if not m.in_reply_to and m.kind not in _NOT_ASKING), None)
     if unanswered is not None:
         # its sender waits for the answer (a run yields after a send): waiting here, nobody moves (the real
-        # model's B waited on A's message, and A, B and their parent idled until the budget ran out)
+        # model's B waited on A's message, and A, B and their parent idled until the budget ran out). An answer
+        # or a report asks for nothing: its sender does not wait
         return {"error": f"nothing will wake you while you hold a message you have not answered: message_id"
                          f" {unanswered.message_id!r} from {await ctx.host.name_of(unanswered.sender)}"
                          f" ({_gist(unanswered.content.text)}). Answer it with reply, or finish your task."}

@@ -215,3 +215,87 @@ async def test_wait_is_allowed_to_a_top_level_agent_whose_message_awaits_an_answ
         outcome = await host.outcome(lead.agent_id, timeout=30)
         assert outcome.ok and outcome.result.startswith("pong"), outcome
         assert lead.record.turn == 2, "one turn to ask, one to finish: no turn spent on a refused wait"
+
+
+QUIET = "No message is on its way to you"
+
+
+def spawns_twice_then_waits(view):
+    """Spawn B, then A, then A again with the same task (a retry); then wait for the reports and finish."""
+    plan = [("B", "Answer A's message, then wait."), ("A", "Send hello to B."), ("A", "Send hello to B.")]
+    step = len(view.called("spawn_agent"))
+    if step < len(plan):
+        return call("spawn_agent", agent_name=plan[step][0], task=plan[step][1])
+    return call("wait") if len([m for m in view.inbox if m.kind == "completion"]) < 2 else finisher(view)
+
+
+def greeter(view):
+    """Send hello to B, wait for the answer, finish with it."""
+    if not view.called("send_message"):
+        return call("send_message", to="B", text="hello")
+    answers = [m for m in view.inbox if m.in_reply_to]
+    return call("finish", result=f"B answered {answers[0].text}") if answers else call("wait")
+
+
+def answerer(finishes_when_told: bool):
+    """Answer A's message, then wait; woken with no new message (the quiet tree's note): finish, or wait."""
+    def policy(view):
+        if any(m.sender_name == "A" for m in view.inbox) and not view.called("reply"):
+            return call("reply", text="hello A")
+        woken_by_note = view.called("reply") and view.results[-1].name == "wait" and not view.new
+        if woken_by_note and finishes_when_told:
+            return call("finish", result="answered A")
+        return call("wait")
+    return policy
+
+
+async def test_a_subagent_left_with_its_task_open_in_a_quiet_tree_is_woken_once_to_finish(mesh, client, tmp_path):
+    """quiet_wake_s: B answered A and waited with its task open, A reported, the lead waited for B's report
+    (the real model's run, docs/real-llm.md): the whole tree idle, nothing on its way. B is woken with the
+    note and finishes; the lead completes. (And spawning A again with the same task is a retry whose note
+    says to wait for A's result.)"""
+    async with scripted_host(mesh.address, tmp_path, {"lead": spawns_twice_then_waits, "A": greeter,
+                                                      "B": answerer(True)}, quiet_wake_s=0.5) as host:
+        outcome = await host.run_task("lead", "have A greet B", timeout=30)
+        assert outcome.ok, outcome.error
+        lead, b = by_name(host, "lead"), by_name(host, "B")
+        retry = tool_results(lead, "spawn_agent")[2][1]
+        assert retry["status"] == "already started" and retry["note"] == (
+            "A is working on this task: its result comes to you as a message when it finishes, so do not start it"
+            " again; wait for it") or retry["note"] == "A has finished this task and its result was sent to you", \
+            retry
+    record = await Record.read(client)
+    woken = [e for e in record.of(K.EVENT_KIND_AGENT_WOKEN, agent_id=b.agent_id) if QUIET in e.detail]
+    assert len(woken) == 1, [e.detail for e in record.of(K.EVENT_KIND_AGENT_WOKEN, agent_id=b.agent_id)]
+    [done] = record.of(K.EVENT_KIND_TASK_COMPLETED, agent_id=b.agent_id)
+    assert done.event_id > woken[0].event_id
+    assert not [e for e in record.of(K.EVENT_KIND_AGENT_WOKEN) if QUIET in e.detail and e.agent_id != b.agent_id], \
+        "only B's task was open with nothing left to wait for"
+
+
+async def test_a_quiet_tree_wakes_a_subagent_once_and_never_while_a_message_awaits_an_answer(
+        mesh, client, tmp_path):
+    """B waits again after the note: it is not woken a second time (no message was consumed since). And
+    with a message of A unanswered (B ignores it), nobody is woken: the answer may still come."""
+    async with scripted_host(mesh.address, tmp_path, {"lead": spawns_twice_then_waits, "A": greeter,
+                                                      "B": answerer(False)}, quiet_wake_s=0.3) as host:
+        await host.start_task("lead", "have A greet B")
+        await eventually(lambda: len(host.runners) == 3 and len(tool_results(by_name(host, "B"), "wait")) == 3
+                         and by_name(host, "B").state == "idle",
+                         message="B waited, answered and waited, was woken and waited again")
+        b = by_name(host, "B")
+        await asyncio.sleep(1.5)  # five quiet periods
+        assert len(tool_results(b, "wait")) == 3 and not b.record.completed
+    async with scripted_host(mesh.address, tmp_path / "ignores", {"lead": spawns_twice_then_waits, "A": greeter,
+                                                                  "B": lambda v: call("wait") if not v.inbox[1:]
+                                                                  else say("not answering")},
+                             quiet_wake_s=0.3) as host:
+        await host.start_task("lead", "have A greet B")
+        await eventually(lambda: len(host.runners) == 3 and len(by_name(host, "B").received) == 2
+                         and by_name(host, "B").state == "idle" and by_name(host, "A").state == "idle",
+                         message="B took A's message and did not answer it")
+        await asyncio.sleep(1.5)
+        assert by_name(host, "A").actions.unanswered and not by_name(host, "B").record.completed
+    record = await Record.read(client)
+    woken = [e.agent_id for e in record.of(K.EVENT_KIND_AGENT_WOKEN) if QUIET in e.detail]
+    assert woken == [b.agent_id], woken
