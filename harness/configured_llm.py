@@ -8,8 +8,11 @@ with the small-model rules `inboxmesh run --model local` uses (names instead of 
 targets as a choice of the team's names, a run ends after a send), the model behind the `scenario`
 provider. The task: TASK below, written once and never tuned per run; only its code is random. What
 counts is the record (harness.real_llm.verify): A and B are the lead's children; A's message to B carries
-the code and B consumed it; B's reply to it is correlated and consumed by A; both reports are announced
-once and consumed by the lead, which completes after them.
+the code and B consumed it; B's reply to it is correlated and consumed by A, which reports after it; both
+reports are announced once and consumed by the lead, which completes after them. The reply's words are not
+checked: the task asks B to reply "confirming the code", not to repeat it (the first scenario's B task asks
+for the code in the reply, and there it is checked); that B's turn consumed A's message carrying the code is
+the evidence that B received it.
 
     python -m harness.configured_llm --runs 10    # reliability, local model; docs/real-llm.md
 """
@@ -81,7 +84,7 @@ async def _run(address: str, client: MeshClient, model: OpenAIChatModel, data_di
             outcome = await host.outcome(runner.agent_id, timeout=budget.max_wall_time_s + 10)
             await asyncio.sleep(0)
             problems = [] if outcome.ok else [f"task failed: {outcome.error}"]
-            problems += await verify(client, host, secret, spans)
+            problems += await verify(client, host, secret, spans, reply_quotes=False)
             configured = {r.record.name: r.record.config_id for r in host.runners.values()}
             problems += [f"{name} ran as {got!r}, not as a helper" for name, got in configured.items()
                          if name in ("A", "B") and got != "helper"]

@@ -120,8 +120,10 @@ async def _events(client: MeshClient) -> list[ev.Event]:
         after = page[-1].event_id
 
 
-async def verify(client: MeshClient, host: Host, secret: str, spans=None) -> list[str]:
-    """The scenario's assertions, on the record only."""
+async def verify(client: MeshClient, host: Host, secret: str, spans=None, *, reply_quotes: bool = True) -> list[str]:
+    """The scenario's assertions, on the record only. `reply_quotes`: B's reply must contain the secret, where
+    B's task asks for that (this scenario's "repeating the code in it"); otherwise any reply B correlates to
+    A's message counts, its consumption by B's turn being the evidence that B received the code."""
     e = Evidence()
     runners = {r.record.name: r for r in host.runners.values()}
     if not e.check({"parent", "A", "B"} <= set(runners), f"agents created: {sorted(runners)}"):
@@ -163,8 +165,8 @@ async def verify(client: MeshClient, host: Host, secret: str, spans=None) -> lis
     a_view = client.agent(a.agent_id, a.record.credential)
     a_consumed = {x.message_id: x for x in of(K.EVENT_KIND_MESSAGE_CONSUMED, agent_id=a.agent_id)}
     quoted = [x for x in replies if x.message_id in a_consumed
-              and secret in (await a_view.inbox_status(x.sequence)).envelope.content.text]
-    e.check(quoted, "A consumed B's reply quoting the secret")
+              and (not reply_quotes or secret in (await a_view.inbox_status(x.sequence)).envelope.content.text)]
+    e.check(quoted, "A consumed B's reply quoting the secret" if reply_quotes else "A consumed B's reply")
     reports = {x.sender: x for x in of(K.EVENT_KIND_MESSAGE_STORED, recipient=parent.agent_id)}
     parent_consumed = {x.message_id: x for x in of(K.EVENT_KIND_MESSAGE_CONSUMED, agent_id=parent.agent_id)}
     for child in (a, b):
