@@ -240,6 +240,13 @@ class AgentActions:
             return {"error": f"you may start {self.max_spawns} subagents and have started them all"}
         taken = await self._name_taken(name)
         if taken:
+            mine = next((c for c in self.host.team(self.record).children if c.name == name), None)
+            if mine is not None:  # a child it has already: `existing_child` (AgentRunner: not a failure that
+                # stops a finish in the same answer; the real model's lead wrote its spawns again, with other
+                # words, before every finish, after both children had reported)
+                state = "has finished its task" if mine.completed else "is working on its task"
+                return {"error": f"you already have a subagent named {name!r}; it {state}. Choose another name"
+                                 " for a new subagent", "existing_child": mine.agent_id}
             return {"error": taken}
         history = self.conversation.fork().messages[1:] if mode == "fork" else []  # it gets its own system prompt
         # the mesh's limits may refuse it (the tool reports why)

@@ -467,7 +467,7 @@ class AgentRunner(Generic[HandleT]):
                         else:
                             with tracer.start_as_current_span(f"tool {call.name}"):
                                 result = await run_tool(self._tools, call, given)
-                        if "error" in result and not self.actions.turn_ends:
+                        if "error" in result and not self.actions.turn_ends and "existing_child" not in result:
                             turn.failed.append(call.name)
                         turn.ran.append((call.id, call.name))
                         sent = sent or (call.name == "send_message" and "error" not in result)

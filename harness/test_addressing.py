@@ -70,7 +70,8 @@ async def test_a_second_child_of_the_same_name_is_refused_and_duplicates_made_el
         await eventually(lambda: len(tool_results(lead, "spawn_agent")) == 2 and lead.state == "idle")
         (_, first), (_, second) = tool_results(lead, "spawn_agent")
         assert first["status"] == "started"
-        assert "already has the name 'twin'" in second["error"] and first["agent_id"] in second["error"]
+        assert second == {"error": "you already have a subagent named 'twin'; it is working on its task. Choose"
+                                   " another name for a new subagent", "existing_child": first["agent_id"]}, second
         other = await lead.handle.spawn("twin")  # the mesh itself allows it (names are for display and lookup)
         poker = await lead.handle.spawn("poker")
         await poker.send(lead.agent_id, "go on")

@@ -299,3 +299,28 @@ async def test_a_quiet_tree_wakes_a_subagent_once_and_never_while_a_message_awai
     record = await Record.read(client)
     woken = [e.agent_id for e in record.of(K.EVENT_KIND_AGENT_WOKEN) if QUIET in e.detail]
     assert woken == [b.agent_id], woken
+
+
+def replans(view):
+    """Spawn X; on its report, write the plan again (X with other words) and finish in the same answer."""
+    if not view.called("spawn_agent"):
+        return call("spawn_agent", agent_name="X", task="Finish with the word done.")
+    if not [m for m in view.inbox if m.kind == "completion"]:
+        return call("wait")
+    return Decision(calls=[("spawn_agent", {"agent_name": "X", "task": "Say done, then finish."}),
+                           ("finish", {"result": "X said done"})])
+
+
+async def test_a_spawn_of_a_child_it_already_has_does_not_stop_a_finish_in_the_same_answer(mesh, client, tmp_path):
+    """A finish after a failed call of the same answer is refused (docs/lifecycle.md), but asking again for a
+    child it already has is not a failure of the plan: the real model's lead wrote its spawns again before
+    every finish, after both children had reported, until its context was full."""
+    async with scripted_host(mesh.address, tmp_path, {"lead": replans, "X": finisher}) as host:
+        outcome = await host.run_task("lead", "have X say done", timeout=30)
+        assert outcome.ok and outcome.result.startswith("X said done"), outcome
+        lead, x = by_name(host, "lead"), by_name(host, "X")
+        again = tool_results(lead, "spawn_agent")[1][1]
+        assert again == {"error": "you already have a subagent named 'X'; it has finished its task. Choose another"
+                                  " name for a new subagent", "existing_child": x.agent_id}, again
+        [(_, done)] = tool_results(lead, "finish")
+        assert "error" not in done, done
