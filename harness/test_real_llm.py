@@ -1,5 +1,7 @@
 """The sibling scenario with a real language model making every decision,
-once with local delivery and once over an IOA network. The model server is
+once with local delivery and once over an IOA network; the same exchange as
+one plain-language task to configured agents; and the home/work/code example
+with the local model as the code agent's model. The model server is
 started by the harness (agent_host/local_model) from the binary and weights that the
 suite's set-up prepared before pytest started (scripts/test.sh runs
 harness.prepare); when they are missing the test fails at once naming that
@@ -34,6 +36,18 @@ async def test_the_sibling_exchange_with_a_real_model(model, via_ioa, spans):
         async with scenario_mesh(Path(tmp), via_ioa) as (mesh, client):
             result = await run_once(mesh.address, model, Path(tmp) / "host", via_ioa=via_ioa, client=client,
                                     spans=spans, label="ci")
+    print(f"real-model report: {result.report}")
+    assert result.ok, f"{result.problems} (report: {result.report})"
+
+
+@pytest.mark.timeout(900)  # the wall-time budget (600 s) and the mesh around it
+async def test_a_plain_language_task_to_configured_agents_with_a_real_model(model, tmp_path):
+    """The second scenario (harness/configured_llm.py, docs/real-llm.md): the issue's plain-language task to a
+    top-level configured agent whose children run as another configured agent, their tools from the routing
+    config; asserted from the record only (harness.real_llm.verify)."""
+    from harness.configured_llm import run_once as run_configured
+
+    result = await run_configured(model, tmp_path, label="ci")
     print(f"real-model report: {result.report}")
     assert result.ok, f"{result.problems} (report: {result.report})"
 
