@@ -68,12 +68,13 @@ stop_lanes() {
 trap 'stop_lanes; exit 130' INT
 trap 'stop_lanes; exit 143' TERM
 # lane NAME COMMAND...: start COMMAND in the background, its output and exit code in $lanes/<number>.*
+# (a pytest lane lists its 15 slowest tests: where the run's time goes)
 lane() {
   local name=$1 at="$lanes/${#lane_names[@]}"  # files by number: a path with a space breaks commands
   shift
   echo "== $name: started =="
   ( from=$EPOCHREALTIME code=0
-    case "$*" in *pytest*) "$@" --basetemp="$at.tmp" ;; *) "$@" ;; esac >"$at.log" 2>&1 || code=$?
+    case "$*" in *pytest*) "$@" --basetemp="$at.tmp" --durations=15 ;; *) "$@" ;; esac >"$at.log" 2>&1 || code=$?
     echo "$code $(seconds_since "$from")" >"$at.rc" ) &
   lane_names+=("$name") lane_pids+=("$!")
 }
