@@ -500,7 +500,10 @@ class InboxLog:
         again = {key for _, key in fresh if key in self._unmarked or key in self._marking}
         if again:
             await self._mark(list(again))
-            await asyncio.gather(*{self._marking[key] for key in again if key in self._marking})
+            # shielded: a delivery cancelled here (its subscription broke) must not cancel the write's shared
+            # future, which every other delivery of those messages awaits (a cancelled one ended the next
+            # subscription's feed as if it had been cancelled, and nothing was delivered any more)
+            await asyncio.gather(*(asyncio.shield(self._marking[key]) for key in again if key in self._marking))
         ask = [(i, key) for i, key in fresh if key not in again]
         existing = await kv.last_many(self.conn, "msgs", [kv.state_key(*key) for _, key in ask])
         for i, key in ask:
@@ -540,7 +543,8 @@ class InboxLog:
         finally:
             for key, _ in todo:
                 self._marking.pop(key, None)
-            done.set_result(None)
+            if not done.done():
+                done.set_result(None)
 
     async def flush_marks(self) -> None:
         """Write every first delivery not written yet (the store closes)."""
