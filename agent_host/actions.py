@@ -50,6 +50,11 @@ class ChildGone(Exception):
     """A sync child was closed before it completed."""
 
 
+NOT_ASKING = (env_pb.MESSAGE_KIND_REPLY, env_pb.MESSAGE_KIND_COMPLETION)
+"""Kinds of message that ask for nothing back (an answer, a report): neither awaits an answer (`unanswered`)
+nor keeps its holder from waiting (the wait tool)."""
+
+
 class AgentActions:
     def __init__(self, record: HostedAgent, handle: AgentCalls, host: AgentHost, conversation: Conversation,
                  budget: TaskBudget, *, max_spawns: int | None, consume: Consume, record_event: RecordEvent):
@@ -197,8 +202,7 @@ class AgentActions:
         if receipt.status in _DELIVERED and fields.get("kind") != env_pb.MESSAGE_KIND_TASK:  # a task is not
             # part of an exchange
             self._peer_sends[_peer(to)] = self._peer_sends.get(_peer(to), 0) + 1
-            if fields.get("kind") not in (env_pb.MESSAGE_KIND_REPLY, env_pb.MESSAGE_KIND_COMPLETION):  # an
-                # answer or a report asks for nothing back
+            if fields.get("kind") not in NOT_ASKING:
                 self.unanswered.add(receipt.message_id)
         self.host.observe(self.record, "sent", f"{receipt.message_id} to {await self.host.name_of(to)}: "
                           f"{inbox_pb2.ReceiptStatus.Name(receipt.status).removeprefix('RECEIPT_STATUS_')}")

@@ -29,14 +29,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from agent_host.actions import AgentActions
+from agent_host.actions import NOT_ASKING, AgentActions
 from agent_host.hoststore import HostedAgent
 from agent_host.models.base import ToolCall
 from agent_host.ports import AgentCalls, AgentHost
 from inboxmesh.client import errors
 from inboxmesh.client.addressing import A2A_PREFIX, IOA_PREFIX
 from inboxmesh.client.errors import Reason
-from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.inbox.v1 import inbox_pb2
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.registry.v1 import registry_pb2 as reg
@@ -451,9 +450,6 @@ async def space_read(ctx: ToolContext, space: str, after: int = 0) -> dict[str, 
     return {"space": space, "messages": messages}
 
 
-_NOT_ASKING = (env_pb.MESSAGE_KIND_REPLY, env_pb.MESSAGE_KIND_COMPLETION)
-
-
 async def wait(ctx: ToolContext) -> dict[str, Any]:
     agent = ctx.agent
     if agent.task_text and not agent.parent_id and not agent.completed and not ctx.actions.unanswered and not any(
@@ -463,7 +459,7 @@ async def wait(ctx: ToolContext) -> dict[str, Any]:
         return {"error": "nothing will wake you: none of your subagents is working. Do your task now."}
     questions = ctx.actions.answerable(len(ctx.actions.received)) if agent.task_text and not agent.completed \
         and "reply" in offered(ctx) else []
-    unanswered = next((m for m in questions if not m.in_reply_to and m.kind not in _NOT_ASKING), None)
+    unanswered = next((m for m in questions if not m.in_reply_to and m.kind not in NOT_ASKING), None)
     if unanswered is not None:
         # its sender waits for the answer (a run yields after a send): waiting here, nobody moves (the real
         # model's B waited on A's message, and A, B and their parent idled until the budget ran out). An answer
