@@ -10,6 +10,9 @@ import pytest
 
 from inboxmesh.client.mesh import envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from inboxmesh.ioa.v1 import network_pb2 as net
+from inboxmesh.ioa.v1 import network_pb2_grpc
+from tests.fixtures import eventually
 from tests.streams import Collector
 
 
@@ -77,4 +80,56 @@ async def test_a_failed_ioa_request_stores_nothing_after_it(nodes):
     assert [r.message_id for r in receipts] == ["before"]
     await asyncio.sleep(0.2)
     assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "before") is not None
+    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"
+
+
+async def _delay_deliveries_to(network, node_id: str, delay_ms: int) -> None:
+    async with grpc.aio.insecure_channel(network.address) as channel:
+        await network_pb2_grpc.IoaNetworkStub(channel).InjectFault(
+            net.InjectFaultRequest(node_id=node_id, kind=net.FAULT_KIND_DELAY, count=1, delay_ms=delay_ms))
+
+
+async def test_a_later_read_of_the_stream_goes_out_while_an_earlier_one_waits_for_its_receipts(nodes, network):
+    """The handler takes the stream's next requests while those it took before wait for their receipts
+    (grpc_handler._SendPipeline): a request written after the first was published is published before the
+    first's receipt is back, and the answers still come in request order."""
+    alpha, beta = nodes
+    a = await (await alpha.client.register("lead-a")).spawn("a")
+    b = await (await beta.client.register("lead-b")).spawn("b")
+    assert (await a.send(beta.address(b), "hello")).status == pb.RECEIPT_STATUS_ACCEPTED
+    counts = _count_in_flight(alpha)
+    await _delay_deliveries_to(network, "beta", 600)  # the first message's way to beta, and so its receipt
+    call = a.send_stream()
+    await call.write(pb.SendRequest(messages=[envelope(beta.address(b), "one", message_id="one")]))
+    await eventually(lambda: counts[0] == 1, message="the first request published, its receipt awaited")
+    await call.write(pb.SendRequest(messages=[envelope(beta.address(b), "two", message_id="two")]))
+    await eventually(lambda: counts[1] == 2, timeout=0.5,
+                     message="the second request published while the first waited for its receipt")
+    await call.done_writing()
+    receipts = [r async for response in call for r in response.receipts]
+    assert [(r.message_id, r.status) for r in receipts] == [("one", pb.RECEIPT_STATUS_ACCEPTED),
+                                                            ("two", pb.RECEIPT_STATUS_ACCEPTED)]
+    assert receipts[0].sequence < receipts[1].sequence, "the far inbox in request order"
+
+
+async def test_a_request_after_a_failed_read_is_not_stored(nodes):
+    """A local request taken while an earlier IOA read still waits for its receipts waits for them, and
+    is not stored when they fail."""
+    alpha, beta = nodes
+    lead = await alpha.client.register("lead-a")
+    a, local = await lead.spawn("a"), await lead.spawn("local")
+    b = await (await beta.client.register("lead-b")).spawn("b")
+    assert (await a.send(beta.address(b), "first")).status == pb.RECEIPT_STATUS_ACCEPTED  # alpha knows beta now
+    await beta.stop()  # the network knows beta, not connected: nothing can reach it
+    counts = _count_in_flight(alpha)
+    call = a.send_stream()
+    await call.write(pb.SendRequest(messages=[envelope(beta.address(b), "lost", message_id="lost")]))
+    await eventually(lambda: counts[0] == 1, message="the IOA request published, its receipt awaited")
+    await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "after", message_id="after")]))
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for response in call:
+            assert not response.receipts, response
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    await asyncio.sleep(0.2)
     assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"

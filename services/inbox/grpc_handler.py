@@ -30,6 +30,11 @@ ACKS_IN_FLIGHT = 64
 """Acks (`ack` and `ack_many` requests) of one Consume stream being processed at once (they group-commit).
 With this many unanswered the handler reads no further request of the stream: the client's writes wait on
 the call's flow control; nothing is dropped."""
+PIPELINED_SENDS = 16
+"""Reads of one SendStream started and not yet answered, at most. A read whose messages all go to IOA
+addresses is answered once its receipts come back from the far meshes; meanwhile the next reads are
+started (the relay publishes in the order of the reads). With this many unanswered the handler takes no
+further read: the read-ahead fills, then the client's writes wait on the call's flow control."""
 SENDS_READ_AHEAD = 64
 """Requests of one SendStream read ahead and stored together, at most (and at most READ_AHEAD_BYTES of
 them); the handler reads no further while that many wait."""
@@ -126,15 +131,17 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
         senders = StreamSenders(call.caller, call.proven)  # one for the stream: credentials proven once
         ahead = _ReadAhead(SENDS_READ_AHEAD, READ_AHEAD_BYTES)
         reader = asyncio.create_task(ahead.fill(request_iterator))
+        sends = _SendPipeline(self._service, senders, ahead)
         try:
-            while batch := await ahead.take(self._service.max_batch_messages):
-                answered, failure = await self._service.send_requests(senders, batch)
+            async for answered, failure in sends.answers():
                 for outcomes in answered:
                     yield pb.SendResponse(receipts=[receipt_pb(o) for o in outcomes])
                 if failure is not None:
+                    await sends.stop()
                     await ahead.discard_rest(REFUSAL_DRAIN_S, REFUSAL_DRAIN_REQUESTS)
                     raise failure
         finally:
+            sends.cancel()
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
@@ -311,6 +318,112 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
             page_token=request.page_token,
         )
         return pb.ListDeadLettersResponse(messages=[status_pb(r) for r in records], next_page_token=token)
+
+
+_Answers = tuple[list[list[SendOutcome]], errors.MeshError | None]
+
+
+class _SendPipeline:
+    """The reads of one SendStream (_ReadAhead.take), started one after the other in a task of their own
+    (InboxService.start_requests: checked, published to IOA or stored) and answered in the same order.
+    A read whose messages all go to IOA addresses leaves only its receipts to wait for, and the next read
+    is started meanwhile; any other read is started once every read before it has its answers, and the
+    next one once it has its own (what follows a local store, or a refusal, is not started before it).
+    Nothing is started after a read that was refused or whose receipts failed."""
+
+    def __init__(self, service: InboxService, senders: StreamSenders, ahead: _ReadAhead):
+        self._service, self._senders, self._ahead = service, senders, ahead
+        self._started: collections.deque[asyncio.Future[_Answers] | None] = collections.deque()
+        """Each read's answers, in order; None after the last."""
+        self._changed = asyncio.Event()
+        self._stopping = False
+        self._starting = False
+        """Whether the task is starting a read (then it is not cancelled by stop: it publishes or stores)."""
+        self._task = asyncio.create_task(self._run())
+
+    def _push(self, answers: asyncio.Future[_Answers] | None) -> None:
+        self._started.append(answers)
+        self._changed.set()
+
+    def _failed_before(self) -> bool:
+        return any(f is not None and f.done() and (f.cancelled() or f.exception() is not None or
+                                                   f.result()[1] is not None) for f in self._started)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._stopping:
+                while len(self._started) >= PIPELINED_SENDS:
+                    self._changed.clear()
+                    await self._changed.wait()
+                batch = await self._ahead.take(self._service.max_batch_messages)
+                if not batch or self._stopping:
+                    break
+                pipelined = self._service.all_to_ioa(batch)
+                if not pipelined and self._started:
+                    await asyncio.wait([f for f in self._started if f is not None])
+                if self._failed_before():
+                    break
+                self._starting = True
+                try:
+                    finish, refused = await self._service.start_requests(self._senders, batch)
+                finally:
+                    self._starting = False
+                answers = asyncio.ensure_future(finish())
+                answers.add_done_callback(_retrieved)
+                self._push(answers)
+                if refused:
+                    break
+                if not pipelined:
+                    await asyncio.wait([answers])
+                if self._failed_before():
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a read that could not be taken (undecodable), or a fault: in its turn
+            failed: asyncio.Future[_Answers] = loop.create_future()
+            failed.set_exception(exc)
+            failed.add_done_callback(_retrieved)
+            self._push(failed)
+        finally:
+            self._push(None)
+
+    async def answers(self) -> AsyncIterator[_Answers]:
+        """Each read's answers, in order, until the stream ended (what failed a read is raised in its turn)."""
+        while True:
+            while not self._started:
+                self._changed.clear()
+                await self._changed.wait()
+            answers = self._started[0]
+            if answers is None:
+                return
+            result = await answers
+            self._started.popleft()
+            self._changed.set()
+            yield result
+
+    async def stop(self) -> None:
+        """After a failure: start nothing more, and wait for what was started (IOA reads published after
+        the failed one wait for their receipts; they are not answered)."""
+        self._stopping = True
+        if not self._starting:
+            self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        started = [f for f in self._started if f is not None]
+        if started:
+            await asyncio.wait(started)
+
+    def cancel(self) -> None:
+        """The stream ended: start nothing more (reads already started finish on their own)."""
+        self._stopping = True
+        self._task.cancel()
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """A started read's answers may never be asked for (the stream ended): its failure is not logged as lost."""
+    if not future.cancelled():
+        future.exception()
 
 
 class _ReadAhead:

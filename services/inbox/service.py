@@ -216,6 +216,19 @@ class InboxService:
 
     async def send_requests(self, senders: StreamSenders, requests: Sequence[pb.SendRequest]
                             ) -> tuple[list[list[SendOutcome]], errors.MeshError | None]:
+        """start_requests, then its answers."""
+        finish, _ = await self.start_requests(senders, requests)
+        return await finish()
+
+    def all_to_ioa(self, requests: Sequence[pb.SendRequest]) -> bool:
+        """Whether every message of these requests goes to an IOA address (and each has messages): then
+        start_requests publishes them and leaves only their receipts to wait for, stores nothing here, and
+        a SendStream may start its next requests meanwhile."""
+        return self._forward_to_ioa is not None and all(
+            r.messages and all(e.recipient.startswith(IOA_PREFIX) for e in r.messages) for r in requests)
+
+    async def start_requests(self, senders: StreamSenders, requests: Sequence[pb.SendRequest]) -> tuple[
+            Callable[[], Awaitable[tuple[list[list[SendOutcome]], errors.MeshError | None]]], bool]:
         """The requests of one Send call, or several of one SendStream read together: each checked in
         order as `send` checks one, the local ones stored together (InboxWriter.store in order: one commit
         on SQLite for requests that share no sender and no recipient) and answered in order. Stops at the
@@ -228,7 +241,11 @@ class InboxService:
         and their receipts are waited for before anything after them is stored. When one of them fails
         (UNAVAILABLE, no receipt), the IOA requests after it were published too and may have been stored
         on the far side: the stream ends with the failure, and their retry (same message ids) reads
-        DUPLICATE there."""
+        DUPLICATE there.
+
+        Returns, once every request was checked and what goes to IOA published, what finishes them: it
+        waits for the receipts, stores what is left to store and gives (the outcomes of each request
+        answered, the refusal that stopped them or None); and whether a request was refused already."""
         answered: list[list[SendOutcome]] = []
         unstored: list[list[list[AppendItem]]] = []
         """Items of the requests checked since the last store: per request, one list per sender's run of
@@ -307,11 +324,16 @@ class InboxService:
                 answered.append(outcomes)
         except errors.MeshError as exc:
             failure = exc
-        try:
-            await store()
-        except errors.MeshError as exc:  # those requests (all before a refused one) are not answered: the
-            failure = exc  # stream ends with this
-        return answered, failure
+
+        async def finish() -> tuple[list[list[SendOutcome]], errors.MeshError | None]:
+            nonlocal failure
+            try:
+                await store()
+            except errors.MeshError as exc:  # those requests (all before a refused one) are not answered: the
+                failure = exc  # stream ends with this
+            return answered, failure
+
+        return finish, failure is not None
 
     def _by_sender(self, senders: StreamSenders, caller: Caller, envelopes: list[envelope_pb2.Envelope]
                    ) -> list[tuple[Caller, int, list[envelope_pb2.Envelope]]]:
