@@ -44,6 +44,7 @@ from services.validation import check_text, fitting, page_size, stored_int
 
 log = logging.getLogger(__name__)
 _LOCAL = envelope_pb2.Origin(kind=envelope_pb2.ORIGIN_KIND_LOCAL)
+_MESSAGE_KINDS = frozenset(envelope_pb2.MessageKind.values())
 _FRONTIERS_KEPT = 4096
 """Frontiers kept in memory; older ones are read from the store again when their agent sends."""
 
@@ -192,7 +193,7 @@ class InboxService:
             if env.kind == envelope_pb2.MESSAGE_KIND_REPLY and not env.in_reply_to:
                 raise errors.InvalidArgument(f"{where}: a REPLY needs in_reply_to", reason=Reason.MISSING_FIELD,
                                              metadata={"index": str(index), "field": "in_reply_to"})
-            if env.kind not in envelope_pb2.MessageKind.values():
+            if env.kind not in _MESSAGE_KINDS:
                 raise errors.InvalidArgument(f"{where}: unknown kind {env.kind}", reason=Reason.BAD_KIND)
             if env.origin.kind in (envelope_pb2.ORIGIN_KIND_IOA, envelope_pb2.ORIGIN_KIND_A2A) and not external:
                 raise errors.PermissionDenied(f"{where}: only the IOA relay and the A2A gateway may send with"

@@ -29,6 +29,7 @@ from services.store.base import (
     CHANNEL_PREFIX,
     IOA_PREFIX,
     NOT_PERMITTED,
+    RECEIPT_ENUM_NAME,
     UNKNOWN_TARGET,
     AppendItem,
     InboxStore,
@@ -164,7 +165,7 @@ class InboxWriter:
         outcomes = [o for group in results for o in group]
         accepted: list[envelope_pb2.Envelope] = []
         for span, outcome, item in zip(spans, outcomes, (i for g in groups for i in g)):
-            span.set_attribute("inboxmesh.receipt", pb.ReceiptStatus.Name(outcome.status))
+            span.set_attribute("inboxmesh.receipt", RECEIPT_ENUM_NAME[outcome.status])
             span.set_attribute("inboxmesh.sequence", outcome.sequence)
             span.end()
             if outcome.status == ACCEPTED and outcome.envelope is not None:  # an accepted outcome holds it

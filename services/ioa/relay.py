@@ -40,6 +40,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import random
 import uuid
 from collections.abc import Awaitable, Callable
@@ -76,6 +77,7 @@ from services.store.base import (
     IOA_PREFIX,
     NOT_PERMITTED,
     OUTBOXED,
+    RECEIPT_ENUM_NAME,
     RECEIPT_NAME,
     RESERVED_ID_PREFIX,
     UNKNOWN_TARGET,
@@ -435,7 +437,7 @@ class IoaRelay:
                 continue
             node, agent = parse_address(env.recipient)
             ioa_id = f"{self.node_id}:{sender_id}:{env.message_id}"
-            attempt = uuid.uuid4().hex[:16]
+            attempt = os.urandom(8).hex()
             span = tracer.start_span("ioa.publish", context=context_of(env),
                                      attributes={"inboxmesh.ioa.message_id": ioa_id, "inboxmesh.ioa.to": node})
             future = loop.create_future()
@@ -793,7 +795,7 @@ class IoaRelay:
         at = now_us()
         events = []
         for env, outcome in zip(envelopes, outcomes):
-            status = inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower()
+            status = RECEIPT_NAME[outcome.status]
             events.append(ev.Event(
                 kind=ev.EVENT_KIND_MESSAGE_SENT, at_us=at, agent_id=env.recipient, message_id=env.message_id,
                 sender=sender_id, recipient=env.recipient, sequence=outcome.sequence, detail=f"{status} (via IOA)",
@@ -990,11 +992,11 @@ class IoaRelay:
             self._handled[key] = None
             self._handled.move_to_end(key)
             self.counts["received"] += 1
-            span.set_attribute("inboxmesh.receipt", inbox_pb2.ReceiptStatus.Name(outcome.status))
+            span.set_attribute("inboxmesh.receipt", RECEIPT_ENUM_NAME[outcome.status])
             span.end()
             if copies[index] or outcome.status == DUPLICATE:
                 self.counts["duplicates"] += 1
-                status = inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower()
+                status = RECEIPT_NAME[outcome.status]
                 events.append(ev.Event(
                     kind=ev.EVENT_KIND_IOA_DUPLICATE, at_us=now_us(), agent_id=outcome.recipient,
                     message_id=message.ioa_message_id, sender=key[0], recipient=outcome.recipient,
@@ -1003,7 +1005,7 @@ class IoaRelay:
             if H + "relay" in message.headers:  # an inboxmesh relay waits for the receipt
                 answers[getattr(message, "from").node].append({
                     "for": message.ioa_message_id, "attempt": attempt,
-                    "status": inbox_pb2.ReceiptStatus.Name(outcome.status).removeprefix("RECEIPT_STATUS_").lower(),
+                    "status": RECEIPT_NAME[outcome.status],
                     "sequence": outcome.sequence, "stored_at_us": outcome.stored_at_us, "detail": outcome.detail})
         while len(self._handled) > RECEIPT_MEMORY:
             self._handled.popitem(last=False)

@@ -31,6 +31,7 @@ dead-letter notice can cross back), and a crossing notice's own."""
 
 
 _KINDS = frozenset(env_pb.MessageKind.keys())
+_KIND_NAME = {value: env_pb.MessageKind.Name(value) for value in env_pb.MessageKind.values()}
 
 
 def address_of(node: str, agent: str) -> str:
@@ -52,7 +53,7 @@ def to_message(env: env_pb.Envelope, *, node: str, relay_id: str, sender_id: str
     headers.update({
         H + "relay": f"{node}/{relay_id}",
         H + "attempt": attempt,
-        H + "kind": env_pb.MessageKind.Name(env.kind or env_pb.MESSAGE_KIND_TEXT),
+        H + "kind": _KIND_NAME.get(env.kind or env_pb.MESSAGE_KIND_TEXT) or env_pb.MessageKind.Name(env.kind),
         H + "message-id": env.message_id,
         H + "hops": str(env.hop_count + 1),
         trails.HEADER: trail,

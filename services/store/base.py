@@ -316,6 +316,8 @@ RECEIPT_NAME = {
     for value in inbox_pb2.ReceiptStatus.values()
 }
 """The detail of a sent event: the receipt status's name ("accepted", "inbox_full", ...)."""
+RECEIPT_ENUM_NAME = {value: inbox_pb2.ReceiptStatus.Name(value) for value in inbox_pb2.ReceiptStatus.values()}
+"""The status's enum name ("RECEIPT_STATUS_ACCEPTED"), as spans carry it: looked up, not made per message."""
 
 
 class AgentStore(abc.ABC):
