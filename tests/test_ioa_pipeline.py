@@ -60,13 +60,20 @@ async def test_requests_to_ioa_go_out_without_waiting_and_keep_their_order(nodes
         await held.stop()
 
 
-async def test_a_failed_ioa_request_stores_nothing_after_it(nodes):
-    alpha, beta = nodes
+async def _beta_gone_after_a_first_message(alpha, beta):
+    """Agents a and local on alpha, b on beta; a's first message reached b (alpha knows beta), then beta
+    stopped: the network knows beta, not connected, so nothing can reach it."""
     lead = await alpha.client.register("lead-a")
     a, local = await lead.spawn("a"), await lead.spawn("local")
     b = await (await beta.client.register("lead-b")).spawn("b")
-    assert (await a.send(beta.address(b), "first")).status == pb.RECEIPT_STATUS_ACCEPTED  # alpha knows beta now
-    await beta.stop()  # the network knows beta, not connected: nothing can reach it
+    assert (await a.send(beta.address(b), "first")).status == pb.RECEIPT_STATUS_ACCEPTED
+    await beta.stop()
+    return a, local, b
+
+
+async def test_a_failed_ioa_request_stores_nothing_after_it(nodes):
+    alpha, beta = nodes
+    a, local, b = await _beta_gone_after_a_first_message(alpha, beta)
     call = a.send_stream()
     await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "before", message_id="before")]))
     await call.write(pb.SendRequest(messages=[envelope(beta.address(b), "lost", message_id="lost")]))
@@ -116,11 +123,7 @@ async def test_a_request_after_a_failed_read_is_not_stored(nodes):
     """A local request taken while an earlier IOA read still waits for its receipts waits for them, and
     is not stored when they fail."""
     alpha, beta = nodes
-    lead = await alpha.client.register("lead-a")
-    a, local = await lead.spawn("a"), await lead.spawn("local")
-    b = await (await beta.client.register("lead-b")).spawn("b")
-    assert (await a.send(beta.address(b), "first")).status == pb.RECEIPT_STATUS_ACCEPTED  # alpha knows beta now
-    await beta.stop()  # the network knows beta, not connected: nothing can reach it
+    a, local, b = await _beta_gone_after_a_first_message(alpha, beta)
     counts = _count_in_flight(alpha)
     call = a.send_stream()
     await call.write(pb.SendRequest(messages=[envelope(beta.address(b), "lost", message_id="lost")]))
