@@ -84,6 +84,11 @@ class HostConfig:
     a third party last wrote to it (0: no limit): a per-pair ping-pong limit, as OpenClaw's
     maxPingPongTurns. Two small models thanked and welcomed each other for the rest of the budget (20
     messages, docs/real-llm.md), which the mesh's loop guard, counting visits per causal chain, let through."""
+    spawn_while_children_work: bool = True
+    """Offer spawn_agent in a turn that begins while a child of the agent is still at its task (False: only
+    in a turn that begins with none working; a spawn of several children in one answer is unaffected). A
+    small model's lead, woken by one child's report while the other worked, spawned that child again every
+    turn, or new helpers that echoed messages with it, until its turn limit (docs/real-llm.md)."""
     quiet_wake_s: float = 0.0
     """When every agent of a task tree on this host (the runners on one budget) has been idle this long
     (seconds; 0: never) with nothing pending, none of them consuming a message meanwhile, and no message any

@@ -184,8 +184,13 @@ class AgentRunner(Generic[HandleT]):
         self.actions.child_gone(child_id, reason)
 
     def tools_now(self) -> tuple[str, ...]:
-        """The tools the agent needs now (agent_host.tools.offered)."""
-        return offered(self._tools)
+        """The tools the agent needs now (agent_host.tools.offered), as a turn begins: without spawn_agent
+        while a child is at its task, unless config.spawn_while_children_work."""
+        tools = offered(self._tools)
+        if not self.config.spawn_while_children_work and "spawn_agent" in tools and any(
+                not child.completed for child in self.host.team(self.record).children):
+            tools = tuple(t for t in tools if t != "spawn_agent")
+        return tools
 
     def cancel_run(self) -> bool:
         """Stop the current run at its next await; the inbox stays open."""

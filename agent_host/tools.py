@@ -229,6 +229,8 @@ async def run_tool(ctx: ToolContext, call: ToolCall, given: list[dict[str, Any]]
     """Carry out one call; its arguments are checked against the schema the model was `given` for that tool
     in this turn (its required arguments and choices), else against the tool's own."""
     now = offered(ctx)
+    if given is not None:  # what the turn began with, of what is offered now
+        now = tuple(t for t in now if any(g["function"]["name"] == t for g in given))
     if call.name not in now:
         ctx.actions.wait_for_messages()
         return {"error": f"you have no tool {call.name!r} now; yours: {list(now)}"}
@@ -383,7 +385,13 @@ async def reply(ctx: ToolContext, text: str, message_id: str = "") -> dict[str, 
     if (refused := await _peer_limit(ctx, original.sender)) is not None:
         return refused
     receipt = await ctx.actions.reply(original, text)
-    return receipt_result(receipt)
+    result = receipt_result(receipt)
+    if result["status"] == "accepted" and ctx.actions.message() is None and "finish" in offered(ctx):
+        # every message it holds is answered: the real model's B waited instead, with its task open, while its
+        # parent spawned other helpers until its turn limit (docs/real-llm.md)
+        result["next"] = "every message you received is answered; if your task is done, call finish now with your" \
+                         " report (what you sent, and what you received)"
+    return result
 
 
 def _after_answering(ctx: ToolContext) -> str:

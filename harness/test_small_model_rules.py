@@ -324,3 +324,72 @@ async def test_a_spawn_of_a_child_it_already_has_does_not_stop_a_finish_in_the_s
                                   " name for a new subagent", "existing_child": x.agent_id}, again
         [(_, done)] = tool_results(lead, "finish")
         assert "error" not in done, done
+
+
+def answers_then_finishes(view):
+    """Answer A's message; then finish, as the answer's result says (else wait)."""
+    if not [m for m in view.inbox if m.sender_name == "A"]:
+        return call("wait")
+    replies = view.called("reply")
+    if not replies:
+        return call("reply", text="thanks, A: I have it")
+    if "next" in replies[-1].result and not view.called("finish"):
+        return call("finish", result="answered A")
+    return call("wait") if not view.called("finish") else say("done")
+
+
+async def test_an_answer_that_leaves_nothing_to_answer_says_to_finish(mesh, client, tmp_path):
+    """The real model's B answered A's message and waited with its task open, while the lead spawned other
+    helpers until its turn limit (docs/real-llm.md): an accepted reply that leaves the agent nothing to answer,
+    with its task open, says that it can finish. B, which finishes only when told, completes with no quiet
+    wake-up (there is none on this host)."""
+    async with scripted_host(mesh.address, tmp_path, {"lead": spawns_twice_then_waits, "A": greeter,
+                                                      "B": answers_then_finishes}) as host:
+        outcome = await host.run_task("lead", "have A greet B", timeout=30)
+        assert outcome.ok, outcome.error
+        b = by_name(host, "B")
+        [(_, answer)] = tool_results(b, "reply")
+        assert answer["status"] == "accepted" and answer["next"] == (
+            "every message you received is answered; if your task is done, call finish now with your report (what you"
+            " sent, and what you received)"), answer
+    record = await Record.read(client)
+    [done] = record.of(K.EVENT_KIND_TASK_COMPLETED, agent_id=b.agent_id)
+    [stored] = [e for e in record.of(K.EVENT_KIND_MESSAGE_STORED) if e.message_id == answer["message_id"]]
+    assert done.event_id > stored.event_id
+
+
+def spawns_both_then_respawns(seen: list[set[str]]):
+    """Spawn A and B in one answer; on each wake-up note the tools given, spawn A again while it may (the real
+    model's lead did, every turn, while B worked), wait while a child works, finish after both reports."""
+    def policy(view):
+        if not view.called("spawn_agent"):
+            return Decision(calls=[("spawn_agent", {"agent_name": "A", "task": "Finish with the word done."}),
+                                   ("spawn_agent", {"agent_name": "B", "task": "Finish with the word done."})])
+        seen.append(set(view.tools))
+        reports = len([m for m in view.inbox if m.kind == "completion"])
+        if reports < 2:
+            return call("spawn_agent", agent_name="A", task="Finish, again.") if "spawn_agent" in view.tools \
+                else call("wait")
+        return finisher(view)
+    return policy
+
+
+async def test_no_spawn_agent_in_a_turn_that_begins_while_a_child_works(mesh, client, tmp_path):
+    """spawn_while_children_work=False: a spawn of two children in one answer goes; the turn woken by A's
+    report, B still working, is given no spawn_agent (the real model's lead spawned A again, or new helpers,
+    every turn, until its turn limit); once both reported it is offered again."""
+    seen: list[set[str]] = []
+    gate = asyncio.Event()
+    async with scripted_host(mesh.address, tmp_path, {"lead": spawns_both_then_respawns(seen), "A": finisher,
+                                                      "B": GatedModel(finisher, {1: gate})},
+                             spawn_while_children_work=False) as host:
+        lead = await host.start_task("lead", "have A and B say done")
+        await eventually(lambda: seen, message="the lead woken by A's report")
+        gate.set()
+        outcome = await host.outcome(lead.agent_id, timeout=30)
+        assert outcome.ok, outcome.error
+        assert [r["status"] for _, r in tool_results(lead, "spawn_agent")] == ["started", "started"]
+    assert "spawn_agent" not in seen[0] and "wait" in seen[0], seen
+    assert "spawn_agent" in seen[-1], seen
+    record = await Record.read(client)
+    assert len(record.of(K.EVENT_KIND_AGENT_SPAWNED, agent_id=lead.agent_id)) == 2

@@ -92,10 +92,11 @@ def small_model_rules(config: HostConfig) -> HostConfig:
     instead of ids, send_message's targets as a choice of the team's names, a run ends after a send, a
     subagent's task of fewer than 3 words refused (a label is not a task), and one that holds the agent's own
     whole task, at most 2 messages to one agent until a third party writes (two small models thanked each other
-    until the budget ran out), and a subagent left with its task open when its whole tree has been idle for 5 s
-    woken once to finish."""
+    until the budget ran out), a subagent left with its task open when its whole tree has been idle for 5 s
+    woken once to finish, and no spawn_agent in a turn that begins while a child works."""
     return replace(config, show_ids=False, team_targets=True, yield_after_send=True, min_task_words=3,
-                   refuse_own_task=True, max_messages_per_peer=2, quiet_wake_s=5.0)
+                   refuse_own_task=True, max_messages_per_peer=2, quiet_wake_s=5.0,
+                   spawn_while_children_work=False)
 
 
 async def _profiles(args, client: MeshClient, stack: contextlib.AsyncExitStack) -> tuple[ProfileFactory, str]:
