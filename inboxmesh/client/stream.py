@@ -435,7 +435,10 @@ class InboxStream:
                            taken: Mapping[str, set[tuple[str, str]]] | None = None) -> ConsumedMany:
         """`consume` for many agents in one ack request ({agent_id: its messages}, each agent's turn in
         `turns`, what each already took in in `taken`): per agent the messages its ack won, and the
-        agents whose ack was refused (nothing of those recorded; the others are)."""
+        agents whose ack was refused (nothing of those recorded; the others are). An agent that `taken` does
+        not name is acked as `consume` without `taken` (an ALREADY_CONSUMED message is not its own): name
+        every agent whose lost ack may have consumed something, with an empty set for one that took in
+        nothing yet (a defaultdict's default does not count: `get` does not make it)."""
         mine = {agent_id: addressed_to(agent_id, batch) for agent_id, batch in messages.items()}
         mine = {agent_id: batch for agent_id, batch in mine.items() if batch}
         done = ConsumedMany()
