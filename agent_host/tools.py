@@ -230,7 +230,8 @@ async def run_tool(ctx: ToolContext, call: ToolCall, given: list[dict[str, Any]]
     in this turn (its required arguments and choices), else against the tool's own."""
     now = offered(ctx)
     if given is not None:  # what the turn began with, of what is offered now
-        now = tuple(t for t in now if any(g["function"]["name"] == t for g in given))
+        began = {g["function"]["name"] for g in given}
+        now = tuple(t for t in now if t in began)
     if call.name not in now:
         ctx.actions.wait_for_messages()
         return {"error": f"you have no tool {call.name!r} now; yours: {list(now)}"}
