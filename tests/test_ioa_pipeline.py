@@ -12,6 +12,7 @@ from inboxmesh.client.mesh import envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
+from services.inbox.grpc_handler import _ReadAhead
 from tests.fixtures import eventually
 from tests.streams import Collector
 
@@ -135,4 +136,39 @@ async def test_a_request_after_a_failed_read_is_not_stored(nodes):
             assert not response.receipts, response
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     await asyncio.sleep(0.2)
+    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"
+
+
+async def test_a_read_holding_a_local_request_and_a_failing_ioa_request_stops_the_stream(nodes, monkeypatch):
+    """A read that holds a local request and then an IOA request whose receipt fails: the local one is
+    stored and answered, and nothing of the next read is stored, even when its answers are handed out
+    before the pipeline looks at them (_SendPipeline keeps the failure, not only the read's answers)."""
+    alpha, beta = nodes
+    a, local, b = await _beta_gone_after_a_first_message(alpha, beta)
+    take = _ReadAhead.take
+    first_taken = asyncio.Event()
+
+    async def together(self: _ReadAhead, max_messages: int) -> list[pb.SendRequest]:
+        if not first_taken.is_set():  # the first read holds "before" and "lost"
+            async with self._changed:
+                await self._changed.wait_for(lambda: len(self._waiting) >= 2)
+        taken = await take(self, max_messages)
+        first_taken.set()
+        return taken
+
+    monkeypatch.setattr(_ReadAhead, "take", together)
+    call = a.send_stream()
+    await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "before", message_id="before")]))
+    await call.write(pb.SendRequest(messages=[envelope(beta.address(b), "lost", message_id="lost")]))
+    await first_taken.wait()
+    await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "after", message_id="after")]))
+    await call.done_writing()
+    receipts = []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for response in call:
+            receipts += response.receipts
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [r.message_id for r in receipts] == ["before"]
+    await asyncio.sleep(0.2)
+    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "before") is not None
     assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"

@@ -339,15 +339,23 @@ class _SendPipeline:
         self._stopping = False
         self._starting = False
         """Whether the task is starting a read (then it is not cancelled by stop: it publishes or stores)."""
+        self._failed = False
+        """Whether a started read failed or was refused. Kept here: its answers may be handed out and taken
+        off `_started` before `_run` looks at them."""
         self._task = asyncio.create_task(self._run())
 
     def _push(self, answers: asyncio.Future[_Answers] | None) -> None:
         self._started.append(answers)
         self._changed.set()
 
+    def _settled(self, answers: asyncio.Future[_Answers]) -> None:
+        """A started read has its answers (the first callback of its future: this runs before `answers`
+        hands them out and takes the read off `_started`, and before `_run` looks)."""
+        if answers.cancelled() or answers.exception() is not None or answers.result()[1] is not None:
+            self._failed = True
+
     def _failed_before(self) -> bool:
-        return any(f is not None and f.done() and (f.cancelled() or f.exception() is not None or
-                                                   f.result()[1] is not None) for f in self._started)
+        return self._failed or self._stopping
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -370,7 +378,7 @@ class _SendPipeline:
                 finally:
                     self._starting = False
                 answers = asyncio.ensure_future(finish())
-                answers.add_done_callback(_retrieved)
+                answers.add_done_callback(self._settled)
                 self._push(answers)
                 if refused:
                     break
