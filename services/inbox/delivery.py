@@ -15,7 +15,8 @@ messages outstanding, and gets its messages two ways:
 Work is proportional to the feeds that have something to do: a feed that
 gets work (an offer, a wake, an ack that makes room, its end) is put on its
 subscription's ready queue, once, and the subscription visits only those,
-in rounds, each feed taking at most `_ROUND_SHARE` messages per round. A
+in rounds, each feed taking at most `_ROUND_SHARE` messages per round; the
+store reads of a round's feeds go at the same time (Subscription._take_all). A
 feed with no room costs nothing until an ack. On a heartbeat the hub reads
 the store once for closes made by other processes (InboxStore.closes_since)
 and re-reads at most `SAFETY_SLICE` feeds, round robin.
@@ -121,7 +122,7 @@ class Subscription:
         await hub.following_closes()
         while self.feeds and not hub.closing and not self.stopped:
             self.wake.clear()
-            batch: list[tuple[Feed, list[envelope_pb2.Envelope]]] = []
+            visited: list[Feed] = []
             for _ in range(min(len(self.ready), _ROUND_FEEDS)):
                 feed = self.ready.popleft()
                 feed.queued = False
@@ -138,19 +139,8 @@ class Subscription:
                         hub.finished(self, feed)
                     yield _event(feed.agent_id, kind, detail)
                     continue
-                try:
-                    taken = await self._take(feed)
-                except errors.Unavailable as exc:
-                    if exc.reason != Reason.STORE_UNAVAILABLE:
-                        raise
-                    self._store_failed(feed, exc)
-                    break  # this round ends here; the feed is read again after the wait
-                if self.store_retry_s:
-                    log.info("delivery on %r: the store answers again", self)
-                    self.store_retry_s = 0.0
-                if taken:
-                    batch.append((feed, taken))
-                self.make_ready(feed)  # when it has more: its next share comes in a later round
+                visited.append(feed)
+            batch = self._taken(visited, await self._take_all(visited))
             if batch:
                 for response in self._deliveries(batch):
                     yield response
@@ -171,19 +161,21 @@ class Subscription:
                 self.heartbeat_due = False
                 yield pb.SubscribeResponse(heartbeat=pb.Heartbeat(at_us=now_us()))
 
-    def _store_failed(self, feed: Feed, exc: errors.Unavailable) -> None:
-        """A store read for the feed failed: the stream stays open (what it delivered stays in flight, and
-        acks are still taken), and the feed is read again after a wait that doubles while failures last.
-        Ending the stream instead would have the host subscribe again and get every unacked message again,
-        each time one more delivery attempt: a store that comes and goes would dead-letter them."""
+    def _store_failed(self, feeds: list[Feed], exc: errors.Unavailable) -> None:
+        """Store reads for these feeds (of one round) failed: the stream stays open (what it delivered stays
+        in flight, and acks are still taken), and the feeds are read again after a wait that doubles while
+        failures last. Ending the stream instead would have the host subscribe again and get every unacked
+        message again, each time one more delivery attempt: a store that comes and goes would dead-letter
+        them."""
         low, high = STORE_RETRY_S
         if not self.store_retry_s:
             log.warning("delivery on %r paused, reading again shortly: %s", self, exc.message)
         self.store_retry_s = min(high, max(low, 2 * self.store_retry_s))
-        feed.needs_store = True
-        if not feed.queued:  # first in line when the wait is over
-            feed.queued = True
-            self.ready.appendleft(feed)
+        for feed in reversed(feeds):  # first in line when the wait is over, in their order
+            feed.needs_store = True
+            if not feed.queued:
+                feed.queued = True
+                self.ready.appendleft(feed)
 
     async def _rest(self) -> None:
         """Wait before reading the store again (cut short when the mesh shuts down or the stream stops)."""
@@ -194,6 +186,52 @@ class Subscription:
         finally:
             for wait in waits:
                 wait.cancel()
+
+    async def _take_all(self, feeds: list[Feed]) -> list[list[envelope_pb2.Envelope] | BaseException]:
+        """The shares of the round's feeds, taken at the same time: each feed's store reads and writes are
+        round trips (on JetStream every take is one, and several), and the store shares those made at
+        the same moment (one flush of the delivered events for all the feeds, one read of their agent
+        records). Taken one feed after the other, a stream of many agents with a message each waited
+        for every feed's round trips in turn. A feed that takes from memory (SQLite's fast path: its write
+        is only queued) is taken in line, without a task of its own. What a take raised is in its place."""
+        results: list[list[envelope_pb2.Envelope] | BaseException] = [[] for _ in feeds]
+        reads = [i for i, feed in enumerate(feeds) if feed.needs_store and feed.room > 0]
+        in_line = [i for i, feed in enumerate(feeds) if not (feed.needs_store and feed.room > 0)]
+        if len(reads) == 1:
+            in_line.append(reads.pop())
+        for i in in_line:
+            try:
+                results[i] = await self._take(feeds[i])
+            except Exception as exc:
+                results[i] = exc
+        if reads:
+            taken = await asyncio.gather(*(self._take(feeds[i]) for i in reads), return_exceptions=True)
+            for i, result in zip(reads, taken):
+                results[i] = result
+        return results
+
+    def _taken(self, feeds: list[Feed], results: list[list[envelope_pb2.Envelope] | BaseException]
+               ) -> list[tuple[Feed, list[envelope_pb2.Envelope]]]:
+        """The round's deliveries, feed by feed. A feed whose store read failed (the store unavailable) is
+        read again after a wait, first in line; any other failure ends the stream."""
+        for result in results:
+            if isinstance(result, BaseException) and not (
+                    isinstance(result, errors.Unavailable) and result.reason == Reason.STORE_UNAVAILABLE):
+                raise result
+        failed = [(feed, r) for feed, r in zip(feeds, results) if isinstance(r, errors.Unavailable)]
+        if failed:
+            self._store_failed([feed for feed, _ in failed], failed[0][1])
+        if not failed and feeds and self.store_retry_s:
+            log.info("delivery on %r: the store answers again", self)
+            self.store_retry_s = 0.0
+        batch: list[tuple[Feed, list[envelope_pb2.Envelope]]] = []
+        for feed, result in zip(feeds, results):
+            if isinstance(result, BaseException):
+                continue
+            if result:
+                batch.append((feed, result))
+            self.make_ready(feed)  # when it has more: its next share comes in a later round
+        return batch
 
     async def _take(self, feed: Feed) -> list[envelope_pb2.Envelope]:
         """The feed's share of this round: from the store when it needs it, else from memory."""
