@@ -549,8 +549,11 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
                     for message in batch:
                         by_agent[message.recipient][message.sequence] = message
                 try:
+                    # every agent of the ack named in `taken` (an empty set for one that won nothing yet): an
+                    # agent it does not name is acked as if alone, and its lost ack's ALREADY_CONSUMED would not
+                    # count as its own (consume_many)
                     done = await stream.consume_many({a: [m[s] for s in sorted(m)] for a, m in by_agent.items()},
-                                                     taken=taken)
+                                                     taken={a: taken[a] for a in by_agent})
                 except (errors.Unavailable, errors.DeadlineExceeded):
                     await asyncio.sleep(0.2)
                     continue
