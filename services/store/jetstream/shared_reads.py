@@ -58,7 +58,9 @@ class BatchedReads(Generic[T]):
     most one read is in flight, and the keys asked for while it is, whichever they are, wait for the next,
     which asks for all of them at once (one batched direct get of the bucket: kv.last_many) when it ends.
     Every caller still gets a read that began after it asked; sixty-four sends at once from as many agents
-    read their records in a few requests, not 64. A lone call waits for nothing."""
+    read their records in a few requests, not 64. A read starts at the loop's next turn, with every key
+    asked for in this one (many sends started at once ask one after the other: a read started with the
+    first key alone made the others wait for a second one); a lone call waits for that turn only."""
 
     def __init__(self, read_many: Callable[[list[str]], Awaitable[dict[str, T]]], missing: T,
                  seen: Callable[[T], None] | None = None):
@@ -77,8 +79,9 @@ class BatchedReads(Generic[T]):
         if waiting is None:
             waiting = asyncio.get_running_loop().create_future()
             self._next[key] = waiting
-            if not self._reading:
-                self._start()
+            if not self._reading:  # at the loop's next turn: the keys asked for in this one go with it
+                self._reading = True
+                asyncio.get_running_loop().call_soon(self._start)
         return await asyncio.shield(waiting)
 
     def _start(self) -> None:

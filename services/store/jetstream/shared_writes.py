@@ -4,7 +4,8 @@ the writes that come while it is wait for the next, which starts when it ends an
 to BATCH_MAX messages). A flush of at least BATCH_MIN messages goes as one atomic batch (one answer and
 one write on the server for all of them); a smaller one, or a batch JetStream refuses (a message id it
 has stored already, a key written by somebody else first, an inbox at its limit), one message at a time,
-pipelined, so each message gets its own answer. A lone write waits for nothing: its flush starts at once.
+pipelined, so each message gets its own answer. A flush starts at the loop's next turn, with every write
+queued in this one; a lone write waits for that turn only.
 
 Each caller's messages keep their order in the stream; the messages of callers that wrote at the same
 time follow each other in the order they came. Sixty-four sends at once put their messages, their
@@ -80,7 +81,11 @@ class SharedWrites:
         writes = [_Write(messages[start:start + BATCH_MAX]) for start in range(0, len(messages), BATCH_MAX)]
         self._waiting += writes
         if writes and not self._flushing:
-            self._start()
+            # at the loop's next turn: the writes of the callers that run in this one go with it (many sends
+            # started at once queue theirs one after the other; a flush started with the first alone made
+            # the others wait for a second one)
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._start)
         return writes
 
     @staticmethod
