@@ -144,6 +144,9 @@ class InboxLog:
         self._outbox = Outbox(conn)
         """The IOA outbox: dead-letter notices to IOA senders go in (services.store.notices)."""
         self._frontiers: BatchedReads[Frontier | None] = BatchedReads(self._read_frontiers, None)
+        self._has_state: BatchedReads[bool] = BatchedReads(self._read_has_state, False)
+        """Whether a message's state entry exists (by state key), read for the deliveries of many inboxes
+        at the same moment together (a subscription reads its round's feeds at once)."""
         self.listeners: list[Callable[[str], None]] = []
         """Called with the recipient's subject token when another process appended to it."""
         self._delivered: dict[tuple[str, int], kv.Entry[MessageState]] = {}
@@ -505,9 +508,9 @@ class InboxLog:
             # subscription's feed as if it had been cancelled, and nothing was delivered any more)
             await asyncio.gather(*(asyncio.shield(self._marking[key]) for key in again if key in self._marking))
         ask = [(i, key) for i, key in fresh if key not in again]
-        existing = await kv.last_many(self.conn, "msgs", [kv.state_key(*key) for _, key in ask])
-        for i, key in ask:
-            if kv.state_key(*key) not in existing:
+        existing = await asyncio.gather(*(self._has_state.get(kv.state_key(*key)) for _, key in ask))
+        for (i, key), exists in zip(ask, existing):
+            if not exists:
                 firsts[i] = self._unmarked[key] = MessageState.first(batch[i], DELIVERED).first_attempt(now_us)
         if len(self._unmarked) > _UNMARKED_MAX:
             await self._mark(list(self._unmarked))
@@ -646,6 +649,9 @@ class InboxLog:
         """The agent's frontier as stored now (read after this call began; shared by the sends of one
         agent at about the same time, shared_reads.py)."""
         return await self._frontiers.get(agent_id)
+
+    async def _read_has_state(self, keys: list[str]) -> dict[str, bool]:
+        return {key: True for key in await kv.last_many(self.conn, "msgs", keys)}
 
     async def _read_frontiers(self, agent_ids: list[str]) -> dict[str, Frontier | None]:
         """The frontiers of the agents that have one, in one batched direct get."""
