@@ -1,5 +1,5 @@
 """A subscriber for tests: runs a raw Subscribe call in a task and records
-everything it receives."""
+everything it receives. And the receipts of a SendStream call that ends with an error."""
 
 from __future__ import annotations
 
@@ -7,11 +7,22 @@ import asyncio
 import contextlib
 
 import grpc
+import pytest
 
 from inboxmesh.client.mesh import AgentHandle
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from tests.fixtures import eventually
+
+
+async def receipts_until_error(call) -> tuple[list[pb.Receipt], grpc.aio.AioRpcError]:
+    """Every receipt a SendStream call answered, and the error it then ended with (a call that ends
+    without one fails the test)."""
+    receipts: list[pb.Receipt] = []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for response in call:
+            receipts += response.receipts
+    return receipts, caught.value
 
 
 class Collector:

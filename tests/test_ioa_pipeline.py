@@ -6,7 +6,6 @@ ends the stream with nothing after it stored."""
 import asyncio
 
 import grpc
-import pytest
 
 from inboxmesh.client.mesh import envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
@@ -14,7 +13,7 @@ from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc
 from services.inbox.grpc_handler import _ReadAhead
 from tests.fixtures import eventually
-from tests.streams import Collector
+from tests.streams import Collector, receipts_until_error
 
 
 def _count_in_flight(node) -> list[int]:
@@ -72,6 +71,17 @@ async def _beta_gone_after_a_first_message(alpha, beta):
     return a, local, b
 
 
+async def _only_before_stored(alpha, a, call) -> None:
+    """The stream ended UNAVAILABLE (the IOA request "lost" failed) with only "before" answered: "before"
+    is stored, "after" is not."""
+    receipts, error = await receipts_until_error(call)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert [r.message_id for r in receipts] == ["before"]
+    await asyncio.sleep(0.2)
+    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "before") is not None
+    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"
+
+
 async def test_a_failed_ioa_request_stores_nothing_after_it(nodes):
     alpha, beta = nodes
     a, local, b = await _beta_gone_after_a_first_message(alpha, beta)
@@ -80,15 +90,7 @@ async def test_a_failed_ioa_request_stores_nothing_after_it(nodes):
     await call.write(pb.SendRequest(messages=[envelope(beta.address(b), "lost", message_id="lost")]))
     await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "after", message_id="after")]))
     await call.done_writing()
-    receipts = []
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        async for response in call:
-            receipts += response.receipts
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert [r.message_id for r in receipts] == ["before"]
-    await asyncio.sleep(0.2)
-    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "before") is not None
-    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"
+    await _only_before_stored(alpha, a, call)
 
 
 async def _delay_deliveries_to(network, node_id: str, delay_ms: int) -> None:
@@ -131,10 +133,9 @@ async def test_a_request_after_a_failed_read_is_not_stored(nodes):
     await eventually(lambda: counts[0] == 1, message="the IOA request published, its receipt awaited")
     await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "after", message_id="after")]))
     await call.done_writing()
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        async for response in call:
-            assert not response.receipts, response
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    receipts, error = await receipts_until_error(call)
+    assert not receipts, receipts
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
     await asyncio.sleep(0.2)
     assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"
 
@@ -163,12 +164,4 @@ async def test_a_read_holding_a_local_request_and_a_failing_ioa_request_stops_th
     await first_taken.wait()
     await call.write(pb.SendRequest(messages=[envelope(local.agent_id, "after", message_id="after")]))
     await call.done_writing()
-    receipts = []
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        async for response in call:
-            receipts += response.receipts
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert [r.message_id for r in receipts] == ["before"]
-    await asyncio.sleep(0.2)
-    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "before") is not None
-    assert await alpha.mesh.store.get_message_by_sender(a.agent_id, "after") is None, "stored after a failure"
+    await _only_before_stored(alpha, a, call)

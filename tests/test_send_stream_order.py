@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 
 from inboxmesh.client.mesh import envelope
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from tests.streams import receipts_until_error
 
 
 async def _write_spread(call, requests: list[pb.SendRequest]) -> None:
@@ -60,11 +60,8 @@ async def test_a_refused_request_stores_nothing_of_the_requests_after_it(mesh, c
     for request in requests:
         await call.write(request)
     await call.done_writing()
-    receipts = []
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        async for response in call:
-            receipts += response.receipts
-    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    receipts, error = await receipts_until_error(call)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     assert [r.message_id for r in receipts] == [f"m{i}" for i in range(bad)]
     assert all(r.status == pb.RECEIPT_STATUS_ACCEPTED for r in receipts)
     await asyncio.sleep(0.2)  # anything a later batch stored would be there by now
@@ -88,9 +85,7 @@ async def test_a_refusal_waits_for_writes_on_their_way_and_not_for_a_silent_clie
     for i in range(20):  # still writing while the refusal is decided: none of these writes fails
         await call.write(pb.SendRequest(messages=[envelope(sink.agent_id, f"late{i}", message_id=f"late{i}")]))
         await asyncio.sleep(0.01)
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        async for _ in call:
-            pass
-    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    _, error = await receipts_until_error(call)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     assert time.monotonic() - started < 10
     assert await mesh.store.get_message_by_sender(sender.agent_id, "late0") is None

@@ -196,10 +196,9 @@ class Subscription:
         is only queued) is taken in line, without a task of its own. What a take raised is in its place."""
         results: list[list[envelope_pb2.Envelope] | BaseException] = [[] for _ in feeds]
         reads = [i for i, feed in enumerate(feeds) if feed.needs_store and feed.room > 0]
-        in_line = [i for i, feed in enumerate(feeds) if not (feed.needs_store and feed.room > 0)]
         if len(reads) == 1:
-            in_line.append(reads.pop())
-        for i in in_line:
+            reads = []  # alone: in line too
+        for i in sorted(set(range(len(feeds))) - set(reads)):
             try:
                 results[i] = await self._take(feeds[i])
             except Exception as exc:
