@@ -5,6 +5,7 @@ services.inbox.writer."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import logging
@@ -95,6 +96,13 @@ class StreamSenders:
         if own is not None and own.agent_id == agent_id:
             return self._caller
         return self._by_agent.get(agent_id)
+
+    def named_senders(self, requests: Sequence[pb.SendRequest]) -> list[str]:
+        """The agents these requests' messages name as their senders (a message's `sender`, else its
+        request's, else the call's own agent), once each, in order: proven or not (sender_of decides)."""
+        own = self._caller.agent.agent_id if self._caller.agent is not None else ""
+        named = (env.sender or request.sender or own for request in requests for env in request.messages)
+        return [agent_id for agent_id in dict.fromkeys(named) if agent_id]
 
     async def sender_of(self, request: pb.SendRequest) -> Caller:
         """The caller a request sends as, after proving the credentials it carries."""
@@ -293,6 +301,7 @@ class InboxService:
 
         failure: errors.MeshError | None = None
         try:
+            frontiers = await self._frontiers_of(senders.named_senders(requests))
             for request in requests:
                 caller = await senders.sender_of(request)
                 envelopes = list(request.messages)
@@ -303,7 +312,7 @@ class InboxService:
                 if not envelopes and request.credentials:
                     unstored.append([])
                     continue
-                parts = [(part_caller, await self._checked(part_caller, run, first_index), run)
+                parts = [(part_caller, await self._checked(part_caller, run, first_index, frontiers), run)
                          for part_caller, first_index, run in self._by_sender(senders, caller, envelopes)]
                 if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
                     unstored.append([await self._local_items(part_caller, sender, run)
@@ -361,13 +370,23 @@ class InboxService:
         return runs
 
     async def _checked(self, caller: Caller, envelopes: list[envelope_pb2.Envelope],
-                       first_index: int = 0) -> AgentRecord:
+                       first_index: int = 0, frontiers: dict[str, Frontier | None] | None = None) -> AgentRecord:
         """The sending agent, once the messages are valid and their hop counts and trails are set.
-        first_index: where these messages start in their request (the index errors name)."""
+        first_index: where these messages start in their request (the index errors name); frontiers:
+        senders' frontiers read for this call already (_frontiers_of)."""
         sender = caller.require_agent("sending")
         self._validate(sender.agent_id, envelopes, first_index)
-        await self._continue_chains(sender.agent_id, envelopes)
+        await self._continue_chains(sender.agent_id, envelopes, frontiers)
         return sender
+
+    async def _frontiers_of(self, agent_ids: list[str]) -> dict[str, Frontier | None]:
+        """The frontiers of these senders that this process holds no copy of, read at the same time (on
+        JetStream one batched read, where one sender after the other would each wait for their own): the
+        requests of a SendStream read are checked in order, each after the one before."""
+        unknown = [agent_id for agent_id in agent_ids if agent_id not in self._frontiers]
+        if len(unknown) < 2:
+            return {}
+        return dict(zip(unknown, await asyncio.gather(*(self._frontier(agent_id) for agent_id in unknown))))
 
     async def _send_via_ioa(self, caller: Caller, sender: AgentRecord, envelopes: list[envelope_pb2.Envelope],
                             outbox: bool | None = None) -> list[SendOutcome]:
@@ -404,12 +423,16 @@ class InboxService:
         return items
 
     # -- loop guard -------------------------------------------------------------
-    async def _continue_chains(self, sender_id: str, envelopes: list[envelope_pb2.Envelope]) -> None:
+    async def _continue_chains(self, sender_id: str, envelopes: list[envelope_pb2.Envelope],
+                               frontiers: dict[str, Frontier | None] | None = None) -> None:
         """Set each message's hop_count and trail from what the mesh knows, whatever the client wrote: a
         message continues the causal chain of the message it answers (in_reply_to, when the sender
         received it) or else of what the sender consumed last (its Frontier). The trail is that chain's
         plus the sender; hop_count is one more than the chain's (a client may only claim more)."""
-        frontier = await self._frontier(sender_id)
+        if frontiers is not None and sender_id in frontiers:
+            frontier = frontiers[sender_id]
+        else:
+            frontier = await self._frontier(sender_id)
         for env in envelopes:
             cause = frontier
             if env.in_reply_to:
