@@ -51,6 +51,12 @@ def _commits(mesh: Mesh) -> tuple[int, int]:
     return mesh.store.writer.commits, mesh.store.writer.ops
 
 
+def _inbox_flushes(mesh: Mesh) -> int:
+    """Shared writes into the JetStream store's inbox stream so far (one round of publishes each)."""
+    assert isinstance(mesh.store, JetStreamStore)
+    return mesh.store.conn.inbox_writes.flushes
+
+
 @contextmanager
 def _nats_messages(mesh: Mesh) -> Iterator[collections.Counter[str]]:
     """Every message the JetStream store's connection sends while inside (requests go through publish
@@ -91,8 +97,10 @@ def _in_request_order(receipts: list[list[tuple[str, str, int]]]) -> dict[str, l
 async def test_a_send_batch_of_many_senders_to_shared_inboxes_is_one_commit_in_request_order(tmp_path):
     """The requests a SendStream read ahead, from 30 senders to 6 inboxes (nearly every request shares its
     sender or its inbox with an earlier one), are stored in one write: one commit on SQLite, where they
-    used to wait for each other (a commit per chain of sharing requests). In every inbox the sequences
-    follow the order of the requests, and each sender's messages too."""
+    used to wait for each other (a commit per chain of sharing requests); on JetStream one append, each
+    inbox's messages published in request order in one round (they were 114 rounds, each group after
+    the ones it shared a sender or an inbox with). In every inbox the sequences follow the order of the
+    requests, and each sender's messages too."""
     async with Mesh(_config(tmp_path)) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
         lead = await client.register("lead")
         senders = await _spawn(lead, 30, "s")
@@ -109,7 +117,7 @@ async def test_a_send_batch_of_many_senders_to_shared_inboxes_is_one_commit_in_r
                                              for k, t in enumerate(to)],
                                    sender=s.agent_id, credentials=[s.credential]) for i, (s, to) in enumerate(plan)]
         assert sum(len(r.messages) for r in requests) <= mesh.config.limits.max_batch_messages * 10
-        before = _commits(mesh) if STORE == "sqlite" else (0, 0)
+        before = _commits(mesh) if STORE == "sqlite" else (_inbox_flushes(mesh), 0)
         answered, failure = await mesh.services.inbox.send_requests(StreamSenders(Caller(agent=None), prove),
                                                                     requests)
         assert failure is None
@@ -117,6 +125,9 @@ async def test_a_send_batch_of_many_senders_to_shared_inboxes_is_one_commit_in_r
             commits, ops = (now - then for now, then in zip(_commits(mesh), before))
             assert commits == 1, f"{commits} commits for one batch of {len(requests)} requests"
             assert ops == 1, f"{ops} writer operations for one batch"
+        else:
+            flushes = _inbox_flushes(mesh) - before[0]  # 114 while each group waited for those it shares with
+            assert flushes <= 2, f"{flushes} rounds of inbox publishes for one batch of {len(requests)} requests"
         receipts = [[(o.message_id, o.recipient, o.sequence) for o in outcomes] for outcomes in answered]
         assert [[m for m, _, _ in r] for r in receipts] == [[m.message_id for m in r.messages] for r in requests]
         assert all(o.status == ACCEPTED for outcomes in answered for o in outcomes)

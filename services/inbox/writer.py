@@ -141,7 +141,7 @@ class InboxWriter:
 
         in_order: the groups are sends that must be accepted in the order given (the requests of one
         SendStream): the store appends them as one after the other (InboxStore.append_groups: on SQLite
-        one write, on JetStream each group after the earlier ones sharing its sender or a recipient)."""
+        one write, on JetStream one append with each inbox's messages published in that order)."""
         spans = []
         for group in groups:
             for item in group:

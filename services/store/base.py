@@ -376,9 +376,12 @@ class InboxStore(abc.ABC):
         """Several appends (sender id, its messages), each as `append` would store it, the outcomes of
         each group in turn, accepted as if appended one after the other in the order given: per sender
         and per inbox, sequences follow that order (the requests of one SendStream). As few writes as
-        the store allows: on SQLite one (one commit); on JetStream a group starts once the earlier ones
-        sharing its sender or a recipient have returned (services.store.ordering). A failure stores
-        nothing that had to follow what failed, and is raised."""
+        the store allows: on SQLite one (one commit); on JetStream one append, each recipient's messages
+        published in that order whatever their senders (InboxLog.append_many; a batch naming a sender's
+        message id twice or counting a conversation budget: a group starts once the earlier ones sharing
+        its sender or a recipient have returned, services.store.ordering). A failure is raised; on
+        SQLite nothing of the groups is stored, on JetStream what an inbox holds is still a front of
+        what was sent to it in order (a retry with the same ids reads DUPLICATE for it)."""
 
     @abc.abstractmethod
     async def next_deliveries(

@@ -4,7 +4,9 @@ when run concurrently (JetStream: each append is several requests, and two runni
 A group waits only for the earlier groups it must follow: those sharing its sender (per-sender order) or
 one of its recipients (per-inbox order: sequences in request order). Groups that share neither run at
 once. A store that applies queued writes in call order within one commit (SQLite's writer) does not need
-this: it appends them all in one write (InboxStore.append_groups)."""
+this: it appends them all in one write (InboxStore.append_groups). JetStream needs it only for the
+groups it cannot append as one (InboxLog.append_many): a batch that names a sender's message id twice
+or counts a conversation budget."""
 
 from __future__ import annotations
 

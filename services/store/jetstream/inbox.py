@@ -201,26 +201,47 @@ class InboxLog:
 
     # -- append ---------------------------------------------------------------------
     async def append(self, sender_id: str, items: list[AppendItem], at_us: int) -> list[SendOutcome]:
-        external = sender_id.startswith(base.EXTERNAL_PREFIXES)
-        recipients = list(dict.fromkeys(item.envelope.recipient for item in items))
-        # the sender as the bucket holds it now (a close another process made a moment ago refuses this
+        return (await self.append_many([(sender_id, items)], at_us))[0]
+
+    async def append_many(self, groups: list[tuple[str, list[AppendItem]]], at_us: int) -> list[list[SendOutcome]]:
+        """The groups (sender id, its messages) stored as one append, the outcomes of each group in turn:
+        each recipient's messages, whatever their senders, published in the order given (so per sender
+        and per inbox sequences follow it), different recipients' at the same time. No (sender, message
+        id) may appear twice, and no message may count a conversation budget (which copy is the
+        duplicate, or which message the budget refuses, must not depend on timing): `entries_in_turn`
+        says when they do, and then the groups go through services.store.ordering."""
+        entries = [(sender_id, item) for sender_id, items in groups for item in items]
+        senders = list(dict.fromkeys(sender_id for sender_id, _ in entries
+                                     if not sender_id.startswith(base.EXTERNAL_PREFIXES)))
+        recipients = list(dict.fromkeys(item.envelope.recipient for _, item in entries))
+        # each sender as the bucket holds it now (a close another process made a moment ago refuses this
         # send, and nothing of it is ever delivered); every target as last seen, read when not held (a
         # target closed since is settled after the publish: messages.settle)
-        found = await asyncio.gather(*([] if external else [self.agents.fresh(sender_id)]),
+        found = await asyncio.gather(*(self.agents.fresh(sender_id) for sender_id in senders),
                                      *(self.agents.get(rid) for rid in recipients))
-        sender_open = external or (found[0] is not None and found[0].is_open)
-        targets = dict(zip(recipients, found[0 if external else 1:]))
+        sender_open = {sender_id: record is not None and record.is_open
+                       for sender_id, record in zip(senders, found)}
+        targets = dict(zip(recipients, found[len(senders):]))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         published: list[tuple[str, int]] = []
         try:
-            outcomes = await self._append_all(sender_id, sender_open, items, targets, at_us,
+            outcomes = await self._append_all(entries, sender_open, targets, at_us,
                                               functools.partial(self._publishing, done, published))
-            await self._record_sent(sender_id, items, outcomes, at_us)
+            await self._record_sent(entries, outcomes, at_us)
         finally:
             for key in published:
                 self._recording.pop(key, None)
             done.set_result(None)
-        return outcomes
+        answers = iter(outcomes)
+        return [[next(answers) for _ in items] for _, items in groups]
+
+    @staticmethod
+    def entries_in_turn(groups: list[tuple[str, list[AppendItem]]]) -> bool:
+        """Whether these groups name a (sender, message id) twice or count a conversation budget: then
+        their messages must be stored one after the other (append_many cannot take them together)."""
+        keys = [(sender_id, item.envelope.message_id) for sender_id, items in groups for item in items]
+        return len(set(keys)) < len(keys) or any(item.conversation_budget and item.envelope.conversation_id
+                                                 for _, items in groups for item in items)
 
     def _publishing(self, done: asyncio.Future[None], published: list[tuple[str, int]], recipient: str,
                     seq: int) -> None:
@@ -228,10 +249,10 @@ class InboxLog:
         self._recording[(recipient, seq)] = done
         published.append((recipient, seq))
 
-    async def _record_sent(self, sender_id: str, items: list[AppendItem], outcomes: list[SendOutcome],
+    async def _record_sent(self, entries: list[tuple[str, AppendItem]], outcomes: list[SendOutcome],
                            at_us: int) -> None:
         rows: list[EventRow] = []
-        for item, outcome in zip(items, outcomes):
+        for (sender_id, item), outcome in zip(entries, outcomes):
             env = item.envelope
             sent = EventRow(at_us, ev.EVENT_KIND_MESSAGE_SENT, outcome.recipient, message_id=env.message_id,
                             sender=sender_id, recipient=outcome.recipient, seq=outcome.sequence,
@@ -243,35 +264,35 @@ class InboxLog:
         await self.events.emit(rows)
         self._note_recorded(outcomes)
 
-    async def _append_all(self, sender_id: str, sender_open: bool, items: list[AppendItem],
+    async def _append_all(self, entries: list[tuple[str, AppendItem]], sender_open: dict[str, bool],
                           targets: dict[str, AgentRecord | None], at_us: int,
                           published: Callable[[str, int], None]) -> list[SendOutcome]:
-        """The outcome of each item, in order. Each recipient's messages (a run) are published pipelined,
-        in order (FIFO per pair), and settled together (_append_run); different recipients' runs at the
-        same time (at most _RUNS_AT_ONCE): a batch waits for a few rounds of requests, not for those of
-        every message one after the other (each write is fsynced). One after the other throughout when
-        the batch names a message id twice or counts a conversation budget: which copy is the duplicate,
-        or which message the budget refuses, must not depend on timing."""
+        """The outcome of each (sender, item), in order. Each recipient's messages (a run) are published
+        pipelined, in order (FIFO per pair and per inbox), and settled together (_append_run); different
+        recipients' runs at the same time (at most _RUNS_AT_ONCE): a batch waits for a few rounds of
+        requests, not for those of every message one after the other (each write is fsynced). One after
+        the other throughout when the batch names a (sender, message id) twice or counts a conversation
+        budget: which copy is the duplicate, or which message the budget refuses, must not depend on
+        timing. `sender_open`: whether each sender not external is open."""
         runs: dict[str, list[int]] = {}
-        for index, item in enumerate(items):
+        for index, (_, item) in enumerate(entries):
             runs.setdefault(item.envelope.recipient, []).append(index)
-        ids = {item.envelope.message_id for item in items}
-        if len(ids) < len(items) or any(item.conversation_budget and item.envelope.conversation_id
-                                        for item in items):
-            return [await self._append_one(sender_id, sender_open, item, at_us, published) for item in items]
-        if len(runs) == 1:
-            return await self._append_run(sender_id, sender_open, items, targets[items[0].envelope.recipient],
-                                          at_us, published)
+        if self.entries_in_turn([(sender_id, [item]) for sender_id, item in entries]):
+            return [await self._append_one(sender_id, sender_open.get(sender_id, True), item, at_us, published)
+                    for sender_id, item in entries]
         found: dict[int, SendOutcome] = {}
         room = asyncio.Semaphore(_RUNS_AT_ONCE)
 
         async def run(indexes: list[int]) -> None:
             async with room:
-                run_items = [items[i] for i in indexes]
-                outcomes = await self._append_run(sender_id, sender_open, run_items,
-                                                  targets[run_items[0].envelope.recipient], at_us, published)
+                run_entries = [entries[i] for i in indexes]
+                outcomes = await self._append_run(run_entries, sender_open,
+                                                  targets[run_entries[0][1].envelope.recipient], at_us, published)
                 found.update(zip(indexes, outcomes))
 
+        if len(runs) == 1:
+            await run(next(iter(runs.values())))
+            return [found[index] for index in range(len(entries))]
         tasks = [asyncio.ensure_future(run(indexes)) for indexes in runs.values()]
         try:
             await asyncio.gather(*tasks)
@@ -280,7 +301,7 @@ class InboxLog:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        return [found[index] for index in range(len(items))]
+        return [found[index] for index in range(len(entries))]
 
     async def _earlier(self, sender_id: str, env: envelope_pb2.Envelope) -> SendOutcome | None:
         """The receipt of an earlier attempt of this message, if it was stored."""
@@ -294,18 +315,19 @@ class InboxLog:
         return SendOutcome(env.message_id, stored.recipient, DUPLICATE, stored.seq, stored.stored_at_us,
                            "already accepted from this sender; nothing stored again")
 
-    async def _append_run(self, sender_id: str, sender_open: bool, run: list[AppendItem],
+    async def _append_run(self, run: list[tuple[str, AppendItem]], sender_open: dict[str, bool],
                           target: AgentRecord | None, at_us: int,
                           published_at: Callable[[str, int], None]) -> list[SendOutcome]:
-        """Messages to one recipient (`target`, as read at the start of the append), none with a
-        conversation budget, no message id twice: the ones not refused published pipelined
-        (messages.publish_many), then capacity and a racing close settled once for the run while their
-        idempotency records are created."""
-        rid = run[0].envelope.recipient
-        found: list[SendOutcome | None] = [self._refused(sender_id, sender_open, item, target) for item in run]
+        """Messages (sender, item) to one recipient (`target`, as read at the start of the append), none
+        with a conversation budget, no (sender, message id) twice: the ones not refused published
+        pipelined (messages.publish_many), then capacity and a racing close settled once for the run
+        while their idempotency records are created."""
+        rid = run[0][1].envelope.recipient
+        found: list[SendOutcome | None] = [self._refused(sender_id, sender_open.get(sender_id, True), item, target)
+                                           for sender_id, item in run]
         refused = [i for i, outcome in enumerate(found) if outcome is not None]
         # a refused send may be the retry of one stored before things changed: that stays a duplicate
-        for i, earlier in zip(refused, await asyncio.gather(*(self._earlier(sender_id, run[i].envelope)
+        for i, earlier in zip(refused, await asyncio.gather(*(self._earlier(run[i][0], run[i][1].envelope)
                                                               for i in refused))):
             if earlier is not None:
                 found[i] = earlier
@@ -314,12 +336,13 @@ class InboxLog:
             return [outcome for outcome in found if outcome is not None]
         assert target is not None
         for i in todo:
-            env = run[i].envelope
+            sender_id, item = run[i]
+            env = item.envelope
             env.sender = sender_id
             env.sequence = 0
             env.stored_at_us = at_us
             env.delivery_attempt = 0
-        published = await self.messages.publish_many(rid, [run[i].envelope for i in todo], target.inbox_capacity)
+        published = await self.messages.publish_many(rid, [run[i][1].envelope for i in todo], target.inbox_capacity)
         for p in published:
             if p.seq:
                 published_at(rid, p.seq)
@@ -329,12 +352,13 @@ class InboxLog:
         # taken back names a rejected message, which _earlier does not count
         settled, created = await asyncio.gather(
             self.messages.settle(rid, published, target.inbox_capacity),
-            kv.write_many(self.conn, "msgs", [(kv.idem_key(sender_id, run[i].envelope.message_id),
+            kv.write_many(self.conn, "msgs", [(kv.idem_key(run[i][0], run[i][1].envelope.message_id),
                                                kv.STORED.encode(kv.Stored(rid, p.seq, at_us)), 0)
                                               for i, p in stored]))
         recorded = {i: bool(made) for (i, _), made in zip(stored, created)}
         for i, p in zip(todo, settled):
-            env = run[i].envelope
+            sender_id, item = run[i]
+            env = item.envelope
             if p.status in (ACCEPTED, DUPLICATE):
                 found[i] = await self._settled(sender_id, env, p.status, p.detail, p.seq, recorded[i], at_us)
             else:

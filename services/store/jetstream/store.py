@@ -187,8 +187,16 @@ class JetStreamStore(base.Store):
 
     async def append_groups(self, groups: list[tuple[str, list[AppendItem]]],
                             at_us: int) -> list[list[SendOutcome]]:
-        # concurrent appends finish in any order: each group waits for the ones it must follow
-        return await append_in_order(self.append, groups, at_us)
+        if self.inbox.entries_in_turn(groups):
+            # concurrent appends finish in any order: each group waits for the ones it must follow
+            return await append_in_order(self.append, groups, at_us)
+        return await self._append_many(groups, at_us)
+
+    @nats_call
+    async def _append_many(self, groups: list[tuple[str, list[AppendItem]]],
+                           at_us: int) -> list[list[SendOutcome]]:
+        self.conn.require_open()
+        return await self.inbox.append_many(groups, at_us)
 
     @nats_call
     async def next_deliveries(self, recipient: str, after_sequence: int, limit: int, max_attempts: int,
