@@ -15,7 +15,8 @@ from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.config import RunsConfig
 from services.server import Mesh
-from tests.fixtures import ADMIN_TOKEN, consumed_event_ids, eventually, make_config
+from services.store.jetstream.store import JetStreamStore
+from tests.fixtures import ADMIN_TOKEN, STORE, consumed_event_ids, eventually, make_config
 
 pytestmark = pytest.mark.timeout(240)
 CONSUMED = ev.EVENT_KIND_MESSAGE_CONSUMED
@@ -100,3 +101,56 @@ async def test_a_watcher_sees_every_consumption_while_the_other_process_records_
                 task.cancel()
             await asyncio.gather(consumer, watcher, return_exceptions=True)
             await asyncio.sleep(0.6)  # a read held back above (0.5 s at most) ends before the meshes stop
+
+
+async def test_a_delivery_in_the_other_process_publishes_no_copies_of_events_recorded_before_it_was_told(tmp_path):
+    """A message stored through B and delivered through A: B tells A of it once its sent and stored events
+    are recorded, naming it, so A's first delivery publishes no copies of them (on JetStream a copy is a
+    request each, dropped as a duplicate: two more a message where the sender and the receiver use
+    different processes). The record keeps its causal order: each message's stored event before its
+    delivered one, each once."""
+    if STORE != "jetstream":
+        pytest.skip("JetStream only: it counts the copies of events a delivery in another process publishes,"
+                    " which the SQLite store never makes (the JetStream pass runs it)")
+    count = 40
+    config = replace(make_config(tmp_path), heartbeat_interval_s=60)  # a beat's safety read finds untold ones
+    async with Mesh(config) as a, Mesh(config) as b, MeshClient(a.address, admin_token=ADMIN_TOKEN) as on_a, \
+            MeshClient(b.address, admin_token=ADMIN_TOKEN) as on_b:
+        lead = await on_a.register("lead")
+        sender, receiver = await lead.spawn("sender"), await lead.spawn("receiver")
+        assert isinstance(a.store, JetStreamStore)
+        events = a.store.inbox.events
+        publish = events.publish
+        copies: list[str] = []
+
+        async def counted(rows, **kwargs):
+            if kwargs.get("copies"):
+                copies.extend(row.message_id for row in rows)
+            return await publish(rows, **kwargs)
+
+        events.publish = counted  # type: ignore[method-assign]
+        delivered: list[str] = []
+
+        async def consume() -> None:  # the receiver, on A
+            async for response in receiver.subscribe(64):
+                if response.WhichOneof("event") == "deliveries":
+                    delivered.extend(m.message_id for m in response.deliveries.messages)
+                    await receiver.ack(m.sequence for m in response.deliveries.messages)
+
+        consumer = asyncio.create_task(consume())
+        try:
+            me = on_b.agent(sender.info, sender.credential)
+            await asyncio.sleep(0.3)  # subscribed and idle: what it delivers, it learns of from B's notices
+            sent = [(await me.send(receiver.agent_id, f"m{i}")).message_id for i in range(count)]
+            await eventually(lambda: len(delivered) >= count, timeout=30, message="every message delivered")
+        finally:
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+            del events.publish
+        assert delivered == sent
+        assert copies == [], f"copies of {len(set(copies))} messages' events published"
+        record = [e for e in await on_a.admin_events(limit=1000) if e.recipient == receiver.agent_id]
+        for message_id in sent:
+            kinds = [e.kind for e in record if e.message_id == message_id]
+            assert kinds[:3] == [ev.EVENT_KIND_MESSAGE_SENT, ev.EVENT_KIND_MESSAGE_STORED,
+                                 ev.EVENT_KIND_MESSAGE_DELIVERED], (message_id, kinds)

@@ -251,7 +251,7 @@ class Subscription:
         return fresh
 
     async def _read_store(self, feed: Feed, limit: int) -> list[envelope_pb2.Envelope]:
-        woken = feed.woken
+        woken, acked = feed.woken, feed.acked
         found = await self.hub.store.next_deliveries(
             feed.agent_id, feed.cursor, limit, self.hub.limits.max_delivery_attempts, now_us(),
             in_flight=len(feed.in_flight))
@@ -270,7 +270,7 @@ class Subscription:
             feed.cursor = max(feed.cursor, envelope.sequence)
             feed.in_flight.add(envelope.sequence)
         if found.held_back:  # nothing more until an ack makes room (reading again now would find the same)
-            if feed.woken == woken:  # no ack (nor append) came while reading
+            if feed.woken == woken and feed.acked == acked:  # no ack (nor append) came while reading
                 feed.needs_store, feed.held_back = False, True
         elif (found.drained or len(found.messages) + len(found.dead_lettered) < limit) and feed.woken == woken:
             feed.needs_store = False
@@ -515,7 +515,7 @@ class DeliveryHub:
         if owner is not None:
             feed = owner[1]
             feed.in_flight.difference_update(sequences)
-            feed.woken += 1  # a store read under way may have been held back for capacity: it must not settle
+            feed.acked += 1  # a store read under way may have been held back for capacity: it must not settle
             if feed.held_back:
                 feed.needs_store, feed.held_back = True, False
             owner[0].make_ready(feed)

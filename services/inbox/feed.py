@@ -16,7 +16,7 @@ class Feed:
     """One agent's delivery state on one subscription."""
 
     __slots__ = ("agent_id", "max_in_flight", "cursor", "in_flight", "fresh", "fresh_limit", "needs_store", "ended",
-                 "woken", "held_back", "queued", "announced")
+                 "woken", "acked", "held_back", "queued", "announced")
 
     def __init__(self, agent_id: str, max_in_flight: int):
         self.agent_id = agent_id
@@ -30,6 +30,9 @@ class Feed:
         self.woken = 0
         """Counts wake-ups for appends the feed must read from the store; a
         read that raced one does not clear needs_store."""
+        self.acked = 0
+        """Counts acks of its messages: a read the store held back for capacity that raced one reads
+        again (a read that was not held back is not changed by an ack)."""
         self.held_back = False
         """The store held messages back for the recipient's capacity: read again after an ack."""
         self.queued = False

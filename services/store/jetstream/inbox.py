@@ -162,6 +162,9 @@ class InboxLog:
         self._recorded: dict[tuple[str, int], None] = {}
         """Messages whose sent and stored events this process published (oldest dropped first): their first
         delivery here need not publish copies of them."""
+        self._recorded_elsewhere: dict[tuple[str, int], None] = {}
+        """Messages whose sent and stored events another process recorded before it told us of them, by
+        (recipient's subject token, sequence) (oldest dropped first): no copies of them either."""
 
     async def start(self) -> None:
         """Follow the appends of the other processes (the core NATS notices messages.InboxMessages._told
@@ -170,9 +173,20 @@ class InboxLog:
 
     async def _on_published(self, msg: Any) -> None:
         token = msg.subject.rsplit(".", 1)[-1]
+        try:
+            recorded = [int(seq) for seq in msg.data.decode().split(",") if seq]
+        except ValueError:
+            recorded = []  # not a notice of this version: copies are published, as for no list
+        for seq in recorded:
+            self._recorded_elsewhere[(token, seq)] = None
+        while len(self._recorded_elsewhere) > _REMEMBERED:
+            self._recorded_elsewhere.pop(next(iter(self._recorded_elsewhere)))
         self._tell(token)
-        # once more a moment later: with replicas, a follower a moment behind its leader may answer the read
-        asyncio.get_running_loop().call_later(_TELL_AGAIN_S, self._tell, token)
+        if self.conn.config.nats_replicas > 1:
+            # once more a moment later: a follower a moment behind its leader may answer the read (with one
+            # replica a read sees what was told; a read again would find the next message of the inbox, not
+            # told yet, and publish copies of its events)
+            asyncio.get_running_loop().call_later(_TELL_AGAIN_S, self._tell, token)
 
     def _tell(self, token: str) -> None:
         for callback in self.listeners:
@@ -189,6 +203,8 @@ class InboxLog:
         """Whether a first delivery publishes copies of the message's sent and stored events: not when
         this process published them, nor when the message is so old that a copy would not be dropped."""
         if self._recorded.pop((recipient, env.sequence), 0) is None:
+            return False
+        if self._recorded_elsewhere.pop((kv.token(recipient), env.sequence), 0) is None:
             return False
         return env.stored_at_us >= now_us - REPLAY_HORIZON_US
 
@@ -224,14 +240,18 @@ class InboxLog:
         targets = dict(zip(recipients, found[len(senders):]))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         published: list[tuple[str, int]] = []
+        recorded: list[SendOutcome] = []
         try:
             outcomes = await self._append_all(entries, sender_open, targets, at_us,
                                               functools.partial(self._publishing, done, published))
             await self._record_sent(entries, outcomes, at_us)
+            recorded = outcomes
         finally:
             for key in published:
                 self._recording.pop(key, None)
             done.set_result(None)
+            if published:
+                await self._tell_appended(published, recorded)
         answers = iter(outcomes)
         return [[next(answers) for _ in items] for _, items in groups]
 
@@ -242,6 +262,22 @@ class InboxLog:
         keys = [(sender_id, item.envelope.message_id) for sender_id, items in groups for item in items]
         return len(set(keys)) < len(keys) or any(item.conversation_budget and item.envelope.conversation_id
                                                  for _, items in groups for item in items)
+
+    async def _tell_appended(self, published: list[tuple[str, int]], recorded: list[SendOutcome]) -> None:
+        """Tell the other processes of the messages an append put on the stream, once it recorded their sent
+        and stored events (`recorded`: the outcomes whose events are; none when recording failed), naming
+        the sequences accepted so: a first delivery there publishes no copies of their events. Told only
+        now, a delivery elsewhere seldom comes before the events (it would publish copies of them first)."""
+        accepted: dict[str, list[int]] = {}
+        for outcome in recorded:
+            if outcome.status == ACCEPTED:
+                accepted.setdefault(outcome.recipient, []).append(outcome.sequence)
+        recipients = dict.fromkeys(recipient for recipient, _ in published)
+        try:
+            await asyncio.gather(*(self.messages.told(recipient, accepted.get(recipient, ()))
+                                   for recipient in recipients))
+        except Exception as exc:  # NATS gone: the append's own outcome (or failure) is what the caller gets
+            log.debug("appends not told to the other processes: %r", exc)
 
     def _publishing(self, done: asyncio.Future[None], published: list[tuple[str, int]], recipient: str,
                     seq: int) -> None:
@@ -414,7 +450,7 @@ class InboxLog:
         env.sequence = 0
         env.stored_at_us = at_us
         env.delivery_attempt = 0
-        status, detail, seq, _ = await self.messages.publish(rid, env, capacity)
+        status, detail, seq, _ = await self.messages.publish(rid, env, capacity, tell=False)
         if status not in (ACCEPTED, DUPLICATE):
             return SendOutcome(env.message_id, rid, status, detail=detail)
         published(rid, seq)

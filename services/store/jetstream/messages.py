@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
 from nats.js.errors import APIError, NotFoundError
@@ -154,8 +154,10 @@ class InboxMessages:
         info = await self.conn.js.stream_info(self.conn.inbox_stream, subjects_filter=self.subject(recipient))
         return int((info.state.subjects or {}).get(self.subject(recipient), 0))
 
-    async def publish(self, recipient: str, envelope: envelope_pb2.Envelope, capacity: int) -> Published:
-        """Put the envelope on the recipient's subject, then settle its capacity and a close that raced it."""
+    async def publish(self, recipient: str, envelope: envelope_pb2.Envelope, capacity: int, *,
+                      tell: bool = True) -> Published:
+        """Put the envelope on the recipient's subject, then settle its capacity and a close that raced it.
+        tell: notify the other processes now (told); False: the caller does once its events are recorded."""
         msg_id = kv.msg_id_header(envelope.sender, envelope.message_id)
         while True:
             try:
@@ -166,7 +168,8 @@ class InboxMessages:
                     return Published(INBOX_FULL, _full(recipient, capacity, capacity), 0)
                 raise
             if not ack.duplicate:
-                await self._told(recipient)
+                if tell:
+                    await self.told(recipient)
                 break
             earlier = await kv.get(self.conn.msgs, kv.state_key(recipient, ack.seq), kv.MESSAGE_STATE)
             if earlier is None or earlier.value.state != REJECTED:
@@ -186,7 +189,8 @@ class InboxMessages:
                            capacity: int) -> list[Published]:
         """Put the envelopes on the recipient's subject in their order, pipelined (one connection keeps
         the order of what it publishes). An envelope JetStream takes for a duplicate is settled on its
-        own, as `publish` does; the others still need `settle`."""
+        own, as `publish` does; the others still need `settle`. The other processes are not told: the
+        append does, once its events are recorded (InboxLog.append_many)."""
         subject = self.subject(recipient)
         messages = [(subject, env.SerializeToString(), {"Nats-Msg-Id": kv.msg_id_header(env.sender, env.message_id)})
                     for env in envelopes]
@@ -202,19 +206,20 @@ class InboxMessages:
             elif isinstance(ack, BaseException):
                 raise ack  # NATS failed: some may be stored; the client retries them by id
             elif ack.duplicate:
-                found.append(await self.publish(recipient, env, capacity))
+                found.append(await self.publish(recipient, env, capacity, tell=False))
             else:
                 found.append(Published(ACCEPTED, "", ack.seq, settled=False))
-        if any(not p.settled for p in found):
-            await self._told(recipient)
         return found
 
-    async def _told(self, recipient: str) -> None:
+    async def told(self, recipient: str, recorded: Iterable[int] = ()) -> None:
         """Tell the other mesh processes that the recipient's inbox has new messages, stored now: a core
         NATS notice (appended_subject). This process's own delivery hub is woken by the append itself, and
         its connection does not get its own notices back (`no_echo`). (The stream's own publishes are no
-        such notice: those of an atomic batch reach a subscriber before the batch is stored.)"""
-        await self.conn.nc.publish(self.conn.appended_subject(kv.token(recipient)), b"")
+        such notice: those of an atomic batch reach a subscriber before the batch is stored.)
+        `recorded`: the sequences among them whose sent and stored events are recorded already (the
+        append tells once it recorded them): their first delivery elsewhere publishes no copies of them."""
+        await self.conn.nc.publish(self.conn.appended_subject(kv.token(recipient)),
+                                   ",".join(map(str, recorded)).encode())
 
     async def settle(self, recipient: str, published: list[Published], capacity: int) -> list[Published]:
         """Settle capacity and a close that raced the messages publish_many put on the subject, once for
