@@ -167,7 +167,7 @@ class InboxLog:
         (recipient's subject token, sequence) (oldest dropped first): no copies of them either."""
 
     async def start(self) -> None:
-        """Follow the appends of the other processes (the core NATS notices messages.InboxMessages._told
+        """Follow the appends of the other processes (the core NATS notices messages.InboxMessages.told
         sends; this connection does not get its own, `no_echo`: its appends woke its delivery hub already)."""
         await self.conn.nc.subscribe(self.conn.appended_subject("*"), cb=self._on_published)
 
