@@ -22,6 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from inboxmesh.client.mesh import MeshClient
 from services.config import InboxLimits, MeshConfig, StoreConfig, WebConfig
+from services.directory import Caller
+from services.inbox.service import StreamSenders
 from services.server import Mesh
 
 if TYPE_CHECKING:
@@ -167,3 +169,14 @@ async def consumed_event_ids(reader, agent_id: str, count: int) -> list[int] | N
         found += [e.event_id for e in page if e.kind == events_pb2.EVENT_KIND_MESSAGE_CONSUMED]
         after = page[-1].event_id
     return found if len(found) >= count else None
+
+
+def stream_senders(mesh: Mesh) -> StreamSenders:
+    """What InboxService.send_requests takes for a call authenticated by no agent (the admin's): each
+    request's credentials proven through the mesh's directory, as the interceptor would."""
+    directory = mesh.services.directory
+
+    async def prove(credentials):
+        return tuple([await directory.authenticate(c) for c in credentials])
+
+    return StreamSenders(Caller(agent=None), prove)

@@ -23,16 +23,14 @@ from inboxmesh.client.mesh import AgentHandle, MeshClient, envelope
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.config import MeshConfig, RunsConfig
-from services.directory import Caller
 from services.inbox.grpc_handler import _ReadAhead
-from services.inbox.service import StreamSenders
 from services.server import Mesh
 from services.store.base import DELIVERED
 from services.store.jetstream import kv
 from services.store.jetstream.store import JetStreamStore
 from services.store.sqlite.schema import SCHEMA_VERSION
 from services.store.sqlite.store import SqliteStore
-from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config
+from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config, stream_senders
 
 pytestmark = pytest.mark.counts
 ACCEPTED = pb.RECEIPT_STATUS_ACCEPTED
@@ -105,11 +103,6 @@ async def test_a_send_batch_of_many_senders_to_shared_inboxes_is_one_commit_in_r
         lead = await client.register("lead")
         senders = await _spawn(lead, 30, "s")
         targets = await _spawn(lead, 6, "t")
-        directory = mesh.services.directory
-
-        async def prove(credentials):
-            return tuple([await directory.authenticate(c) for c in credentials])
-
         rng = random.Random(3)
         plan = [(rng.choice(senders), [rng.choice(targets) for _ in range(rng.choice((1, 1, 1, 2, 3)))])
                 for _ in range(150)]
@@ -118,8 +111,7 @@ async def test_a_send_batch_of_many_senders_to_shared_inboxes_is_one_commit_in_r
                                    sender=s.agent_id, credentials=[s.credential]) for i, (s, to) in enumerate(plan)]
         assert sum(len(r.messages) for r in requests) <= mesh.config.limits.max_batch_messages * 10
         before = _commits(mesh) if STORE == "sqlite" else (_inbox_flushes(mesh), 0)
-        answered, failure = await mesh.services.inbox.send_requests(StreamSenders(Caller(agent=None), prove),
-                                                                    requests)
+        answered, failure = await mesh.services.inbox.send_requests(stream_senders(mesh), requests)
         assert failure is None
         if STORE == "sqlite":
             commits, ops = (now - then for now, then in zip(_commits(mesh), before))

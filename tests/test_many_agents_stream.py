@@ -19,12 +19,10 @@ from inboxmesh.client.stream import InboxStream
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.config import MeshConfig, RunsConfig
-from services.directory import Caller
-from services.inbox.service import StreamSenders
 from services.server import Mesh
 from services.store.base import DELIVERED
 from services.store.sqlite.store import SqliteStore
-from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config, store_args, store_config
+from tests.fixtures import ADMIN_TOKEN, STORE, eventually, make_config, store_args, store_config, stream_senders
 from tests.processes import MeshProcess
 
 ACCEPTED = pb.RECEIPT_STATUS_ACCEPTED
@@ -531,7 +529,7 @@ async def test_send_requests_read_together_are_one_commit(tmp_path):
         lead = await client.register("lead")
         pairs = list(zip(await spawn_many(lead, 30, "s"), await spawn_many(lead, 30, "t")))
         inbox = mesh.services.inbox
-        senders = StreamSenders(Caller(agent=None), _prover(mesh))
+        senders = stream_senders(mesh)
         requests = [pb.SendRequest(messages=[envelope(t.agent_id, "x", message_id=f"p{i}")], sender=s.agent_id,
                                    credentials=[s.credential]) for i, (s, t) in enumerate(pairs)]
         commits = _commits(mesh)
@@ -571,7 +569,7 @@ async def test_the_frontiers_of_a_reads_senders_are_read_at_the_same_time(tmp_pa
                 reading[0] -= 1
 
         store.get_frontier = counted  # type: ignore[method-assign]
-        senders_of = StreamSenders(Caller(agent=None), _prover(mesh))
+        senders_of = stream_senders(mesh)
         requests = [pb.SendRequest(messages=[envelope(target.agent_id, "x", message_id=f"f{i}")], sender=s.agent_id,
                                    credentials=[s.credential]) for i, s in enumerate(senders)]
         try:
@@ -586,11 +584,3 @@ async def test_the_frontiers_of_a_reads_senders_are_read_at_the_same_time(tmp_pa
             chain = [lead.agent_id, sender.agent_id] if i == 0 else [sender.agent_id]
             assert (list(stored.trail), stored.hop_count) == (chain, len(chain) - 1), sender.agent_id
 
-
-def _prover(mesh: Mesh):
-    directory = mesh.services.directory
-
-    async def prove(credentials):
-        return tuple([await directory.authenticate(c) for c in credentials])
-
-    return prove

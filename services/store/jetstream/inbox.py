@@ -17,7 +17,7 @@ import enum
 import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -134,6 +134,14 @@ _RUNS_AT_ONCE = 64
 """Recipients of one append whose messages are stored at the same time (InboxLog._append_all)."""
 
 
+def _remember_keys(table: dict[tuple[str, int], None], keys: Iterable[tuple[str, int]]) -> None:
+    """Add the keys to a table of remembered messages, the oldest dropped beyond _REMEMBERED."""
+    for key in keys:
+        table[key] = None
+    while len(table) > _REMEMBERED:
+        table.pop(next(iter(table)))
+
+
 class InboxLog:
     def __init__(self, conn: JetStreamConnection, events: EventLog, agents: AgentCache):
         self.conn = conn
@@ -177,10 +185,7 @@ class InboxLog:
             recorded = [int(seq) for seq in msg.data.decode().split(",") if seq]
         except ValueError:
             recorded = []  # not a notice of this version: copies are published, as for no list
-        for seq in recorded:
-            self._recorded_elsewhere[(token, seq)] = None
-        while len(self._recorded_elsewhere) > _REMEMBERED:
-            self._recorded_elsewhere.pop(next(iter(self._recorded_elsewhere)))
+        _remember_keys(self._recorded_elsewhere, ((token, seq) for seq in recorded))
         self._tell(token)
         if self.conn.config.nats_replicas > 1:
             # once more a moment later: a follower a moment behind its leader may answer the read (with one
@@ -193,11 +198,7 @@ class InboxLog:
             callback(token)
 
     def _note_recorded(self, outcomes: list[SendOutcome]) -> None:
-        for outcome in outcomes:
-            if outcome.status == ACCEPTED:
-                self._recorded[(outcome.recipient, outcome.sequence)] = None
-        while len(self._recorded) > _REMEMBERED:
-            self._recorded.pop(next(iter(self._recorded)))
+        _remember_keys(self._recorded, ((o.recipient, o.sequence) for o in outcomes if o.status == ACCEPTED))
 
     def _copies_needed(self, recipient: str, env: envelope_pb2.Envelope, now_us: int) -> bool:
         """Whether a first delivery publishes copies of the message's sent and stored events: not when
@@ -222,10 +223,10 @@ class InboxLog:
     async def append_many(self, groups: list[tuple[str, list[AppendItem]]], at_us: int) -> list[list[SendOutcome]]:
         """The groups (sender id, its messages) stored as one append, the outcomes of each group in turn:
         each recipient's messages, whatever their senders, published in the order given (so per sender
-        and per inbox sequences follow it), different recipients' at the same time. No (sender, message
-        id) may appear twice, and no message may count a conversation budget (which copy is the
-        duplicate, or which message the budget refuses, must not depend on timing): `entries_in_turn`
-        says when they do, and then the groups go through services.store.ordering."""
+        and per inbox sequences follow it), different recipients' at the same time. When the groups name
+        a (sender, message id) twice or count a conversation budget (`entries_in_turn`), every message
+        is stored one after the other instead (_append_all); JetStreamStore.append_groups sends such a
+        read group by group through services.store.ordering, so groups sharing nothing still run at once."""
         entries = [(sender_id, item) for sender_id, items in groups for item in items]
         senders = list(dict.fromkeys(sender_id for sender_id, _ in entries
                                      if not sender_id.startswith(base.EXTERNAL_PREFIXES)))
