@@ -508,11 +508,19 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
     upto = log.done_upto()
     seed, per_agent = state["seed"], state["far_per_agent" if far else "per_agent"]
 
-    async def retried(call: Any) -> Any:
+    async def retried(call: Any, what: str = "") -> Any:
+        last = ""
         while True:
             try:
                 return await call()
-            except (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted):
+            except (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted) as exc:
+                # to host<i>.out, once per change of error: what a stalled host waited for, to read beside
+                # the meshes' logs and faults.log when a soak falls short
+                said = f"{type(exc).__name__} {exc.reason}"
+                if said != last:
+                    last = said
+                    print(f"{time.time():.1f} {what} retried after {said}: {errors.clip(str(exc), 200)}",
+                          file=sys.stderr, flush=True)
                 await asyncio.sleep(0.2)
 
     async with MeshClient(target, timeout=10) as client:
@@ -599,7 +607,7 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
                 sending = functools.partial(handle.send, f"ioa:{NEAR}/{recipient}" if far else recipient,
                                             f"chaos {n}", message_id=f"m-{n}")
                 while True:
-                    receipt = await retried(sending)
+                    receipt = await retried(sending, f"{agent_id} m-{n}")
                     if receipt.status in (inbox_pb2.RECEIPT_STATUS_ACCEPTED, inbox_pb2.RECEIPT_STATUS_DUPLICATE):
                         log.write("r", agent_id, n, recipient, receipt.sequence)
                         break

@@ -202,6 +202,22 @@ async def test_a_node_the_restarted_network_does_not_know_yet_is_unavailable_not
         await second.stop(grace=0.1)
 
 
+async def test_a_connection_the_relay_cancelled_itself_is_made_again(nodes):
+    """A publish whose write fails cancels the connection's call (IoaRelay._write_publishes), and its
+    reader then ends with asyncio's CancelledError, not an RpcError: the relay connects again all the same.
+    (It did not, and stayed away for good: the chaos soak's far senders got UNAVAILABLE IOA_DISCONNECTED
+    until the run's end.)"""
+    alpha, beta = nodes
+    _, a = await _team(alpha, "a")
+    _, b = await _team(beta, "b")
+    reconnects = alpha.relay.reconnects
+    alpha.relay._call.cancel()  # what a failed write does to the call
+    await eventually(lambda: alpha.relay.reconnects > reconnects and alpha.relay.connected.is_set(),
+                     message="alpha connected again")
+    receipt = await a.send(beta.address(b), "after the cancel")
+    assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED, receipt
+
+
 async def test_spaces_are_read_explicitly_and_siblings_see_each_other(nodes):
     alpha, beta = nodes
     _, a, b = await _team(alpha, "a", "b")

@@ -324,15 +324,23 @@ class IoaRelay:
                         self._result(frame.result)
                     elif which == "message":
                         await self._arrived(frame.message)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError,
+                    asyncio.CancelledError) as exc:
                 if self._stopping:
                     return
+                task = asyncio.current_task()
+                if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+                    raise  # this task itself is cancelled
+                # else a CancelledError is the call's own: a write on it failed and cancelled it
+                # (_write_publishes), and its reader ends so; the connection is lost like any other
                 now = loop.time()  # the loss, then once a minute while it lasts (an attempt every 2 s at most)
                 if failures == 0 or now - lost_logged >= LOST_LOG_REPEAT_S:
                     lost_logged = now
                     log.warning("relay %s lost the IOA network%s: %s", self.node_id,
                                 f" ({failures} attempts to connect failed)" if failures else "",
-                                exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
+                                exc.details() if isinstance(exc, grpc.aio.AioRpcError) else
+                                "this relay ended the call (a write on it failed)"
+                                if isinstance(exc, asyncio.CancelledError) else exc)
             finally:
                 self.connected.clear()
                 self._call = None
