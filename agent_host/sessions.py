@@ -7,7 +7,9 @@ its answers go back on the channel by replying to the channel address (the chann
 Sessions it already runs (after a restart: the ones the Host resumed from host.db) are not claimed again.
 Claims are made one at a time, in the order of the record; a claim that fails is logged and retried at the
 session's next ROUTED event. The id of the last ROUTED event handled is kept in host.db (mark
-`sessions.routed`): a restarted host follows the record from there, not from its start.
+`sessions.routed`): a restarted host follows the record from there, not from its start, and so does this
+host when the watch ends (a mesh restarted, the connection lost), after a pause (WATCH_RETRY_S doubling
+up to WATCH_RETRY_MAX_S).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ log = logging.getLogger(__name__)
 
 MARK = "sessions.routed"
 """host.db's mark: the last ROUTED event this host handled."""
+WATCH_RETRY_S = 0.2
+"""The first pause before the record is followed again after the watch ended or failed (doubling)."""
+WATCH_RETRY_MAX_S = 5.0
+"""The longest pause between tries, and the pause after a failure that is not a passing one."""
 
 
 class SessionHost:
@@ -61,11 +67,29 @@ class SessionHost:
         await self.stop()
 
     async def _follow(self) -> None:
-        async for event in self.client.admin_watch_events(kinds=[ev.EVENT_KIND_ROUTED],
-                                                          after=self.host.store.mark(MARK)):
-            await self._handle(event)
-            self.host.store.set_mark(MARK, event.event_id)
-            self.handled += 1
+        """Follow the record from host.db's mark, and follow it again from there whenever the watch ends (a
+        mesh restarted, the network dropped, the mesh stopping): the mark moves only past an event handled,
+        so an event met by a failure is handled by the next watch."""
+        pause, said = WATCH_RETRY_S, ""
+        while True:
+            try:
+                async for event in self.client.admin_watch_events(kinds=[ev.EVENT_KIND_ROUTED],
+                                                                  after=self.host.store.mark(MARK)):
+                    await self._handle(event)
+                    self.host.store.set_mark(MARK, event.event_id)
+                    self.handled += 1
+                    pause, said = WATCH_RETRY_S, ""
+                failure = "the mesh ended the watch"
+            except errors.MeshError as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+                if not isinstance(exc, (errors.Unavailable, errors.DeadlineExceeded, errors.ResourceExhausted)):
+                    pause = WATCH_RETRY_MAX_S  # not passing (a token refused, say): an operator must act
+            if failure != said:  # once per change, not once per attempt
+                said = failure
+                log.warning("following the mesh's sessions: %s; again in %.1fs, from event %d", failure, pause,
+                            self.host.store.mark(MARK))
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, WATCH_RETRY_MAX_S)
 
     async def _handle(self, event: ev.Event) -> None:
         version = event.detail.rpartition(" config=")[2]

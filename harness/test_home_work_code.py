@@ -213,3 +213,21 @@ async def test_a_restarted_session_host_follows_the_record_from_where_it_stopped
                 ["code answers: fix the bug"]
             assert again.handled == 1, "only the new ROUTED event: the first was handled before the restart"
         assert first.session_agent_id in example.host.runners
+
+
+async def test_the_session_host_follows_the_record_across_a_restart_of_the_mesh(tmp_path):
+    """The watch of the record ends when the mesh stops: the session host follows it again from its mark
+    once the mesh is back, and serves the sessions routed after. (It stopped for good, and sessions routed
+    after a mesh restart were never claimed.)"""
+    async with home_work_code(tmp_path) as example:
+        client = example.client
+        await client.ingress(TOKEN, message_id="tg-1", text="buy milk", **TELEGRAM)
+        assert [m.content.text for m in await answers(client, "channel:telegram/personal", 1)] == \
+            ["home answers: buy milk"]
+        config = replace(example.mesh.config, port=int(example.mesh.address.rpartition(":")[2]))
+        await example.mesh.stop()
+        async with Mesh(config):
+            await client.ingress(TOKEN, message_id="dc-1", text="fix the bug", **DISCORD)
+            assert [m.content.text for m in await answers(client, "channel:discord/default", 1)] == \
+                ["code answers: fix the bug"]
+            assert example.sessions.handled == 2 and example.sessions.failures == []
