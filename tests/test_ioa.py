@@ -3,6 +3,7 @@ receipts, reply correlation, siblings on one node, reconnect duplicates,
 loops, relays that go away, spaces, and the evidence of each hop."""
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -13,9 +14,11 @@ from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.ioa.v1 import network_pb2 as net
 from inboxmesh.ioa.v1 import network_pb2_grpc, relay_pb2, relay_pb2_grpc
+from services.ioa.relay import RECEIPTS_MEDIA_TYPE, RELAY_AGENT
+from services.ioa.wire import H
 from services.ioa_network.server import NetworkConfig, NetworkServer
 from tests.fixtures import eventually
-from tests.ioa_nodes import start_node
+from tests.ioa_nodes import NodeClient, start_node
 from tests.streams import Collector
 
 
@@ -216,6 +219,41 @@ async def test_a_connection_the_relay_cancelled_itself_is_made_again(nodes):
                      message="alpha connected again")
     receipt = await a.send(beta.address(b), "after the cancel")
     assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED, receipt
+
+
+async def test_a_peers_malformed_receipts_are_ignored_and_the_relay_stays_connected(nodes, network):
+    """Receipts from another node are read with care: JSON nested too deep, and a receipt for a real
+    attempt whose status is not a string, are ignored (one of them ended the relay's connection task,
+    disconnecting it for good); the proper receipt that follows answers the send."""
+    alpha, _ = nodes
+    _, a = await _team(alpha, "a")
+    reconnects = alpha.relay.reconnects
+    async with grpc.aio.insecure_channel(network.address) as channel:
+        raw = NodeClient(channel, "raw")
+        await raw.connect()
+        sending = asyncio.create_task(a.send("ioa:raw/x", "to a raw node", message_id="m1"))
+        got = await raw.next("message", timeout=10)
+        attempt = got.headers[H + "attempt"]
+
+        async def answer(data: bytes) -> None:
+            message = net.IoaMessage(ioa_message_id=f"receipts-{raw.publish_id}", media_type=RECEIPTS_MEDIA_TYPE,
+                                     data=data)
+            message.direct.CopyFrom(net.Address(node="alpha", agent=RELAY_AGENT))
+            raw.publish_id += 1
+            await raw.call.write(net.NodeFrame(publish=net.Publish(message=message, publish_id=raw.publish_id)))
+            assert (await raw.next("result")).status == net.PUBLISH_STATUS_OK
+
+        def receipt(status: object) -> bytes:
+            return json.dumps([{"for": got.ioa_message_id, "attempt": attempt, "status": status, "sequence": 7,
+                                "stored_at_us": 1, "detail": ""}]).encode()
+
+        await answer(b"[" * 5000)
+        await answer(receipt(["accepted"]))
+        await answer(receipt("accepted"))
+        answered = await asyncio.wait_for(sending, 10)
+        raw.close()
+    assert (answered.status, answered.sequence) == (pb.RECEIPT_STATUS_ACCEPTED, 7), answered
+    assert alpha.relay.reconnects == reconnects and alpha.relay.connected.is_set(), "the connection stayed"
 
 
 async def test_spaces_are_read_explicitly_and_siblings_see_each_other(nodes):

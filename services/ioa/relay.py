@@ -150,6 +150,17 @@ StoredMessage = Callable[[str, str], Awaitable[Any]]
 a predecessor this relay has no memory of was stored (after a restart)."""
 Pair = tuple[str, str]
 """(local sender, IOA recipient address): what per-pair order is kept for."""
+CALL_ENDED = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, asyncio.CancelledError)
+"""What reading or writing the network connection's call raises once it is over. CancelledError among them:
+a call this relay cancelled (a write on it failed, the connection ended) raises it in every reader and
+writer of the call, not only in the task cancelled; `_own_cancel` tells the two apart."""
+
+
+def _own_cancel(exc: BaseException) -> bool:
+    """Whether exc is the cancellation of the running task itself (to be raised on), not the end of a call
+    that was cancelled."""
+    task = asyncio.current_task()
+    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
 
 
 @dataclass(eq=False)
@@ -305,13 +316,7 @@ class IoaRelay:
                     self._call = call
                 async for frame in call:
                     which = frame.WhichOneof("frame")
-                    if which == "batch":
-                        for item in frame.batch.items:
-                            if item.WhichOneof("item") == "result":
-                                self._result(item.result)
-                            else:
-                                await self._arrived(item.message)
-                    elif which == "welcome":
+                    if which == "welcome":
                         self.connected.set()
                         log.log(logging.WARNING if failures else logging.INFO,
                                 "relay %s connected to %s%s (%d recent messages come again)", self.node_id,
@@ -320,17 +325,17 @@ class IoaRelay:
                         failures = 0
                         self.outbox_wake.set()
                         await self._send_parked()
-                    elif which == "result":
-                        self._result(frame.result)
-                    elif which == "message":
-                        await self._arrived(frame.message)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError,
-                    asyncio.CancelledError) as exc:
+                        continue
+                    try:
+                        await self._on_frame(frame)
+                    except Exception:  # a bug, or a peer's message nothing foresaw: that frame only is lost
+                        log.exception("relay %s could not handle a %s frame from the IOA network; skipped",
+                                      self.node_id, which)
+            except CALL_ENDED as exc:
                 if self._stopping:
                     return
-                task = asyncio.current_task()
-                if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
-                    raise  # this task itself is cancelled
+                if _own_cancel(exc):
+                    raise
                 # else a CancelledError is the call's own: a write on it failed and cancelled it
                 # (_write_publishes), and its reader ends so; the connection is lost like any other
                 now = loop.time()  # the loss, then once a minute while it lasts (an attempt every 2 s at most)
@@ -357,6 +362,20 @@ class IoaRelay:
             failures += 1
             self.reconnects += 1
             await asyncio.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)) * (0.5 + random.random() / 2))
+
+    async def _on_frame(self, frame: net.NetworkFrame) -> None:
+        """A frame of the connection after its welcome: results of this relay's publishes, messages for it."""
+        which = frame.WhichOneof("frame")
+        if which == "batch":
+            for item in frame.batch.items:
+                if item.WhichOneof("item") == "result":
+                    self._result(item.result)
+                else:
+                    await self._arrived(item.message)
+        elif which == "result":
+            self._result(frame.result)
+        elif which == "message":
+            await self._arrived(frame.message)
 
     def _result(self, result: net.PublishResult) -> None:
         future = self._published.pop(result.publish_id, None)
@@ -400,7 +419,9 @@ class IoaRelay:
             try:
                 await call.write(net.NodeFrame(publish=publishes[0]) if len(publishes) == 1 else
                                  net.NodeFrame(publish_batch=net.PublishBatch(publishes=publishes)))
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            except CALL_ENDED as exc:
+                if _own_cancel(exc):
+                    raise
                 for publish_id in ids:
                     self._published.pop(publish_id, None)
                 self.connected.clear()  # the call is over: no publish may wait for it (the loop reconnects)
@@ -833,12 +854,12 @@ class IoaRelay:
         try:
             receipts = json.loads(message.data)
             waiting = [(self._receipts.get((r["for"], r.get("attempt", ""))), r) for r in receipts]
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # (nested too deep)
             waiting = None
         for entry, receipt in waiting or ():
             if entry is None or entry[0] != node or entry[1].done():
                 continue
-            if receipt.get("status") in _RECEIPT_STATUS and all(
+            if isinstance(receipt.get("status"), str) and receipt["status"] in _RECEIPT_STATUS and all(
                     type(receipt.get(f, 0)) is int for f in ("sequence", "stored_at_us")):
                 entry[1].set_result(receipt)
             else:
@@ -1069,8 +1090,10 @@ class IoaRelay:
                 if self._call is not None:
                     try:
                         await self._call.write(net.NodeFrame(join=net.JoinSpace(space=space)))
-                    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                        pass  # the connection is ending; the next one joins
+                    except CALL_ENDED as exc:
+                        if _own_cancel(exc):
+                            raise
+                        # the connection is ending; the next one joins
         message = net.IoaMessage(ioa_message_id=f"{self.node_id}:{agent_id}:space:{uuid.uuid4().hex}", space=space,
                                  text=text, headers={H + "relay": f"{self.node_id}/{self.relay_id}"})
         return await self._publish(from_address(message, self.node_id, agent_id))
