@@ -368,7 +368,8 @@ class InboxHub:
     async def _attach(self, stream: InboxStream, inboxes: list[AgentInbox]) -> None:
         try:
             await stream.attach([i.handle for i in inboxes])
-        except TimeoutError:  # they stay on the stream: a reconnect subscribes them, and they hear ATTACHED then
+        except errors.DeadlineExceeded:  # NO_ANSWER: they stay on the stream; a reconnect subscribes them,
+            # and they hear ATTACHED then
             log.warning("attach of %d agent(s) not answered within the ack timeout; they wait for the next"
                         " subscription of their stream", len(inboxes))
         except errors.MeshError as exc:
@@ -405,7 +406,7 @@ class InboxHub:
     async def _detach(self, stream: InboxStream, agent_ids: list[str]) -> None:
         try:
             await stream.detach(agent_ids)
-        except (errors.MeshError, TimeoutError) as exc:  # the stream is over, or will end: the mesh lets go then
+        except errors.MeshError as exc:  # the stream is over, or will end, or no answer came: the mesh lets go then
             log.info("detach of %d agent(s) not confirmed: %r", len(agent_ids), exc)
 
     async def _send_acks(self, stream: InboxStream, batch: dict[str, _Ack]) -> None:
@@ -420,7 +421,7 @@ class InboxHub:
         except asyncio.CancelledError:  # the hub is closing
             _fail(live.values(), errors.Unavailable("the host's inbox stream was closed", reason=Reason.STREAM_LOST))
             raise
-        except Exception as exc:  # lost (Unavailable), not answered (TimeoutError), or a bug: each waiting ack says so
+        except Exception as exc:  # lost (Unavailable), not answered (DeadlineExceeded), or a bug: each waiting ack says so
             _fail(live.values(), exc)
             return
         for agent_id, ack in live.items():

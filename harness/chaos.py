@@ -575,11 +575,18 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
                 by_agent.clear()  # (an agent refused, closed say: nothing to write again)
 
         async def consume() -> None:
-            acker = asyncio.create_task(ack())
+            # the acker ending (an error it does not expect) ends the host too, to be seen and started again,
+            # not a host that reads on and never acks
+            acker, reader = asyncio.create_task(ack()), asyncio.create_task(read())
             try:
-                await read()
+                done, _ = await asyncio.wait({acker, reader}, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+                if acker in done:
+                    raise RuntimeError("the acker ended")
             finally:
                 acker.cancel()
+                reader.cancel()
 
         async def send(agent_id: str) -> None:
             handle = handles[agent_id]

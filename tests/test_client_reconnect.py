@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from dataclasses import replace
 
 import pytest
 
 from inboxmesh.client import errors
 from inboxmesh.client.mesh import SERVICE_CONFIG, MeshClient
+from inboxmesh.client.stream import InboxStream
 from inboxmesh.events.v1 import events_pb2 as ev
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from services.faults import ENV as CRASH_AT
@@ -158,3 +161,42 @@ async def test_a_call_to_a_mesh_that_stays_away_fails_at_its_deadline_naming_the
         async with MeshClient(address, timeout=CALL_TIMEOUT, wait_for_ready=False) as client:
             with pytest.raises(errors.Unavailable):  # long before the deadline, after the declared retries
                 await client.register("lead")
+
+
+async def test_an_ack_the_mesh_does_not_answer_in_time_is_deadline_exceeded_and_can_be_written_again(tmp_path):
+    """An ack written on a stream that stays up and gets no answer within ack_timeout (the mesh process
+    stopped with SIGSTOP: its connections stay open) fails with DEADLINE_EXCEEDED / NO_ANSWER, documented,
+    not a bare TimeoutError; written again once the mesh runs, it reads what the first one did."""
+    store = store_config(tmp_path)
+    with MeshProcess(tmp_path / "mesh", *store_args(store)) as mesh:
+        async with MeshClient(mesh.address, timeout=CALL_TIMEOUT, admin_token=ADMIN_TOKEN) as client:
+            lead = await client.register("lead")
+            b = await lead.spawn("b")
+            receipt = await lead.send(b.agent_id, "once", message_id="once")
+            stream = InboxStream([b], ack_timeout=0.5)
+            delivered: asyncio.Queue = asyncio.Queue()
+
+            async def read() -> None:
+                async for item in stream:
+                    if item.messages:
+                        delivered.put_nowait(item.messages)
+
+            reader = asyncio.create_task(read())
+            try:
+                (message,) = await asyncio.wait_for(delivered.get(), 30)
+                assert mesh.proc is not None
+                os.kill(mesh.proc.pid, signal.SIGSTOP)
+                try:
+                    with pytest.raises(errors.DeadlineExceeded) as caught:
+                        await stream.ack(b.agent_id, [message.sequence])
+                finally:
+                    os.kill(mesh.proc.pid, signal.SIGCONT)
+                assert caught.value.reason == errors.Reason.NO_ANSWER and "outcome is unknown" in caught.value.message
+                results = await stream.ack(b.agent_id, [receipt.sequence])
+                assert [(r.sequence, r.status) for r in results] == [(receipt.sequence,
+                                                                      pb.ACK_STATUS_ALREADY_CONSUMED)]
+                assert await _consumed(lead, b.agent_id, {"once"}) == ["once"], "consumed once"
+            finally:
+                stream.stop()
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)

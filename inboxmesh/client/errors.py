@@ -17,7 +17,7 @@ below gRPC's 8 KiB soft limit whatever the request held."""
 
 class Reason(enum.StrEnum):
     """Every reason the mesh (and the reference IOA network) puts in a refusal's `google.rpc.ErrorInfo`,
-    and the three this client raises itself (MESH_UNREACHABLE, IOA_NO_RECEIPT, STREAM_LOST). What each means, and with
+    and the three this client raises itself (MESH_UNREACHABLE, STREAM_LOST, NO_ANSWER). What each means, and with
     which status code, is the table "Every refusal" in docs/delivery-contract.md; tests/test_error_table.py
     fails when the code, this enumeration and that table disagree. A StrEnum: a member equals its name as a
     string, so `exc.reason == Reason.AGENT_CLOSED` and `exc.reason == Reason.AGENT_CLOSED` say the same. A reason
@@ -109,6 +109,7 @@ class Reason(enum.StrEnum):
     IOA_PUBLISH_STATUS_INVALID = "IOA_PUBLISH_STATUS_INVALID"
     IOA_SPACE_UNREADABLE = "IOA_SPACE_UNREADABLE"
     IOA_NO_RECEIPT = "IOA_NO_RECEIPT"
+    NO_ANSWER = "NO_ANSWER"
     IOA_OUTBOX_FULL = "IOA_OUTBOX_FULL"
     MESH_UNREACHABLE = "MESH_UNREACHABLE"
     STREAM_LOST = "STREAM_LOST"

@@ -7,6 +7,8 @@ Server side: `to_grpc` builds the status (with google.rpc.ErrorInfo in the
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]  # ships no type information
@@ -79,3 +81,16 @@ def from_error_fields(code: int, reason: str, message: str, metadata: dict[str, 
     as google.rpc.Code."""
     status = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
     return ERROR_OF.get(status, errors.MeshError)(message, reason=errors.reason_of(reason), metadata=metadata)
+
+
+CALL_ENDED = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, asyncio.CancelledError)
+"""What reading or writing a grpc.aio streaming call raises once the call is over. CancelledError among them: a
+call cancelled locally (by another task: a failed write, a stream's end, a stop) raises it in every reader and
+writer of the call, not only in a task that was cancelled; `own_cancel` tells the two apart."""
+
+
+def own_cancel(exc: BaseException) -> bool:
+    """Whether exc is the cancellation of the running task itself (to be raised on), not the end of a call
+    that someone cancelled."""
+    task = asyncio.current_task()
+    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0

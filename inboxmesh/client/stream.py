@@ -39,9 +39,9 @@ import collections
 import contextlib
 import logging
 import random
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 
@@ -60,12 +60,13 @@ from inboxmesh.client.acking import (
 )
 from inboxmesh.client.errors import Reason
 from inboxmesh.client.mesh import AgentHandle
-from inboxmesh.client.status import from_rpc_error
+from inboxmesh.client.status import from_rpc_error, own_cancel
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2
 
 __all__ = ["MAX_ACK_SEQUENCES", "ConsumedMany", "InboxStream", "StreamItem", "ack_error", "consume", "refusal"]
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
@@ -210,6 +211,15 @@ class InboxStream:
                 if exc.code() not in _RETRYABLE:
                     raise from_rpc_error(exc) from None
                 failure = from_rpc_error(exc)
+            except (asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+                if own_cancel(exc):
+                    raise
+                # the mesh ended the call between the subscribe and an attach or detach written after it
+                # (a refusal the reader hands over), or stop() cancelled it: as any stream lost
+                if self._stopped:
+                    return
+                failure = errors.Unavailable(f"the inbox stream ended while it subscribed: {exc or type(exc).__name__}",
+                                             reason=Reason.STREAM_LOST)
             finally:
                 call.cancel()
                 reader.cancel()
@@ -383,7 +393,7 @@ class InboxStream:
                 self._answers.forget(request_id, future)
                 raise
             try:
-                answer = await asyncio.wait_for(future, self.ack_timeout)
+                answer = await self._answered(future, "ack")
             except errors.Unavailable as exc:
                 if exc.reason == Reason.STREAM_LOST or self._stopped:
                     raise
@@ -476,7 +486,7 @@ class InboxStream:
                 await self._write_stream(inbox_pb2.ConsumeRequest(attach=inbox_pb2.AttachRequest(
                     credentials=[h.credential for h in new], max_in_flight=self.max_in_flight,
                     request_id=request_id)))
-            await asyncio.wait_for(asyncio.gather(*waits), self.ack_timeout)
+            await self._answered(asyncio.gather(*waits), "attach")
         finally:
             self._requests.pop(request_id, None)
 
@@ -508,9 +518,20 @@ class InboxStream:
             finally:
                 if call is not None:
                     self._half_close_if_empty(call)
-            await asyncio.wait_for(asyncio.gather(*waits), self.ack_timeout)
+            await self._answered(asyncio.gather(*waits), "detach")
         finally:
             self._requests.pop(request_id, None)
+
+    async def _answered(self, waiting: Awaitable[T], what: str) -> T:
+        """What the mesh answered to a request written on the stream; DeadlineExceeded (NO_ANSWER) when no
+        answer came within ack_timeout while the stream stayed up (a stream lost fails it as Unavailable)."""
+        try:
+            return await asyncio.wait_for(waiting, self.ack_timeout)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"no answer to the {what} within {self.ack_timeout:g}s on a live inbox stream: its outcome is"
+                f" unknown; {what} again (an ack that had consumed a message reads ALREADY_CONSUMED then)",
+                reason=Reason.NO_ANSWER) from None
 
     async def _write_stream(self, request: inbox_pb2.ConsumeRequest, what: str = "write") -> None:
         """Write a request on the stream; Unavailable when it is not connected, or the call is lost or over
@@ -520,6 +541,9 @@ class InboxStream:
         except grpc.aio.AioRpcError as exc:
             raise errors.Unavailable(f"could not {what} on the inbox stream: {exc.details()}",
                                      reason=Reason.STREAM_LOST) from None
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            raise errors.Unavailable(f"could not {what} on the inbox stream: {exc}",
+        except (asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+            if own_cancel(exc):
+                raise
+            # (CancelledError: the call was cancelled, by the stream's end or stop(), while this wrote)
+            raise errors.Unavailable(f"could not {what} on the inbox stream: {exc or type(exc).__name__}",
                                      reason=Reason.STREAM_LOST) from None

@@ -52,6 +52,7 @@ from opentelemetry import trace
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
+from inboxmesh.client.status import CALL_ENDED, own_cancel
 from inboxmesh.client.tracing import context_of, trace_id_of, tracer
 from inboxmesh.common.v1 import envelope_pb2 as env_pb
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -150,17 +151,6 @@ StoredMessage = Callable[[str, str], Awaitable[Any]]
 a predecessor this relay has no memory of was stored (after a restart)."""
 Pair = tuple[str, str]
 """(local sender, IOA recipient address): what per-pair order is kept for."""
-CALL_ENDED = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, asyncio.CancelledError)
-"""What reading or writing the network connection's call raises once it is over. CancelledError among them:
-a call this relay cancelled (a write on it failed, the connection ended) raises it in every reader and
-writer of the call, not only in the task cancelled; `_own_cancel` tells the two apart."""
-
-
-def _own_cancel(exc: BaseException) -> bool:
-    """Whether exc is the cancellation of the running task itself (to be raised on), not the end of a call
-    that was cancelled."""
-    task = asyncio.current_task()
-    return isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
 
 
 @dataclass(eq=False)
@@ -334,7 +324,7 @@ class IoaRelay:
             except CALL_ENDED as exc:
                 if self._stopping:
                     return
-                if _own_cancel(exc):
+                if own_cancel(exc):
                     raise
                 # else a CancelledError is the call's own: a write on it failed and cancelled it
                 # (_write_publishes), and its reader ends so; the connection is lost like any other
@@ -420,7 +410,7 @@ class IoaRelay:
                 await call.write(net.NodeFrame(publish=publishes[0]) if len(publishes) == 1 else
                                  net.NodeFrame(publish_batch=net.PublishBatch(publishes=publishes)))
             except CALL_ENDED as exc:
-                if _own_cancel(exc):
+                if own_cancel(exc):
                     raise
                 for publish_id in ids:
                     self._published.pop(publish_id, None)
@@ -1091,7 +1081,7 @@ class IoaRelay:
                     try:
                         await self._call.write(net.NodeFrame(join=net.JoinSpace(space=space)))
                     except CALL_ENDED as exc:
-                        if _own_cancel(exc):
+                        if own_cancel(exc):
                             raise
                         # the connection is ending; the next one joins
         message = net.IoaMessage(ioa_message_id=f"{self.node_id}:{agent_id}:space:{uuid.uuid4().hex}", space=space,
