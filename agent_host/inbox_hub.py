@@ -421,7 +421,7 @@ class InboxHub:
         except asyncio.CancelledError:  # the hub is closing
             _fail(live.values(), errors.Unavailable("the host's inbox stream was closed", reason=Reason.STREAM_LOST))
             raise
-        except Exception as exc:  # lost (Unavailable), not answered (DeadlineExceeded), or a bug: each waiting ack says so
+        except Exception as exc:  # lost (Unavailable), unanswered (DeadlineExceeded), a bug: each waiting ack says so
             _fail(live.values(), exc)
             return
         for agent_id, ack in live.items():
