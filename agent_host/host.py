@@ -381,7 +381,10 @@ class Host:
     def observe(self, agent: HostedAgent, kind: str, detail: str) -> None:
         event = HostEvent(time.time(), agent.name, agent.agent_id, kind, detail)
         for observer in self.observers:
-            observer(event)
+            try:
+                observer(event)
+            except Exception:  # a printer whose stdout is gone (BrokenPipeError), say: not the agent's end
+                log.exception("a host observer failed on %s of %s; the agent goes on", kind, agent.name)
 
     async def _recover_consumed(self, runner: AgentRunner[AgentHandle], handle: AgentHandle) -> int:
         """Messages the mesh recorded as consumed by this agent that never made

@@ -368,7 +368,10 @@ class AgentRunner(Generic[HandleT]):
                 self.run_task = None
                 self._turn = None
                 self.record.running = False
-                self.host.save(self.record, self.conversation)
+                try:
+                    self.host.save(self.record, self.conversation)
+                except Exception:  # host.db failing (a full disk, say): said loudly, and the loop goes on
+                    log.exception("%s: could not save the agent in the host's store", self)
             if self.stopping:
                 return
             if self.budget.failed is not None:

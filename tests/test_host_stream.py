@@ -306,3 +306,21 @@ async def test_stopping_an_open_agents_inbox_detaches_it_and_leaves_the_others(c
         assert hub.streams_opened == 1 and sorted(hub.streams[0].agents) == [a.agent_id]
     finally:
         await hub.close()
+
+
+async def test_an_observer_that_fails_does_not_stop_the_agent(mesh, client, tmp_path):
+    """An observer of the host's live log that raises (the command line's printer when its stdout is gone:
+    BrokenPipeError) is logged; the agent's loop goes on and answers (it ended the loop before)."""
+
+    def gone(event) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    async with scripted_host(mesh.address, tmp_path / "host", {"echo": lambda view: say("heard")},
+                             budget=ROOMY) as host:
+        host.observers.insert(0, gone)
+        agent = await host.start_task("echo", "Answer whoever writes.")
+        poker = await agent.handle.spawn("poker")
+        for text in ("one", "two"):
+            receipt = await poker.send(agent.agent_id, text)
+            await eventually(lambda mid=receipt.message_id: mid in _consumed_here(host), message=f"{text} consumed")
+        assert any(e.kind == "consumed" for e in host.log), "the observers after the failing one still hear"

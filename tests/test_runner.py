@@ -477,3 +477,31 @@ async def test_a_reply_may_name_the_message_by_its_senders_id_when_one_message_i
     agent.deliver("agt_carol", "two", "north:agt_carol:m3")
     await eventually(lambda: runner.state == "idle" and len(runner.actions.received) == 3, message="delivered")
     assert runner.actions.message("agt_carol") is None, "a sender of two messages names neither"
+
+
+class FailingSaves(FakeHost):
+    """host.db failing its writes (a full disk) for the next `failures` saves made between runs (the save
+    after a run; one within a run fails the run, as any error of a run does)."""
+
+    def __init__(self, names: dict[str, str], failures: int):
+        super().__init__(names)
+        self.failures = failures
+
+    def save(self, agent: HostedAgent, conversation: Conversation) -> None:
+        if self.failures and not agent.running:
+            self.failures -= 1
+            raise OSError(28, "No space left on device")
+        super().save(agent, conversation)
+
+
+async def test_a_save_that_fails_after_a_run_does_not_end_the_agents_loop(running, caplog):
+    """The save after a run is outside the run's own failure handling: one that raised ended the loop, and
+    the agent answered nothing more. It is logged, and the next message is answered."""
+    agent, host = FakeAgent("agt_bob"), FailingSaves({"agt_bob": "bob", "agt_alice": "alice"}, failures=1)
+    await running(runner_for(agent, host, ScriptedModel(echo)))
+    agent.deliver("agt_alice", "first", "m1")
+    await eventually(lambda: host.failures == 0 and agent.sent, message="the first run over, its save failed")
+    agent.deliver("agt_alice", "second", "m2")
+    await eventually(lambda: len(agent.sent) >= 2, message="the second message answered")
+    assert [m.content.text for m in agent.sent][-1] == "second"
+    assert "could not save the agent in the host's store" in caplog.text
