@@ -164,7 +164,11 @@ class Gateway(RequestHandler):
 
     async def _prune(self) -> None:
         while True:
-            pruned = self.book.prune(time.time_ns() // 1000 - int(self.config.keep_days * 86_400e6))
+            try:
+                pruned = self.book.prune(time.time_ns() // 1000 - int(self.config.keep_days * 86_400e6))
+            except (sqlite3.Error, OSError) as exc:  # the book's file failing: tried again at the next round
+                log.error("could not forget the tasks that ended over %g days ago: %s", self.config.keep_days, exc)
+                pruned = 0
             if pruned:
                 log.info("forgot %d tasks that ended over %g days ago", pruned, self.config.keep_days)
             await asyncio.sleep(PRUNE_EVERY_S)
@@ -190,6 +194,8 @@ class Gateway(RequestHandler):
                     backoff = 0.1
             except errors.MeshError as exc:
                 log.warning("record watch ended (%s: %s); resuming in %.1fs", exc.reason, exc.message, backoff)
+            except (sqlite3.Error, OSError) as exc:  # the book's file failing: resumed from its cursor
+                log.error("record watch stopped, the task book failed (%s); resuming in %.1fs", exc, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
