@@ -63,6 +63,11 @@ async def test_a_changed_file_moves_the_binding_and_a_bad_one_changes_nothing(tm
             third = await client.ingress(TOKEN, **slack("m3"))
             assert third.route.agent_id == "home" and third.receipt.status == pb.RECEIPT_STATUS_ACCEPTED
 
+            # nested too deeply for the parser (it recursed, and the error ended the watching for good)
+            path.write_text("agents: " + "[" * 5000 + "]" * 5000 + "\n")
+            deep = await eventually(_refused(client, "nested too deeply"), timeout=10, message="the deep file refused")
+            assert deep.config_version == after.config_version
+
             # fixed again: served, and the error is gone
             path.write_text(CONFIG.format(slack_agent="work", denied="spawn_agent", token=TOKEN))
             fixed = await eventually(_newer(client, after.config_version), timeout=10, message="the fix taken")
@@ -97,8 +102,8 @@ def _newer(client, version):
     return check
 
 
-def _refused(client):
+def _refused(client, saying: str = ""):
     async def check():
         listing = await client.configured_agents()
-        return listing if listing.reload_error else None
+        return listing if listing.reload_error and saying in listing.reload_error else None
     return check

@@ -266,6 +266,8 @@ def load_routing_config(path: str | os.PathLike[str]) -> RoutingConfig:
             data = yaml.load(raw, Loader=_UniqueKeyLoader)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, yaml.YAMLError) as exc:
         _file_error(file, f"cannot parse {'TOML' if suffix == '.toml' else 'YAML'}: {exc}", exc)
+    except RecursionError:  # the parsers recurse on nesting: a file nested that deep is no routing config
+        _file_error(file, f"cannot parse {'TOML' if suffix == '.toml' else 'YAML'}: nested too deeply")
     config = parse_routing_config(data, source=str(file))
     for warning in config.warnings:
         log.warning("%s: %s", file, warning)

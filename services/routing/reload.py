@@ -60,7 +60,11 @@ class RoutingReloader:
             stamp = self._stat()
             if stamp != self._stamp:
                 self._stamp = stamp
-                self.reload()
+                try:
+                    self.reload()
+                except Exception:  # a bug in reading a file must not end the watching: the config in force stays
+                    log.exception("routing config reload failed; the config in force (version %s) stays",
+                                  self.service.config.version)
 
     def reload(self) -> bool:
         """Read and validate the file now; serve it when valid (True), else keep the config in force."""
