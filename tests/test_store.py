@@ -13,6 +13,7 @@ from services.clock import now_us
 from services.config import StoreConfig
 from services.store.base import ACCEPTED, AGENT_OPEN, TARGET_CLOSED, AgentRecord, AppendItem, EventQuery, EventRow
 from services.store.sqlite import SqliteStore
+from services.store.sqlite.writer import Writer, connect
 
 pytestmark = pytest.mark.store_independent
 
@@ -142,3 +143,32 @@ async def test_closed_store_refuses_calls_clearly(tmp_path):
     await s.close()
     with pytest.raises(errors.Unavailable):
         await s.get_agent("agt_x")
+
+
+async def test_a_savepoint_sqlite_fails_fails_the_batch_and_leaves_no_transaction_open(tmp_path):
+    """sqlite failing a savepoint statement itself (here: its savepoint gone when an operation fails, as
+    an I/O error can leave it) fails every operation of the batch with STORE_UNAVAILABLE and rolls the
+    transaction back. It escaped the flush before: the batch's callers waited for ever, and the open
+    transaction refused every later BEGIN."""
+    conn = connect(tmp_path / "w.db", synchronous="FULL", busy_timeout_ms=1000)
+    conn.execute("CREATE TABLE t (v INTEGER)")
+    writer = Writer(conn, max_pending=16, max_ops_per_commit=16)
+    writer.start()
+
+    def insert(value):
+        def op(c, events):
+            c.execute("INSERT INTO t VALUES (?)", (value,))
+        return op
+
+    def breaks_its_savepoint(c, events):
+        c.execute("RELEASE op")
+        raise ValueError("and fails")
+
+    first, broken = await writer.enqueue(insert(1)), await writer.enqueue(breaks_its_savepoint)
+    for future in (first, broken):
+        with pytest.raises(errors.Unavailable) as caught:
+            await asyncio.wait_for(future, 5)
+        assert caught.value.reason == errors.Reason.STORE_UNAVAILABLE
+    assert await asyncio.wait_for(writer.run(insert(2)), 5) is None, "the next batch commits"
+    assert [v for (v,) in conn.execute("SELECT v FROM t")] == [2], "the failed batch left nothing"
+    await writer.close()

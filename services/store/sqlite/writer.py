@@ -188,28 +188,28 @@ class Writer:
             failure = errors.Unavailable(f"store could not start a transaction: {exc}; nothing was written",
                                          reason=Reason.STORE_UNAVAILABLE)
             return [(False, failure)] * len(ops), 0, []
-        for op in ops:
-            conn.execute("SAVEPOINT op")
-            op_events: list[EventRow] = []
-            try:
-                value = op(conn, op_events)
-                if op_events:  # inside the savepoint: an event the table cannot hold fails its operation only
-                    conn.executemany(INSERT_EVENT, [row.values() for row in op_events])
-            except Exception as exc:  # one operation failing must not sink the others
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
-                if not isinstance(exc, errors.MeshError):
-                    log.exception("store operation failed")
-                    exc = errors.Internal(f"store operation failed: {exc!r}")
-                results.append((False, exc))
-            else:
-                conn.execute("RELEASE op")
-                if isinstance(value, EventIds):
-                    value.extend(range(len(events), len(events) + len(op_events)))  # offsets until committed
-                results.append((True, value))
-                events += op_events
         first_event_id = 0
-        try:
+        try:  # the savepoints too: sqlite failing one (an I/O error) fails the batch, never leaves it open
+            for op in ops:
+                conn.execute("SAVEPOINT op")
+                op_events: list[EventRow] = []
+                try:
+                    value = op(conn, op_events)
+                    if op_events:  # inside the savepoint: an event the table cannot hold fails its operation only
+                        conn.executemany(INSERT_EVENT, [row.values() for row in op_events])
+                except Exception as exc:  # one operation failing must not sink the others
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    if not isinstance(exc, errors.MeshError):
+                        log.exception("store operation failed")
+                        exc = errors.Internal(f"store operation failed: {exc!r}")
+                    results.append((False, exc))
+                else:
+                    conn.execute("RELEASE op")
+                    if isinstance(value, EventIds):
+                        value.extend(range(len(events), len(events) + len(op_events)))  # offsets until committed
+                    results.append((True, value))
+                    events += op_events
             if events:
                 # One writer holds the lock for the whole transaction (and a rolled-back savepoint takes its
                 # ids back), so the ids of this batch are contiguous.
