@@ -86,7 +86,7 @@ class Plan:
     """How long the consumers get, after the faults, to consume what was accepted."""
     pace_s: float = 0.0
     """The senders spread their messages over at least this long (0: as fast as they go), so the faults
-    fall among the sends however fast the machine is (an idle machine sent the suite's 1,020 in 10 s,
+    fall among the sends however fast the machine is (an idle machine sent the suite's 1,000 local messages in 10 s,
     between one fault and the next)."""
     work_dir: Path | None = None
 
