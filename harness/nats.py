@@ -57,9 +57,11 @@ class NatsNode:
 
     def __init__(self, store_dir: Path, *, name: str = "n1", port: int = 0, cluster_port: int = 0,
                  routes: tuple[int, ...] = (), cluster: str = "inboxmesh", durable: bool = True,
-                 tls: tuple[Path, Path] | None = None, tls_client_ca: Path | None = None):
+                 tls: tuple[Path, Path] | None = None, tls_client_ca: Path | None = None, config: Path = CONFIG):
         """tls: (certificate, key) to serve TLS to clients with; tls_client_ca: require client certificates
-        that CA signed (mutual TLS)."""
+        that CA signed (mutual TLS); config: the server's configuration file when `durable` (a copy of the
+        shipped one, for a test that changes it and has the server read it again with SIGHUP)."""
+        self.config = config
         self.store_dir = store_dir
         self.name = name
         self.port = port or free_port()
@@ -91,7 +93,7 @@ class NatsNode:
         return ["--store", "jetstream", "--nats", self.url, "--nats-monitor", self.monitor_url]
 
     def _argv(self) -> list[str]:
-        argv = [nats_server_binary(), *(["-c", str(CONFIG)] if self.durable else []), "-n", self.name,
+        argv = [nats_server_binary(), *(["-c", str(self.config)] if self.durable else []), "-n", self.name,
                 "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.http_port), "-js", "-sd",
                 str(self.store_dir / self.name)]
         if self.tls:

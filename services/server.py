@@ -105,6 +105,10 @@ class Mesh:
         self.health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
         self._state = "new"
+        self.lost = ""
+        """Why the mesh stopped by itself (its store lost for good: Store.on_lost); empty otherwise."""
+        self._stopping_task: asyncio.Task[None] | None = None
+        self.store.on_lost(self._store_lost)
 
     @property
     def relay(self) -> IoaRelay | None:
@@ -199,13 +203,27 @@ class Mesh:
             if self.relay is not None:
                 await self.relay.stop()
         finally:
-            await self.store.close()
-            self._state = "stopped"
-            self._stopped.set()
-            log.info("mesh on %s stopped", self.address)
+            try:
+                await self.store.close()
+            except Exception:  # (a store lost for good cannot flush): the mesh is stopped all the same
+                log.exception("the store did not close cleanly")
+            finally:
+                self._state = "stopped"
+                self._stopped.set()
+                log.info("mesh on %s stopped", self.address)
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    def _store_lost(self, why: str) -> None:
+        """The store cannot recover by itself: stop (health NOT_SERVING at once, calls in progress end
+        within the grace period), so that the process ends and its supervisor starts it again
+        (`inboxmesh up` exits with status 1)."""
+        if self.lost or self._state != "running":
+            return
+        self.lost = why
+        log.critical("the store is lost for good (%s): the mesh stops", why)
+        self._stopping_task = asyncio.get_running_loop().create_task(self.stop(), name="mesh-stop-store-lost")
 
     async def __aenter__(self) -> Mesh:
         await self.start()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import uuid
 from dataclasses import replace
 
@@ -15,7 +17,7 @@ import nats
 import nats.js.errors
 import pytest
 
-from harness.nats import NatsCluster, NatsNode, wait_for_jetstream
+from harness.nats import CONFIG, NatsCluster, NatsNode, wait_for_jetstream
 from inboxmesh.client import errors
 from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.client.stream import InboxStream
@@ -274,6 +276,28 @@ async def test_a_restarted_nats_node_loses_nothing_accepted(tmp_path):
                 node.start()
             async with MeshClient(r1.address, admin_token=ADMIN_TOKEN) as admin:
                 await traffic.check(admin)
+    finally:
+        node.kill()
+
+
+async def test_a_mesh_whose_nats_client_closed_for_good_stops_with_status_1(tmp_path):
+    """The NATS server's configuration reloaded (SIGHUP) with an authorization the mesh does not have: the
+    server tells the connected client so, and nats-py closes the connection for good, never to reconnect
+    (a reconnect refused the same way is retried; this is not). The mesh does not stay up storing nothing:
+    it says why and exits with status 1, for its supervisor to start it again; until then a call fails
+    with NATS_DOWN. (It stayed up, every call failing, health SERVING.)"""
+    config = tmp_path / "nats.conf"
+    config.write_text(CONFIG.read_text() + "server_name: n1\n")  # as -n says: a reload must not change it
+    node = NatsNode(tmp_path / "nats", config=config).start()
+    try:
+        with replica(tmp_path, node, "r1") as r1:
+            async with MeshClient(r1.address, admin_token=ADMIN_TOKEN) as client:
+                await (await client.register("lead")).spawn("a")
+            config.write_text(config.read_text() + "authorization { token: not-the-meshs }\n")
+            assert node.proc is not None
+            os.kill(node.proc.pid, signal.SIGHUP)
+            assert await asyncio.to_thread(r1.wait, 60) == 1, r1.output()
+            assert "closed its connection for good" in r1.output() and "exit status 1" in r1.output()
     finally:
         node.kill()
 

@@ -133,7 +133,11 @@ async def _up(args) -> int:
         if args.exit_after_demo:
             return 0
         print("inboxmesh: serving; Ctrl-C to stop", flush=True)
-        await stop.wait()
+        stopped = asyncio.ensure_future(mesh.wait_stopped())  # by itself: its store lost for good
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), stopped], return_when=asyncio.FIRST_COMPLETED)
+        if mesh.lost:
+            print(f"inboxmesh: {mesh.lost}; stopped, exit status 1: start it again", file=sys.stderr, flush=True)
+            return 1
         print("inboxmesh: stopping", flush=True)
         return 0
     finally:

@@ -540,3 +540,8 @@ class Store(AgentStore, InboxStore, RunStore, OutboxStore, EventStore):
     @abc.abstractmethod
     async def close(self) -> None:
         """Finish queued writes and release resources. Safe to call twice."""
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Have `callback(why)` called once if the store is lost for good while it runs (it cannot recover
+        by itself: on JetStream, a NATS connection its client closed and will not open again). The
+        default: a store that is never lost so (SQLite's failures are per call)."""

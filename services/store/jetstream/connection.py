@@ -139,6 +139,10 @@ class JetStreamConnection:
         self._tokens = itertools.count(1)
         self._logged_errors: dict[str, float] = {}
         """When an error of each kind was last logged (_on_error)."""
+        self.lost = ""
+        """Why the connection is gone for good (_on_closed); empty while it is not."""
+        self.on_lost: Callable[[str], None] | None = None
+        """Called once, with `lost`, when the connection is gone for good."""
         self.origin = secrets.token_hex(8)
         """Names this connection (its atomic batches' ids)."""
         self.inbox_writes = SharedWrites(self.inbox_stream, self.publish_batch, self.publish_each)
@@ -160,7 +164,7 @@ class JetStreamConnection:
                 servers=urls, connect_timeout=5, max_reconnect_attempts=-1,
                 **({"tls": context} if context is not None else {}), reconnect_time_wait=0.2, name="inboxmesh",
                 no_echo=True, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
-                reconnected_cb=self._on_reconnected), CONNECT_TIMEOUT_S)
+                reconnected_cb=self._on_reconnected, closed_cb=self._on_closed), CONNECT_TIMEOUT_S)
         except TimeoutError:
             last = self._last_error
             raise errors.Unavailable(
@@ -240,6 +244,19 @@ class JetStreamConnection:
             return
         log.warning("NATS connection lost; reconnecting (store calls fail with STORE_UNAVAILABLE meanwhile)")
 
+    async def _on_closed(self) -> None:
+        """nats-py closed the connection for good, not close(): it does so on an error the server sends a
+        connected client (an authorization the server's configuration no longer grants, after a reload, say),
+        and never reconnects then. Nothing can be stored any more: the calls fail with NATS_DOWN, and
+        `on_lost` hears of it (the mesh stops, so that its supervisor starts it again)."""
+        if self.nc is None or self.lost:  # closed by close(), or told already
+            return
+        self.lost = (f"the NATS client closed its connection for good ({self._last_error or self.nc.last_error!r})"
+                     " and does not reconnect")
+        log.critical("%s: this mesh process can store nothing any more", self.lost)
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
+
     async def _on_reconnected(self) -> None:
         self._logged_errors.clear()
         log.warning("NATS connection back (%s)", self.nc.connected_url.netloc if self.nc else "?")
@@ -247,12 +264,15 @@ class JetStreamConnection:
     async def close(self) -> None:
         """Drain the connection (what is in flight is sent). Safe to call twice."""
         nc, self.nc = self.nc, None
-        if nc is not None:
+        if nc is not None and not nc.is_closed:  # (closed for good by nats-py: nothing to drain)
             await nc.drain()
 
     def require_open(self) -> None:
         if self.nc is None or self.js is None:
             raise errors.Unavailable("the store is not running", reason=Reason.STORE_CLOSED)
+        if self.lost:
+            raise errors.Unavailable(f"{self.lost}; this mesh process stops: start it again",
+                                     reason=Reason.NATS_DOWN)
 
     async def _on_reply(self, msg: Any) -> None:
         handler = self._replies.get(msg.subject[len(self._reply_prefix) + 1:])

@@ -85,6 +85,9 @@ class JetStreamStore(base.Store):
         await self.inbox.start()
         self.keeper.start()
 
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        self.conn.on_lost = callback
+
     @nats_call
     async def close(self) -> None:
         await self.keeper.stop()
