@@ -60,7 +60,7 @@ from inboxmesh.client.acking import (
 )
 from inboxmesh.client.errors import Reason
 from inboxmesh.client.mesh import AgentHandle
-from inboxmesh.client.status import from_rpc_error, own_cancel
+from inboxmesh.client.status import CALL_ENDED, from_rpc_error, own_cancel
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2
 
@@ -211,7 +211,7 @@ class InboxStream:
                 if exc.code() not in _RETRYABLE:
                     raise from_rpc_error(exc) from None
                 failure = from_rpc_error(exc)
-            except (asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+            except CALL_ENDED as exc:  # (an AioRpcError is taken by the clause above)
                 if own_cancel(exc):
                     raise
                 # the mesh ended the call between the subscribe and an attach or detach written after it
@@ -541,7 +541,7 @@ class InboxStream:
         except grpc.aio.AioRpcError as exc:
             raise errors.Unavailable(f"could not {what} on the inbox stream: {exc.details()}",
                                      reason=Reason.STREAM_LOST) from None
-        except (asyncio.InvalidStateError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+        except CALL_ENDED as exc:  # (an AioRpcError is taken by the clause above)
             if own_cancel(exc):
                 raise
             # (CancelledError: the call was cancelled, by the stream's end or stop(), while this wrote)
