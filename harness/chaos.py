@@ -80,6 +80,10 @@ class Plan:
     duration_s: float = 1800.0
     """The faults stop after this long even when the senders are not done."""
     fault_every_s: float = 5.0
+    min_faults: int = 0
+    """The faults go on after the senders are done until this many were injected (within duration_s): a
+    machine slow to start processes again fits fewer faults among the sends (a fault waits for its victim
+    to be back), and a soak with too few proves little."""
     faults: tuple[str, ...] = FAULTS
     """What may be killed."""
     drain_s: float = 180.0
@@ -238,7 +242,7 @@ def soak(plan: Plan) -> Report:
             hosts.append(host)
         deadline = started + plan.duration_s
         next_fault = time.monotonic() + rng.uniform(0.5, 1.5) * plan.fault_every_s
-        while time.monotonic() < deadline and not _all_done(work, plan):
+        while time.monotonic() < deadline and (not _all_done(work, plan) or _injected(faults) < plan.min_faults):
             time.sleep(0.2)
             _supervise(hosts, work, faults)
             if time.monotonic() < next_fault:
@@ -304,6 +308,11 @@ def _timeline(work: Path, at: float, victim: str) -> None:
     """When each fault came and what it killed (faults.log), to read beside the logs."""
     with (work / "faults.log").open("a") as timeline:
         timeline.write(f"{at:.1f} {victim}\n")
+
+
+def _injected(faults: collections.Counter[str]) -> int:
+    """The faults injected so far (not the refused starts and host exits counted beside them)."""
+    return sum(n for kind, n in faults.items() if kind in FAULTS)
 
 
 def _host_count(plan: Plan) -> int:
@@ -642,6 +651,8 @@ def main() -> None:
                         help="agents of a far mesh that send across an IOA network (0: none)")
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of faults at most")
     parser.add_argument("--fault-every", type=float, default=5.0, help="seconds between faults, on average")
+    parser.add_argument("--min-faults", type=int, default=0,
+                        help="go on with faults after the senders are done until this many (within --duration)")
     parser.add_argument("--drain", type=float, default=180.0)
     parser.add_argument("--pace", type=float, default=0.0,
                         help="spread the sends over at least this many seconds (0: as fast as they go)")
@@ -660,7 +671,8 @@ def main() -> None:
         return
     report = soak(Plan(seed=args.seed, agents=args.agents, messages=args.messages, hosts=args.hosts,
                        far_agents=args.far_agents, far_messages=args.far_messages,
-                       duration_s=args.duration, fault_every_s=args.fault_every, drain_s=args.drain, pace_s=args.pace,
+                       duration_s=args.duration, fault_every_s=args.fault_every, min_faults=args.min_faults,
+                       drain_s=args.drain, pace_s=args.pace,
                        faults=tuple(args.faults.split(",")),
                        work_dir=args.work_dir))
     print(json.dumps(asdict(report), indent=2))

@@ -9,7 +9,8 @@
 # After lint, the types (mypy, at the lowest priority) and the suite run at
 # once (lanes): three pytest processes, each in its own temporary folder:
 # the real-model scenario (its model server computes on
-# both cores while the other lanes mostly wait on sockets and disks), the
+# both cores while the other lanes mostly wait on sockets and disks) followed
+# by the NATS fault and compose tests, the
 # rest of the SQLite pass, and the JetStream pass (without the tests marked
 # `store_independent`, which start their own nats-server or use no mesh store:
 # the SQLite pass runs them, once). Each lane's output is
@@ -85,8 +86,13 @@ lane() {
 # Types (mypy, one core for 30-80 s) run beside the test lanes, at the lowest priority: they fill the time
 # the lanes wait on sockets and disks instead of holding the lanes back.
 lane "types (mypy)" nice -n 19 .venv/bin/mypy
-lane "real-model scenario (SQLite)" .venv/bin/python -m pytest harness/test_real_llm.py
-lane "SQLite pass" nice -n 5 .venv/bin/python -m pytest --ignore=harness/test_real_llm.py -m "not counts"
+# The tests that kill nats-server nodes and run the compose services (store_independent, about 140 s) run
+# in the real-model lane after its scenario: the SQLite pass, the longest lane, took 765-825 s with them.
+after_model=(tests/test_jetstream_faults.py tests/test_compose.py)
+lane "real-model scenario (SQLite), then NATS faults and compose" .venv/bin/python -m pytest -m "not counts" \
+  harness/test_real_llm.py "${after_model[@]}"
+lane "SQLite pass" nice -n 5 .venv/bin/python -m pytest --ignore=harness/test_real_llm.py \
+  "${after_model[@]/#/--ignore=}" -m "not counts"
 lane "JetStream pass" env INBOXMESH_TEST_STORE=jetstream nice -n 5 .venv/bin/python -m pytest -q \
   --ignore=harness/test_real_llm.py --ignore=tests/test_generated_code.py -m "not counts and not store_independent"
 for i in "${!lane_names[@]}"; do
