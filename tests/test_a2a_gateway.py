@@ -16,6 +16,7 @@ import contextlib
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -233,6 +234,46 @@ async def test_a_stream_resumes_after_a_gateway_kill_without_loss_or_repetition(
         sdk = await a2a_client(gateway, "JSONRPC", http)
         with pytest.raises((UnsupportedOperationError, A2AClientError), match="has ended"):
             [r async for r in sdk.subscribe(a2a.SubscribeToTaskRequest(id=task.id), context=auth())]
+        await sdk.close()
+
+
+async def test_the_record_watch_goes_on_after_the_task_book_failed_a_write(setup, tmp_path):
+    """The task book's file failing a write (here: locked by another process past sqlite's busy timeout)
+    stops the gateway's record watch for a moment, not for good: it resumes from the book's cursor and
+    records what it could not, so the task still follows the record."""
+    client, exposed, answerer, gateway = setup
+    await answerer.close()  # this test consumes the message itself, and sends no answer
+    async with httpx.AsyncClient(timeout=30) as http:
+        sdk = await a2a_client(gateway, "JSONRPC", http)
+        stream = sdk.send_message(request("held"), context=auth())
+        task = (await anext(stream)).task
+        await stream.aclose()
+        assert task.status.state == a2a.TASK_STATE_SUBMITTED
+        book = sqlite3.connect(tmp_path / "a2a.sqlite", isolation_level=None)
+        book.execute("BEGIN EXCLUSIVE")  # every write of the gateway's book waits 5 s, then fails
+        try:
+            inbox = InboxStream([exposed])
+            async for item in inbox:
+                if item.messages:
+                    assert [m.message_id for m in item.messages] == [task.id]
+                    await inbox.consume(exposed.agent_id, item.messages)
+                    break
+            inbox.stop()
+            await eventually(lambda: "the task book failed" in (tmp_path / "a2a.log").read_text(), timeout=30,
+                             message="the record watch's write failed on the locked book")
+        finally:
+            book.execute("COMMIT")
+            book.close()
+        # the CONSUMED event, read again from the cursor: the task is WORKING (it stayed SUBMITTED when the
+        # book's error ended the watch)
+        async def state() -> int:
+            return (await sdk.get_task(a2a.GetTaskRequest(id=task.id), context=auth())).status.state
+
+        for _ in range(100):
+            if await state() == a2a.TASK_STATE_WORKING:
+                break
+            await asyncio.sleep(0.2)
+        assert await state() == a2a.TASK_STATE_WORKING
         await sdk.close()
 
 
