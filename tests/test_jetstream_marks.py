@@ -4,7 +4,8 @@ the write and every other delivery waiting for it go on: once, after a NATS node
 under load, a cancelled wait cancelled the write's shared future, the next subscription's delivery ended
 as if cancelled itself, and nothing more was delivered for 240 s (tests/test_jetstream_faults.py,
 test_a_restarted_nats_node_loses_nothing_accepted; the log said "first deliveries not written ...
-InvalidStateError")."""
+InvalidStateError"). The same again later through an ack: the consumer's ack of those messages waited
+for the write when its deadline passed, and the cancelled ack cancelled the future."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from services.store.jetstream.kv import MessageState
 pytestmark = pytest.mark.store_independent
 
 
-async def test_a_cancelled_wait_for_a_first_deliverys_write_cancels_neither_the_write_nor_other_waiters(
-        monkeypatch):
+def _log_with_a_write_in_flight(monkeypatch) -> tuple[InboxLog, envelope_pb2.Envelope, asyncio.Event]:
+    """An InboxLog whose first delivery of one message (agt_r, 7) is not written yet; its write, once
+    started, waits for the event."""
     release = asyncio.Event()
 
     async def slow_write(conn, bucket, entries):  # the write in flight while deliveries wait for it
@@ -38,6 +40,13 @@ async def test_a_cancelled_wait_for_a_first_deliverys_write_cancels_neither_the_
     envelope = envelope_pb2.Envelope(message_id="m-1", sequence=7)
     key = ("agt_r", 7)
     log._unmarked[key] = MessageState.first(envelope, inbox_module.DELIVERED).first_attempt(1)
+    return log, envelope, release
+
+
+async def test_a_cancelled_wait_for_a_first_deliverys_write_cancels_neither_the_write_nor_other_waiters(
+        monkeypatch):
+    log, envelope, release = _log_with_a_write_in_flight(monkeypatch)
+    key = ("agt_r", 7)
     writer = asyncio.create_task(log._mark([key]))
     await asyncio.sleep(0)
     assert key in log._marking, "the write is in flight"
@@ -51,5 +60,26 @@ async def test_a_cancelled_wait_for_a_first_deliverys_write_cancels_neither_the_
     await asyncio.sleep(0)
     release.set()
     await writer  # no InvalidStateError: its future was not cancelled
+    assert await asyncio.wait_for(resumed, 5) == [None], "the next delivery goes on (its entry was written)"
+    assert not log._marking and not log._unmarked
+
+
+async def test_an_ack_cancelled_while_it_waits_for_a_first_deliverys_write_does_not_cancel_it(monkeypatch):
+    """The ack of a message whose first delivery is being written waits for the write (the entry it then
+    changes); the ack's deadline passes and the call is cancelled: the write goes on, and the next
+    subscription's delivery of the message is not cancelled with it (it raised CancelledError)."""
+    log, envelope, release = _log_with_a_write_in_flight(monkeypatch)
+    key = ("agt_r", 7)
+    writer = asyncio.create_task(log._mark([key]))
+    await asyncio.sleep(0)
+    ack = asyncio.create_task(log._consume_many([("agt_r", 7, 1)], 3))
+    await asyncio.sleep(0)
+    ack.cancel()  # its deadline passed while it waited for the write
+    with pytest.raises(asyncio.CancelledError):
+        await ack
+    resumed = asyncio.create_task(log._first_deliveries("agt_r", [envelope], 3, 2))  # the next subscription's
+    await asyncio.sleep(0)
+    release.set()
+    await writer
     assert await asyncio.wait_for(resumed, 5) == [None], "the next delivery goes on (its entry was written)"
     assert not log._marking and not log._unmarked
