@@ -3,6 +3,7 @@ exception, and the server interceptors of a mesh (authentication among them: ser
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -11,7 +12,7 @@ import grpc
 
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
-from inboxmesh.client.status import to_grpc
+from inboxmesh.client.status import own_cancel, to_grpc
 from services.auth_policy import AuthInterceptor
 from services.directory import Directory
 
@@ -26,6 +27,19 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     await context.abort(code, details, trailers)
 
 
+def interrupted(exc: BaseException, method: str) -> errors.MeshError | None:
+    """What to answer for a CancelledError that is not the cancellation of the handler's own task (the
+    client leaving, the deadline, the server stopping) but of something it waited for, cancelled by
+    someone else: UNAVAILABLE (STORE_UNAVAILABLE), for the client to try again; None for any other
+    exception. grpc sends no status at all for a handler that raises CancelledError: a Subscribe stream
+    whose delivery met such a wait stayed open, silent, and its client waited for ever."""
+    if not isinstance(exc, asyncio.CancelledError) or own_cancel(exc):
+        return None
+    log.error("%s: a wait inside it was cancelled under it; answered UNAVAILABLE", method, exc_info=exc)
+    return errors.Unavailable(f"{method} was interrupted inside the mesh (see the mesh log); try again",
+                              reason=Reason.STORE_UNAVAILABLE)
+
+
 def unary(method):
     """Wrap a unary servicer method: MeshError -> gRPC status."""
 
@@ -37,6 +51,10 @@ def unary(method):
             raise
         except Exception as exc:
             await _abort(context, exc, method.__qualname__)
+        except asyncio.CancelledError as exc:
+            if (answer := interrupted(exc, method.__qualname__)) is None:
+                raise
+            await _abort(context, answer, method.__qualname__)
 
     return wrapper
 
@@ -53,6 +71,10 @@ def streaming(method):
             raise
         except Exception as exc:
             await _abort(context, exc, method.__qualname__)
+        except asyncio.CancelledError as exc:
+            if (answer := interrupted(exc, method.__qualname__)) is None:
+                raise
+            await _abort(context, answer, method.__qualname__)
 
     return wrapper
 

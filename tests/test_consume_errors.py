@@ -13,6 +13,7 @@ import pytest
 
 from inboxmesh.client import errors
 from inboxmesh.client.mesh import envelope
+from inboxmesh.client.status import error_info
 from inboxmesh.client.stream import InboxStream
 from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
@@ -293,3 +294,48 @@ async def test_closing_the_agent_while_acks_are_in_flight_ends_the_stream_cleanl
     for index in range(ROUNDS):
         problems += [f"round {index}: {p}" for p in await _close_while_acking(lead, index)]
     assert not problems, problems
+
+
+@pytest.mark.parametrize("call", ["Subscribe", "Consume"])
+async def test_a_delivery_whose_wait_someone_else_cancelled_ends_the_stream_unavailable_not_silent(
+        mesh, client, call, monkeypatch):
+    """A wait inside a delivery that something else cancelled (a write's shared future) raises
+    CancelledError in the handler though the call was not cancelled: the stream ends UNAVAILABLE
+    (STORE_UNAVAILABLE), and the subscriber subscribes again. grpc sends no status at all for a handler
+    that raises CancelledError: the stream stayed open and silent for ever (CI: after a NATS restart, 151
+    of 200 messages were never delivered to a consumer that waited on such a stream)."""
+    lead = await client.register("lead")
+    agent = await lead.spawn("a")
+    await lead.send(agent.agent_id, "waiting")
+    store = mesh.services.hub.store
+    read = store.next_deliveries
+    reads = 0
+
+    async def interrupted(*args, **kwargs):
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            cancelled = asyncio.get_running_loop().create_future()
+            cancelled.cancel()  # as a shared write's future cancelled by another of its waiters
+            await asyncio.shield(cancelled)
+        return await read(*args, **kwargs)
+
+    monkeypatch.setattr(store, "next_deliveries", interrupted)
+    if call == "Subscribe":
+        stream = agent.subscribe()
+    else:
+        stream = client.inbox.Consume()
+        await stream.write(pb.ConsumeRequest(subscribe=pb.SubscribeRequest(credentials=[agent.credential])))
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        async with asyncio.timeout(10):  # (it waited for ever)
+            async for _ in stream:
+                pass
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(ended.value).reason == "STORE_UNAVAILABLE"
+    stream.cancel()
+    delivered = []  # subscribed again: the message comes
+    async for response in agent.subscribe():
+        if response.WhichOneof("event") == "deliveries":
+            delivered += [m.content.text for m in response.deliveries.messages]
+            break
+    assert delivered == ["waiting"]

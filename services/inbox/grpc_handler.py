@@ -19,7 +19,7 @@ from inboxmesh.inbox.v1 import inbox_pb2 as pb
 from inboxmesh.inbox.v1 import inbox_pb2_grpc
 from services.auth_policy import authenticated
 from services.directory import Caller
-from services.grpc_common import streaming, unary
+from services.grpc_common import interrupted, streaming, unary
 from services.inbox.consume import ACK_ANSWERED, REFUSALS, AckAnswer, ConsumeSession
 from services.inbox.delivery import DeliveryHub, Subscription
 from services.inbox.service import InboxService, StreamSenders
@@ -173,8 +173,12 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
             await self._service.unsubscribed(subscription, f"subscriber gone (write failed: {exc})")
             return
         except BaseException as exc:
-            await self._service.unsubscribed(subscription, f"subscriber gone ({type(exc).__name__})")
-            raise
+            interruption = interrupted(exc, "Subscribe")
+            await self._service.unsubscribed(subscription, "delivery interrupted" if interruption else
+                                             f"subscriber gone ({type(exc).__name__})")
+            if interruption is None:
+                raise
+            await context.abort(*to_grpc(interruption))
         await self._finish(subscription, context)
 
     async def Consume(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -279,9 +283,13 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 log.error("Consume stream failed", exc_info=first_error)
                 first_error = errors.Internal(f"the stream failed: {type(first_error).__name__}; see the mesh log")
             await context.abort(*to_grpc(first_error))
-        except BaseException as exc:  # cancelled: the subscriber went away
-            await self._service.unsubscribed(subscription, f"subscriber gone ({type(exc).__name__})")
-            raise
+        except BaseException as exc:  # cancelled: the subscriber went away (or a wait inside, by someone else)
+            interruption = interrupted(exc, "Consume")
+            await self._service.unsubscribed(subscription, "delivery interrupted" if interruption else
+                                             f"subscriber gone ({type(exc).__name__})")
+            if interruption is None:
+                raise
+            await context.abort(*to_grpc(interruption))
         await self._finish(subscription, context)
 
     @staticmethod
