@@ -2,8 +2,10 @@
 SQLite meshes (nodes `near` and `far`) on an `inboxmesh ioa-server`, each its own process, and a client
 process that sends one message at a time and takes it with an acking InboxStream before the next. Each
 message's stages come from both meshes' event records (one wall clock: every process is on this machine)
-and the client's own times. Local: a sender and a receiver on `far`; across IOA: the sender on `near`,
-the receiver on `far`. Rounds alternate local and IOA; the first WARMUP messages of each are left out.
+and the client's own times; each process's CPU over the measured messages (utime + stime), in us a
+message, says how much work the path costs beside how long it takes. Local: a sender and a receiver on
+`far`; across IOA: the sender on `near`, the receiver on `far`. Rounds alternate local and IOA; the
+first WARMUP messages of each are left out.
 
     .venv/bin/python bench/ioa_stages.py [--messages 300] [--rounds 2]
 """
@@ -17,12 +19,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import python_env  # noqa: E402
+from bench.common import cpu_seconds, python_env  # noqa: E402
 from bench.procs import Child  # noqa: E402
 from inboxmesh.client.mesh import MeshClient  # noqa: E402
 from inboxmesh.client.stream import InboxStream  # noqa: E402
@@ -49,9 +52,10 @@ async def _events(client: MeshClient) -> list[ev.Event]:
         after = page[-1].event_id
 
 
-async def _round(sending: str, receiving: str, token: dict[str, str], ioa: bool, tag: str,
-                 count: int) -> list[dict[str, int]]:
-    """Per measured message: when it was sent and its ack answered (client), and each stage's at_us."""
+async def _round(sending: str, receiving: str, token: dict[str, str], ioa: bool, tag: str, count: int,
+                 cpu: Callable[[], dict[str, float]]) -> tuple[list[dict[str, int]], dict[str, int]]:
+    """Per measured message: when it was sent and its ack answered (client), and each stage's at_us; and
+    each process's CPU a measured message, in us."""
     async with MeshClient(sending, admin_token=token[sending]) as near, \
             MeshClient(receiving, admin_token=token[receiving]) as far:
         lead = await near.register(f"lead-{tag}")
@@ -72,6 +76,8 @@ async def _round(sending: str, receiving: str, token: dict[str, str], ioa: bool,
         times: dict[str, dict[str, int]] = {}
         try:
             for i in range(WARMUP + count):
+                if i == WARMUP:
+                    before = cpu()
                 message_id = f"{tag}-{i}"
                 times[message_id] = {"send": _now_us()}
                 await sender.send(target, "x" * 200, message_id=message_id)
@@ -80,6 +86,7 @@ async def _round(sending: str, receiving: str, token: dict[str, str], ioa: bool,
                     times.setdefault(got, {})["acked"] = at
                     if got == message_id:
                         break
+            after = cpu()
         finally:
             stream.stop()
             taking.cancel()
@@ -89,7 +96,9 @@ async def _round(sending: str, receiving: str, token: dict[str, str], ioa: bool,
                 stage = times.get(event.message_id.rpartition(":")[2])
                 if stage is not None:
                     stage.setdefault(ev.EventKind.Name(event.kind).removeprefix("EVENT_KIND_"), event.at_us)
-        return [times[f"{tag}-{i}"] for i in range(WARMUP, WARMUP + count)]
+        used = {name: round((after[name] - before[name]) * 1e6 / count) for name in after}
+        used["all"] = sum(used.values())
+        return [times[f"{tag}-{i}"] for i in range(WARMUP, WARMUP + count)], used
 
 
 def _p50_ms(values: list[int]) -> float:
@@ -126,12 +135,19 @@ def main() -> None:
                 meshes[node] = mesh.expect("inboxmesh listening on ").split()[0]
             token = {at: json.loads(Path(f"{data}/{node}/mesh.json").read_text())["admin_token"]
                      for node, at in meshes.items()}
+
+            def cpu() -> dict[str, float]:
+                return {"client": cpu_seconds(), **{child.name: child.cpu() for child in children}}
+
             for k in range(args.rounds):
-                local = asyncio.run(_round(meshes["far"], meshes["far"], token, False, f"l{k}", args.messages))
-                across = asyncio.run(_round(meshes["near"], meshes["far"], token, True, f"i{k}", args.messages))
+                local, local_cpu = asyncio.run(_round(meshes["far"], meshes["far"], token, False, f"l{k}",
+                                                      args.messages, cpu))
+                across, ioa_cpu = asyncio.run(_round(meshes["near"], meshes["far"], token, True, f"i{k}",
+                                                     args.messages, cpu))
                 local_stages, ioa_stages = stages(local, LOCAL), stages(across, IOA)
                 print(json.dumps({"round": k, "local": local_stages, "ioa": ioa_stages,
-                                  "ratio": round(local_stages["cycle_ms"] / ioa_stages["cycle_ms"], 2)}), flush=True)
+                                  "ratio": round(local_stages["cycle_ms"] / ioa_stages["cycle_ms"], 2),
+                                  "cpu_us_a_message": {"local": local_cpu, "ioa": ioa_cpu}}), flush=True)
         finally:
             for child in reversed(children):
                 child.close()

@@ -275,7 +275,9 @@ async def test_a_restarted_nats_node_loses_nothing_accepted(tmp_path):
     takes about 8 s alone. Twice, in the test command's SQLite lane beside the other two, the last messages
     were not consumed for minutes after the restart: a delivery cancelled with its broken subscription
     cancelled the shared wait for a first delivery's write, and the next subscription's delivery ended with
-    it (fixed with tests/test_jetstream_marks.py). It waits up to 240 s."""
+    it; a third time the same through an ack whose deadline passed while it waited for that write, and the
+    stream stayed silent, since grpc sends no status for a handler that raises CancelledError (both fixed:
+    tests/test_jetstream_marks.py, tests/test_consume_errors.py). It waits up to 240 s."""
     node = NatsNode(tmp_path / "nats").start()
     try:
         # at info level: a failing run's output says when each subscription came and what it delivered
