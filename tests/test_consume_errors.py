@@ -331,7 +331,8 @@ async def test_a_delivery_whose_wait_someone_else_cancelled_ends_the_stream_unav
             async for _ in stream:
                 pass
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert error_info(ended.value).reason == "STORE_UNAVAILABLE"
+    info = error_info(ended.value)
+    assert info is not None and info.reason == "STORE_UNAVAILABLE", ended.value
     stream.cancel()
     delivered = []  # subscribed again: the message comes
     async for response in agent.subscribe():
