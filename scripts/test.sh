@@ -86,9 +86,10 @@ lane() {
 # Types (mypy, one core for 30-80 s) run beside the test lanes, at the lowest priority: they fill the time
 # the lanes wait on sockets and disks instead of holding the lanes back.
 lane "types (mypy)" nice -n 19 .venv/bin/mypy
-# The tests that kill nats-server nodes and run the compose services (store_independent, about 140 s) run
-# in the real-model lane after its scenario: the SQLite pass, the longest lane, took 765-825 s with them.
-after_model=(tests/test_jetstream_faults.py tests/test_compose.py)
+# The tests that kill nats-server nodes, the chaos soak and the compose services (store_independent, about
+# 250 s) run in the real-model lane after its scenario: the SQLite pass took 765-825 s with the first two,
+# and the JetStream pass 717-800 s with the soak, against 520-600 s for the real-model lane without them.
+after_model=(tests/test_jetstream_faults.py tests/test_chaos_soak.py tests/test_compose.py)
 lane "real-model scenario (SQLite), then NATS faults and compose" .venv/bin/python -m pytest -m "not counts" \
   harness/test_real_llm.py "${after_model[@]}"
 lane "SQLite pass" nice -n 5 .venv/bin/python -m pytest --ignore=harness/test_real_llm.py \
