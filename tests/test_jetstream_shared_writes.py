@@ -135,3 +135,14 @@ async def test_an_ack_of_the_front_purges_only_what_it_consumed(tmp_path):
                 assert await messages.unconsumed(sink.agent_id) == 0
             finally:
                 await held.stop()
+
+
+async def test_a_write_whose_answer_is_settled_already_does_not_shift_the_answers_after_it(conn):
+    """A flush hands each write its slice of the answers, in order. A write whose future is done before the
+    flush ends (nothing does that today; a cancel would) is skipped, and the writes after it still get
+    their own messages' sequences, not the slice of the one skipped."""
+    writes = _writes(conn)
+    queued = [writes.enqueue([(f"w.{c}", f"{c}-{i}".encode(), {}) for i in range(2)]) for c in range(3)]
+    queued[1][0].done.cancel()
+    last = await writes.answers(queued[2])
+    assert [(await conn.js.get_msg("W", ack.seq)).data for ack in last] == [b"2-0", b"2-1"]

@@ -112,6 +112,8 @@ class SharedWrites:
         failure = None if done.cancelled() else done.exception()
         start = 0
         for write in taken:
+            answers = slice(start, start + len(write.messages))
+            start = answers.stop  # (also past a write settled already: the next one's slice follows it)
             if write.done.done():
                 continue
             if done.cancelled():  # the loop shutting down: its callers are too
@@ -120,8 +122,7 @@ class SharedWrites:
                 write.done.set_exception(failure)
                 write.done.exception()  # retrieved: a caller that gave up does not leave it unseen
             else:
-                write.done.set_result(done.result()[start:start + len(write.messages)])
-            start += len(write.messages)
+                write.done.set_result(done.result()[answers])
         if self._waiting:
             self._start()
 
