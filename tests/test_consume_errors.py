@@ -340,3 +340,21 @@ async def test_a_delivery_whose_wait_someone_else_cancelled_ends_the_stream_unav
             delivered += [m.content.text for m in response.deliveries.messages]
             break
     assert delivered == ["waiting"]
+
+
+async def test_a_unary_call_whose_wait_someone_else_cancelled_answers_unavailable_at_once(mesh, client, monkeypatch):
+    """The same for a unary call (here Ack): UNAVAILABLE / STORE_UNAVAILABLE at once, not silence until the
+    client's deadline (DEADLINE_EXCEEDED, after which nothing says what happened)."""
+    lead = await client.register("lead")
+    agent = await lead.spawn("a")
+    inbox = mesh.services.inbox
+
+    async def interrupted(*args, **kwargs):
+        cancelled = asyncio.get_running_loop().create_future()
+        cancelled.cancel()  # as a shared write's future cancelled by another of its waiters
+        await asyncio.shield(cancelled)
+
+    monkeypatch.setattr(inbox, "ack", interrupted)
+    with pytest.raises(errors.Unavailable) as refused:
+        await asyncio.wait_for(agent.ack([1]), 5)
+    assert refused.value.reason == "STORE_UNAVAILABLE"
