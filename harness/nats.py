@@ -48,6 +48,8 @@ def free_port() -> int:
 
 CONFIG = Path(__file__).resolve().parent / "nats-server.conf"
 """The shipped server settings (fsync every write); the address, ports and store directory are flags."""
+_PORT_TRIES = 5
+"""Starts of a node whose port another process took meanwhile (NatsNode.start)."""
 
 
 class NatsNode:
@@ -106,20 +108,54 @@ class NatsNode:
         return argv
 
     def start(self) -> NatsNode:
+        """Start the server and wait until it takes connections. A port taken by another process since it
+        was chosen (free_port can only say it was free then: the test command's other lanes open
+        connections and listen all the time) is chosen again, a few times: the monitoring port always
+        (only this node's monitor_url names it), the client port on the node's first start (nothing was
+        given its URL yet). CI, 2026-12-07: a cluster node's monitoring port was taken between the two."""
+        first = self.proc is None
+        for _ in range(_PORT_TRIES - 1):
+            said = self._start()
+            if said is None:
+                return self
+            if "can't listen to the monitor port" in said:
+                self.http_port = free_port()
+            elif first and "address already in use" in said and f":{self.port}" in said:
+                self.port = free_port()
+            else:
+                break
+        said = self._start()
+        if said is None:
+            return self
+        raise RuntimeError(f"nats-server {self.name} exited with {self.proc.returncode if self.proc else '?'}:"
+                           f" {said}")
+
+    def _answers(self) -> bool:
+        """Whether this server takes connections on its port (it says INFO first; another process that
+        took the port meanwhile would accept the connection too)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as connection:
+                connection.settimeout(0.5)
+                return connection.recv(4) == b"INFO"
+        except OSError:
+            return False
+
+    def _start(self) -> str | None:
+        """One start: None once the server takes connections, else the end of its log (it exited)."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 60  # generous: a loaded 2-core machine starts it slowly
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server {self.name} exited with {self.proc.returncode}: "
-                                   f"{self.log_path.read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
+                with self.log_path.open("rb") as written:
+                    written.seek(start)
+                    return written.read().decode(errors="replace")[-2000:]
+            if self._answers():
+                return None
+            time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"nats-server {self.name} did not listen on {self.port}")
 

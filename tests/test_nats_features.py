@@ -4,6 +4,8 @@ capacity that rejects instead of evicting, Nats-Msg-Id de-duplication, file
 storage that survives kill -9, replicas that survive the loss of a node."""
 
 import asyncio
+import socket
+import urllib.request
 
 import nats
 import nats.errors
@@ -110,3 +112,23 @@ async def test_a_restart_forgets_the_msg_id_of_a_deleted_message(tmp_path):
         await nc.close()
     finally:
         node.kill()
+
+
+@pytest.mark.parametrize("port", ["monitor", "client"])
+def test_a_node_whose_port_another_process_took_meanwhile_starts_on_another(tmp_path, port):
+    """A port chosen free and taken by another process before the server listened on it (the test
+    command's other lanes open sockets all the time): the node starts on another one (CI, 2026-12-07: a
+    cluster node exited with "can't listen to the monitor port" and failed its test)."""
+    node = NatsNode(tmp_path / "nats")
+    taken = node.http_port if port == "monitor" else node.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        node.start()
+        try:
+            assert taken not in (node.http_port, node.port)
+            with urllib.request.urlopen(f"{node.monitor_url}/varz", timeout=5) as answer:
+                assert answer.status == 200
+            socket.create_connection(("127.0.0.1", node.port), timeout=5).close()
+        finally:
+            node.kill()
