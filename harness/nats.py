@@ -114,7 +114,7 @@ class NatsNode:
         (only this node's monitor_url names it), the client port on the node's first start (nothing was
         given its URL yet). CI, 2026-12-07: a cluster node's monitoring port was taken between the two."""
         first = self.proc is None
-        for _ in range(_PORT_TRIES - 1):
+        for _ in range(_PORT_TRIES):
             said = self._start()
             if said is None:
                 return self
@@ -124,9 +124,6 @@ class NatsNode:
                 self.port = free_port()
             else:
                 break
-        said = self._start()
-        if said is None:
-            return self
         raise RuntimeError(f"nats-server {self.name} exited with {self.proc.returncode if self.proc else '?'}:"
                            f" {said}")
 

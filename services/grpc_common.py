@@ -40,6 +40,14 @@ def interrupted(exc: BaseException, method: str) -> errors.MeshError | None:
                               reason=Reason.STORE_UNAVAILABLE)
 
 
+async def _abort_interrupted(context: grpc.aio.ServicerContext, exc: asyncio.CancelledError, method: str) -> None:
+    """Answer a CancelledError someone else caused (interrupted); raise the handler's own on."""
+    answer = interrupted(exc, method)
+    if answer is None:
+        raise exc
+    await _abort(context, answer, method)
+
+
 def unary(method):
     """Wrap a unary servicer method: MeshError -> gRPC status."""
 
@@ -52,9 +60,7 @@ def unary(method):
         except Exception as exc:
             await _abort(context, exc, method.__qualname__)
         except asyncio.CancelledError as exc:
-            if (answer := interrupted(exc, method.__qualname__)) is None:
-                raise
-            await _abort(context, answer, method.__qualname__)
+            await _abort_interrupted(context, exc, method.__qualname__)
 
     return wrapper
 
@@ -72,9 +78,7 @@ def streaming(method):
         except Exception as exc:
             await _abort(context, exc, method.__qualname__)
         except asyncio.CancelledError as exc:
-            if (answer := interrupted(exc, method.__qualname__)) is None:
-                raise
-            await _abort(context, answer, method.__qualname__)
+            await _abort_interrupted(context, exc, method.__qualname__)
 
     return wrapper
 

@@ -43,17 +43,19 @@ def _log_with_a_write_in_flight(monkeypatch) -> tuple[InboxLog, envelope_pb2.Env
     return log, envelope, release
 
 
-async def test_a_cancelled_wait_for_a_first_deliverys_write_cancels_neither_the_write_nor_other_waiters(
-        monkeypatch):
+async def _a_waiter_cancelled_while_the_write_is_in_flight(monkeypatch, waiter) -> None:
+    """Start the write of the first delivery of (agt_r, 7), let `waiter(log, envelope)` wait for it and
+    cancel it; then the next subscription's delivery of the message waits for the same write: the write
+    ends without an InvalidStateError, and the delivery goes on."""
     log, envelope, release = _log_with_a_write_in_flight(monkeypatch)
     key = ("agt_r", 7)
     writer = asyncio.create_task(log._mark([key]))
     await asyncio.sleep(0)
     assert key in log._marking, "the write is in flight"
 
-    broken = asyncio.create_task(log._first_deliveries("agt_r", [envelope], 3, 2))
+    broken = asyncio.create_task(waiter(log, envelope))
     await asyncio.sleep(0)
-    broken.cancel()  # its subscription broke while it waited for the write
+    broken.cancel()
     with pytest.raises(asyncio.CancelledError):
         await broken
     resumed = asyncio.create_task(log._first_deliveries("agt_r", [envelope], 3, 2))  # the next subscription's
@@ -64,22 +66,16 @@ async def test_a_cancelled_wait_for_a_first_deliverys_write_cancels_neither_the_
     assert not log._marking and not log._unmarked
 
 
+async def test_a_cancelled_wait_for_a_first_deliverys_write_cancels_neither_the_write_nor_other_waiters(
+        monkeypatch):
+    # a delivery whose subscription broke while it waited for the write
+    await _a_waiter_cancelled_while_the_write_is_in_flight(
+        monkeypatch, lambda log, envelope: log._first_deliveries("agt_r", [envelope], 3, 2))
+
+
 async def test_an_ack_cancelled_while_it_waits_for_a_first_deliverys_write_does_not_cancel_it(monkeypatch):
     """The ack of a message whose first delivery is being written waits for the write (the entry it then
     changes); the ack's deadline passes and the call is cancelled: the write goes on, and the next
     subscription's delivery of the message is not cancelled with it (it raised CancelledError)."""
-    log, envelope, release = _log_with_a_write_in_flight(monkeypatch)
-    key = ("agt_r", 7)
-    writer = asyncio.create_task(log._mark([key]))
-    await asyncio.sleep(0)
-    ack = asyncio.create_task(log._consume_many([("agt_r", 7, 1)], 3))
-    await asyncio.sleep(0)
-    ack.cancel()  # its deadline passed while it waited for the write
-    with pytest.raises(asyncio.CancelledError):
-        await ack
-    resumed = asyncio.create_task(log._first_deliveries("agt_r", [envelope], 3, 2))  # the next subscription's
-    await asyncio.sleep(0)
-    release.set()
-    await writer
-    assert await asyncio.wait_for(resumed, 5) == [None], "the next delivery goes on (its entry was written)"
-    assert not log._marking and not log._unmarked
+    await _a_waiter_cancelled_while_the_write_is_in_flight(
+        monkeypatch, lambda log, envelope: log._consume_many([("agt_r", 7, 1)], 3))

@@ -160,6 +160,17 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 reason=Reason.SHUTTING_DOWN)))
         await self._service.unsubscribed(subscription, "all its agents left")
 
+    async def _broken(self, subscription: Subscription, exc: BaseException, context, method: str) -> None:
+        """A Subscribe or Consume stream ended by an exception: the subscriber went away (the call was
+        cancelled: raised on), or a wait inside its delivery was cancelled by someone else (answered
+        UNAVAILABLE: grpc_common.interrupted)."""
+        interruption = interrupted(exc, method)
+        await self._service.unsubscribed(subscription, "delivery interrupted" if interruption else
+                                         f"subscriber gone ({type(exc).__name__})")
+        if interruption is None:
+            raise exc
+        await context.abort(*to_grpc(interruption))
+
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
         try:
             subscription, _ = await self._open(request, context)
@@ -173,12 +184,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
             await self._service.unsubscribed(subscription, f"subscriber gone (write failed: {exc})")
             return
         except BaseException as exc:
-            interruption = interrupted(exc, "Subscribe")
-            await self._service.unsubscribed(subscription, "delivery interrupted" if interruption else
-                                             f"subscriber gone ({type(exc).__name__})")
-            if interruption is None:
-                raise
-            await context.abort(*to_grpc(interruption))
+            await self._broken(subscription, exc, context, "Subscribe")
         await self._finish(subscription, context)
 
     async def Consume(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -284,12 +290,7 @@ class InboxServicer(inbox_pb2_grpc.InboxServiceServicer):
                 first_error = errors.Internal(f"the stream failed: {type(first_error).__name__}; see the mesh log")
             await context.abort(*to_grpc(first_error))
         except BaseException as exc:  # cancelled: the subscriber went away (or a wait inside, by someone else)
-            interruption = interrupted(exc, "Consume")
-            await self._service.unsubscribed(subscription, "delivery interrupted" if interruption else
-                                             f"subscriber gone ({type(exc).__name__})")
-            if interruption is None:
-                raise
-            await context.abort(*to_grpc(interruption))
+            await self._broken(subscription, exc, context, "Consume")
         await self._finish(subscription, context)
 
     @staticmethod
