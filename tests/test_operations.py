@@ -101,6 +101,18 @@ def test_cli_help_lists_every_command():
         assert command in out
 
 
+def test_building_the_command_line_loads_no_agent_host_and_no_model_client():
+    """Every `inboxmesh` process builds the whole parser, `run` and `host` included: their arguments come from
+    inboxmesh/cli/host_args.py, so `up`, `send`, `events` and the rest start without the agent host and the
+    OpenAI client (which cost each process about 0.7 s of CPU here)."""
+    probe = ("import sys; from inboxmesh.cli.main import build_parser; build_parser();"
+             " print(sorted(m for m in sys.modules if m == 'openai' or m.startswith(('openai.', 'agent_host.host',"
+             " 'agent_host.runner', 'inboxmesh.cli.run', 'inboxmesh.cli.host')) and m != 'inboxmesh.cli.host_args'))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                            check=True).stdout.strip()
+    assert loaded == "[]", loaded
+
+
 def test_up_runs_the_demo_exchange(tmp_path):
     result = subprocess.run([sys.executable, "-m", "inboxmesh.cli.main", "--log-level", "warning", "up", "--port", "0",
                              "--data-dir", str(tmp_path), "--exit-after-demo"],

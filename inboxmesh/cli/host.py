@@ -5,7 +5,6 @@ a restarted host resumes the sessions it ran (host.db)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import time
@@ -15,27 +14,9 @@ import grpc
 
 from agent_host.config import Budget, HostConfig
 from agent_host.host import Host
-from agent_host.local_model import LOCAL_MODEL
-from agent_host.local_model.server import MODELS
 from agent_host.sessions import SessionHost
 from inboxmesh.cli.run import AgentLabels, configured_agents, printer
 from inboxmesh.client.mesh import MeshClient
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ingress-token", help="an ingress token of the routing config, to claim sessions"
-                                                " (default: INBOXMESH_INGRESS_TOKEN)")
-    parser.add_argument("--skills", metavar="DIR", action="append",
-                        help="a folder of skills (<DIR>/<name>/SKILL.md); repeatable (default: ./skills)")
-    parser.add_argument("--local-model", default=LOCAL_MODEL, choices=sorted(MODELS),
-                        help=f"which local model `local/...` references run on (default {LOCAL_MODEL})")
-    parser.add_argument("--host-dir", help="where the host keeps its agents (default <data-dir>/sessions-host)")
-    parser.add_argument("--max-requests", type=int, default=Budget.max_model_requests,
-                        help="model requests per message a session takes")
-    parser.add_argument("--max-seconds", type=float, default=Budget.max_wall_time_s,
-                        help="wall time per message a session takes")
-    parser.add_argument("--max-output-tokens", type=int, default=Budget.max_output_tokens, help="per request")
-    parser.add_argument("--quiet", action="store_true", help="no live lines")
 
 
 async def serve(args, address: str, data_dir: Path, admin_token: str | None, ingress_token: str,

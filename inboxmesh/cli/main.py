@@ -686,16 +686,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a top-level agent with a task on an agent host (live view, summary)")
     client_args(run)
-    from inboxmesh.cli.run import add_arguments
+    from inboxmesh.cli.host_args import host_arguments, run_arguments
 
-    add_arguments(run)
+    run_arguments(run)
     _metrics_port_arg(run)
     run.set_defaults(run=_run)
 
     host = sub.add_parser("host", help="an agent host serving the sessions of the mesh's configured agents")
     client_args(host)
-    from inboxmesh.cli.host import add_arguments as host_arguments
-
     host_arguments(host)
     _metrics_port_arg(host)
     host.set_defaults(run=_host)
