@@ -301,7 +301,7 @@ def test_no_credential_reaches_a_log_an_event_or_an_error_text_in_a_whole_scenar
 def test_the_jetstream_pair_behind_tls_on_nats_over_mutual_tls(tmp_path, pki):
     """Two mesh processes serving TLS, on a nats-server that serves TLS and requires client certificates:
     an agent registered and sending on one is consumed on the other. A mesh without the NATS CA does not
-    start, and says why."""
+    start, and says why, as soon as the server's certificate is refused."""
     clients = Pki(tmp_path, "clients")
     nats_cert, nats_key = pki.issue("nats", "127.0.0.1", "localhost")
     mesh_client_cert, mesh_client_key = clients.issue("mesh-to-nats", "mesh")
@@ -330,5 +330,37 @@ def test_the_jetstream_pair_behind_tls_on_nats_over_mutual_tls(tmp_path, pki):
         refused = MeshProcess(tmp_path / "r3", *node.mesh_args(), *serve)
         with pytest.raises(RuntimeError) as caught:
             refused.start()
-        assert "cannot reach NATS" in str(caught.value) and "--nats-tls-ca" in str(caught.value), \
-            str(caught.value)[-1500:]
+        # at once (2 s after the refusal, not the 20 s a server that is not up yet gets), naming the cause
+        assert "cannot reach NATS" in str(caught.value) and "--nats-tls-ca" in str(caught.value) and \
+            "certificate is not trusted" in str(caught.value), str(caught.value)[-1500:]
+
+
+@pytest.mark.store_independent
+async def test_a_nats_server_whose_certificate_is_not_trusted_does_not_keep_the_mesh_from_another(tmp_path, pki,
+                                                                                                   caplog):
+    """nats-py stops at a server whose certificate it refuses and tries no other: the mesh gives each server
+    the first turn then. Of two unrelated nats-servers, one with a certificate of a CA the mesh does not
+    trust, the mesh connects to the other, whichever nats-py tried first (it shuffles them: the opens go on
+    until one met the untrusted server, as its log says)."""
+    from services.config import NATS_TLS_NAMES, StoreConfig
+    from services.store.jetstream.connection import JetStreamConnection
+
+    untrusted = Pki(tmp_path, "elsewhere").issue("untrusted-nats", "127.0.0.1", "localhost")
+    trusted = pki.issue("nats", "127.0.0.1", "localhost")
+    with NatsNode(tmp_path / "a", tls=untrusted) as a, NatsNode(tmp_path / "b", tls=trusted) as b:
+        config = StoreConfig(backend="jetstream", nats_urls=(a.url, b.url),
+                             nats_monitor_urls=(a.monitor_url, b.monitor_url),
+                             nats_tls=TlsFiles(ca=pki.ca_file, names=NATS_TLS_NAMES))
+        for _ in range(12):
+            caplog.clear()
+            connection = JetStreamConnection(config)
+            await connection.open()
+            try:
+                assert connection.nc is not None and connection.nc.connected_url is not None
+                assert connection.nc.connected_url.port == b.port
+            finally:
+                await connection.close()
+            if "SSLCertVerificationError" in caplog.text:
+                break
+        else:
+            pytest.fail("nats-py never tried the untrusted server first in 12 opens")

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import secrets
+import ssl
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
@@ -111,6 +112,11 @@ def nats_call(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Corout
 
 CONNECT_TIMEOUT_S = 20.0
 """How long `open` waits for the first connection to NATS."""
+UNTRUSTED_GRACE_S = 0.5
+"""How long an attempt of `open` goes on once a server's certificate failed verification (a CA not given, or
+the wrong one: a mistake of the configuration that waiting does not mend). Then the next attempt gives
+another server the first turn (_first_connection), and once every server had it the mesh says why at once,
+not after CONNECT_TIMEOUT_S."""
 
 
 class JetStreamConnection:
@@ -123,6 +129,8 @@ class JetStreamConnection:
         self.config = config
         self._last_error = ""
         """The last error nats-py reported (for the message of a connection that never came)."""
+        self._untrusted = asyncio.Event()
+        """Set when a server's certificate failed verification (_on_error)."""
         self.ns = ns
         self.inbox_stream = f"{ns.upper()}_INBOX"
         self.event_stream = f"{ns.upper()}_EVENTS"
@@ -160,15 +168,17 @@ class JetStreamConnection:
                                          reason=Reason.BAD_CONFIG)
         context = ssl_context(self.config.nats_tls, "the NATS connection")  # bad files: BAD_CONFIG, not NATS_DOWN
         try:  # nats-py tries a server that fails the TLS handshake again and again: bounded here
-            self.nc = await asyncio.wait_for(nats.connect(
-                servers=urls, connect_timeout=5, max_reconnect_attempts=-1,
+            self.nc = await self._first_connection(functools.partial(
+                nats.connect, connect_timeout=5, max_reconnect_attempts=-1,
                 **({"tls": context} if context is not None else {}), reconnect_time_wait=0.2, name="inboxmesh",
                 no_echo=True, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
-                reconnected_cb=self._on_reconnected, closed_cb=self._on_closed), CONNECT_TIMEOUT_S)
+                reconnected_cb=self._on_reconnected, closed_cb=self._on_closed), urls)
         except TimeoutError:
             last = self._last_error
+            within = ("a server's certificate is not trusted, and no other server answered"
+                      if self._untrusted.is_set() else f"no connection within {CONNECT_TIMEOUT_S:g} s")
             raise errors.Unavailable(
-                f"cannot reach NATS at {', '.join(urls)}: no connection within {CONNECT_TIMEOUT_S:g} s"
+                f"cannot reach NATS at {', '.join(urls)}: {within}"
                 f"{f'; the last error: {errors.clip(last, 300)}' if last else ''}"
                 f"{' (a server that requires TLS needs --nats-tls-ca)' if 'SSL' in last and context is None else ''}",
                 reason=Reason.NATS_DOWN) from None
@@ -228,12 +238,45 @@ class JetStreamConnection:
         except BadRequestError:
             await self.js.update_stream(config)
 
+    async def _first_connection(self, connect: Callable[..., Coroutine[Any, Any, Any]], urls: list[str]) -> Any:
+        """The client of `connect(servers=..., dont_randomize=...)` once connected; TimeoutError after
+        CONNECT_TIMEOUT_S in all, or once every server had its turn and one refused with a certificate this
+        mesh does not trust. nats-py (2.16) tries the servers in a shuffled order and goes on to the next one
+        that is down, but stops at one whose certificate fails verification and tries no other (the first
+        connection then hangs): so after such a refusal each server gets the first turn in one more attempt,
+        UNTRUSTED_GRACE_S each at most."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONNECT_TIMEOUT_S
+        turns: list[list[str] | None] = [None, *(urls[k:] + urls[:k] for k in range(len(urls)))] \
+            if len(urls) > 1 else [None]
+        for order in turns:
+            self._untrusted.clear()
+            connection = asyncio.ensure_future(connect(servers=order or urls, dont_randomize=order is not None))
+            untrusted = asyncio.ensure_future(self._untrusted.wait())
+            try:
+                await asyncio.wait({connection, untrusted}, timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if untrusted.done() and not connection.done():
+                    await asyncio.wait({connection}, timeout=min(UNTRUSTED_GRACE_S, max(0.0, deadline - loop.time())))
+                if connection.done():
+                    return connection.result()
+            finally:
+                untrusted.cancel()
+                if not connection.done():
+                    connection.cancel()
+                    await asyncio.gather(connection, return_exceptions=True)
+            if not self._untrusted.is_set():
+                break  # no server answered in time at all
+        raise TimeoutError
+
     async def _on_error(self, exc: Exception) -> None:
         """nats-py's asynchronous errors, one line each: while a server is down the client meets one per
         reconnect attempt (every 0.2 s, per server), and its default logs each with a whole traceback.
         Another error of the same kind is logged once a minute at most."""
         kind = type(exc).__name__
         self._last_error = f"{kind}: {exc}"
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            self._untrusted.set()
         now = asyncio.get_running_loop().time()
         if now - self._logged_errors.get(kind, -_ERROR_REPEAT_S) >= _ERROR_REPEAT_S:
             self._logged_errors[kind] = now
