@@ -168,11 +168,11 @@ class JetStreamConnection:
                                          reason=Reason.BAD_CONFIG)
         context = ssl_context(self.config.nats_tls, "the NATS connection")  # bad files: BAD_CONFIG, not NATS_DOWN
         try:  # nats-py tries a server that fails the TLS handshake again and again: bounded here
+            options: dict[str, Any] = {"tls": context} if context is not None else {}
             self.nc = await self._first_connection(functools.partial(
-                nats.connect, connect_timeout=5, max_reconnect_attempts=-1,
-                **({"tls": context} if context is not None else {}), reconnect_time_wait=0.2, name="inboxmesh",
+                nats.connect, connect_timeout=5, max_reconnect_attempts=-1, reconnect_time_wait=0.2, name="inboxmesh",
                 no_echo=True, error_cb=self._on_error, disconnected_cb=self._on_disconnected,
-                reconnected_cb=self._on_reconnected, closed_cb=self._on_closed), urls)
+                reconnected_cb=self._on_reconnected, closed_cb=self._on_closed, **options), urls)
         except TimeoutError:
             last = self._last_error
             within = ("a server's certificate is not trusted, and no other server answered"
