@@ -392,7 +392,7 @@ async def test_a_consumption_whose_replica_died_before_its_event_still_gets_its_
                 async with MeshClient(r2.address) as client:
                     receipt = await client.agent(sender.info, sender.credential).send(
                         target.agent_id, "x", message_id="gap-1")
-                async with MeshClient(r1.address) as client:
+                async with MeshClient(r1.address, wait_for_ready=False) as client:  # fails once r1 is gone
                     with pytest.raises(errors.MeshError):
                         await client.agent(target.info, target.credential).ack([receipt.sequence])
                 assert r1.proc is not None
@@ -419,7 +419,7 @@ async def test_a_send_whose_replica_died_before_its_idempotency_record_is_stored
         with replica(tmp_path, node, "r2") as r2:  # r2 starts first: it holds the keeper's lease
             sender, target = await _pair(r2.address)
             with replica(tmp_path, node, "r1", env={"INBOXMESH_CRASH_AT": "published-unrecorded"}) as r1:
-                async with MeshClient(r1.address, timeout=5) as client:
+                async with MeshClient(r1.address, timeout=5, wait_for_ready=False) as client:
                     with pytest.raises(errors.MeshError):
                         await client.agent(sender.info, sender.credential).send(target.agent_id, "once",
                                                                                 message_id="once-1")
@@ -532,7 +532,7 @@ async def test_a_close_whose_replica_died_midway_is_finished_by_another(tmp_path
                 child = await lead.spawn("child", run=reg.RunSpec(task="t"))
                 receipts = [await sender.send(child.agent_id, f"m{i}", message_id=f"q-{i}") for i in range(3)]
             with replica(tmp_path, node, "r2") as r2:
-                async with MeshClient(r1.address) as client:
+                async with MeshClient(r1.address, wait_for_ready=False) as client:  # fails once r1 is gone
                     with pytest.raises(errors.MeshError):
                         await client.agent(lead.info, lead.credential).close(child.agent_id, "enough")
                 assert r1.proc is not None

@@ -196,7 +196,8 @@ async def test_a_restart_in_every_phase_announces_exactly_once(tmp_path, phase):
                 "announced, not cleaned up": "run-announced"}[phase]
     with MeshProcess(tmp_path, env={"INBOXMESH_CRASH_AT": crash_at} if crash_at else None) as proc:
         lead_info, child_info = await _spawned(proc, reg.RUN_CLEANUP_DELETE)
-        async with MeshClient(proc.address, admin_token=ADMIN_TOKEN) as client:
+        # not waiting for the dead process to come back: the call fails as soon as the connection is gone
+        async with MeshClient(proc.address, admin_token=ADMIN_TOKEN, wait_for_ready=False) as client:
             child = client.agent(child_info[0], child_info[1])
             if crash_at:
                 with pytest.raises(errors.MeshError):  # the process dies inside the call
