@@ -7,7 +7,10 @@ receiver process.
   messages in one request (one message per request at concurrency 1). It
   learns that a message was consumed from the mesh's own event stream
   (WatchEvents, the receiver's MESSAGE_CONSUMED events) and only then
-  frees the slot.
+  frees the slot. `ack_to_watch_p50_ms` in the result: from the mesh taking
+  the receiver's ack (the time of its MESSAGE_CONSUMED event) to the sender's
+  watch giving that consumption (p50): the ack's writes and the event's way
+  to a watcher, the last leg of each slot's cycle.
 - receiver: one Consume stream (deliveries in, acks out on the same
   stream, through inboxmesh.client.stream.InboxStream, which hands over
   everything delivered meanwhile as one batch); acks each batch with one
@@ -83,6 +86,8 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
 
         watched: dict[str, int] = {}
         """Message id -> event id of each consumption the watch gave."""
+        watch_lag_ms: dict[str, float] = {}
+        """Message id -> ms from its MESSAGE_CONSUMED event's time to the watch giving it."""
 
         async def watch():
             nonlocal consumed
@@ -90,6 +95,7 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
             async for event in watcher_view.watch_events(agent_id=receiver_id, kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED],
                                                          from_now=True):
                 watched[event.message_id] = event.event_id
+                watch_lag_ms[event.message_id] = (time.time_ns() // 1000 - event.at_us) / 1000
                 consumed += 1
                 window.release()
                 if consumed >= target:
@@ -196,6 +202,7 @@ async def run_sender(address: str, agent_id: str, credential: str, recipient: st
         watcher.cancel()
         reporter.cancel()
         print("sent " + json.dumps(sent_ns), flush=True)
+        print("watched " + json.dumps([watch_lag_ms[k] for k in sent_ns if k in watch_lag_ms]), flush=True)
 
 
 async def run_receiver(address: str, agent_id: str, credential: str, ca: str = "") -> None:
@@ -388,6 +395,7 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                 sent_ns = json.loads(send.expect("sent ", timeout=SENT_TIMEOUT_S, others=children))
             except SystemExit as failed:
                 raise SystemExit(f"{failed}\n{_stalled(meshes, recv)}") from None
+            lags = sorted(json.loads(send.expect("watched ", others=children)))
             after = {k: p.cpu() for k, p in processes.items()}
             cpu = {k: after[k] - before[k] for k in before}
             if nats_node is not None:
@@ -395,6 +403,7 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
             otlp_cpu = otlp.cpu() - otlp_before if otlp is not None else 0.0
             recv.send(f"report {len(sent_ns)}")
             consumed_ns = json.loads(recv.expect("consumed ", others=children))
+            watch_lag = {"ack_to_watch_p50_ms": round(lags[len(lags) // 2], 3)} if lags else {}
             name = ("inboxmesh-ioa" + ("-2meshes" if two_meshes else "") if via_ioa else "inboxmesh") + \
                 ("-tls" if tls else "")
             if store == "jetstream":
@@ -403,11 +412,11 @@ def run(n: int, c: int, synchronous: str = "full", via_ioa: bool = False, store:
                 scraper.stopping.set()
                 scraper.join()
                 scraper.scrape()  # the end: the metrics count every message
-                return {**summarize(name + "-metrics", c, sent_ns, consumed_ns, cpu), "scrapes": scraper.scrapes,
-                        "scraped_consumed": scraper.consumed()}
+                return {**summarize(name + "-metrics", c, sent_ns, consumed_ns, cpu), **watch_lag,
+                        "scrapes": scraper.scrapes, "scraped_consumed": scraper.consumed()}
             if otlp is None:
-                return summarize(name, c, sent_ns, consumed_ns, cpu)
-            result = summarize(f"{name}-{traces.replace('+', '-')}", c, sent_ns, consumed_ns, cpu)
+                return {**summarize(name, c, sent_ns, consumed_ns, cpu), **watch_lag}
+            result = {**summarize(f"{name}-{traces.replace('+', '-')}", c, sent_ns, consumed_ns, cpu), **watch_lag}
             for child in reversed(children):  # they export what they still hold as they stop
                 child.close()
             otlp.send("report")
