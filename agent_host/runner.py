@@ -34,7 +34,7 @@ from agent_host.budget import BudgetExceeded, TaskBudget
 from agent_host.config import CLOSE_ON_COMPLETE, IDLE_TIMEOUT, HostConfig
 from agent_host.conversation import NOTE_PREFIX, Conversation
 from agent_host.hoststore import HostedAgent
-from agent_host.metrics import MODEL_USAGE
+from agent_host.model_usage import MODEL_USAGE
 from agent_host.models.base import Model, ModelAttempt, ModelChain, ModelError, ModelReply
 from agent_host.ports import AgentCalls, AgentHost, Inbox
 from agent_host.tools import ToolContext, offered, result_message, run_tool, schemas

@@ -20,7 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_host import runner as runner_module
-from agent_host.metrics import TRACKED_AGENTS, HostMetrics, MetricsServer, ModelUsage
+from agent_host.metrics import HostMetrics, MetricsServer
+from agent_host.model_usage import TRACKED_AGENTS, ModelUsage
 from agent_host.models.base import ModelReply, Usage
 from agent_host.models.scripted import ScriptedModel
 from harness.evidence import Record

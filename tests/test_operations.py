@@ -101,13 +101,21 @@ def test_cli_help_lists_every_command():
         assert command in out
 
 
-def test_building_the_command_line_loads_no_agent_host_and_no_model_client():
+def test_commands_load_only_what_they_use():
     """Every `inboxmesh` process builds the whole parser, `run` and `host` included: their arguments come from
     inboxmesh/cli/host_args.py, so `up`, `send`, `events` and the rest start without the agent host and the
     OpenAI client (which cost each process about 0.7 s of CPU here)."""
     probe = ("import sys; from inboxmesh.cli.main import build_parser; build_parser();"
              " print(sorted(m for m in sys.modules if m == 'openai' or m.startswith(('openai.', 'agent_host.host',"
              " 'agent_host.runner', 'inboxmesh.cli.run', 'inboxmesh.cli.host')) and m != 'inboxmesh.cli.host_args'))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                            check=True).stdout.strip()
+    assert loaded == "[]", loaded
+    # and an agent host (inboxmesh run, inboxmesh host) loads the OpenAI client only for a model that speaks
+    # it, and the metrics server (aiohttp, the Prometheus exporter) only with --metrics-port
+    probe = ("import sys, inboxmesh.cli.run, inboxmesh.cli.host;"
+             " print(sorted(m for m in ('openai', 'aiohttp', 'prometheus_client', 'agent_host.metrics')"
+             " if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
                             check=True).stdout.strip()
     assert loaded == "[]", loaded

@@ -20,7 +20,6 @@ from agent_host.configured import ConfiguredAgentError, ConfiguredAgents
 from agent_host.host import AgentProfile, Host, HostEvent, ProfileFactory, TaskOutcome
 from agent_host.hoststore import HostedAgent
 from agent_host.local_model import LocalModelMissing, cached_server
-from agent_host.models.openai_chat import OpenAIChatModel
 from agent_host.models.scripted import POLICIES, ScriptedModel
 from agent_host.settings import model_settings, openai_model
 from agent_host.skills import SkillLibrary
@@ -86,6 +85,8 @@ async def _profiles(args, client: MeshClient, stack: contextlib.AsyncExitStack) 
             " > ".join(configured.models_of(agent)))
     local_url = await start_local_model(args.local_model, stack) if args.model == "local" else ""
     if args.model == "local":
+        from agent_host.models.openai_chat import OpenAIChatModel  # (the OpenAI client only when a model needs it)
+
         model = OpenAIChatModel(base_url=local_url, api_key="local", model=args.local_model,
                                 timeout_s=args.model_timeout or LOCAL_TIMEOUT_S,
                                 tool_choice=args.tool_choice or "required")
