@@ -739,3 +739,45 @@ async def test_status_of_an_accepted_message_is_found_when_a_lagging_follower_an
 async def _consumed(agent, message_id: str):
     record = await agent.status(message_id)
     return record if record.state == pb.MESSAGE_STATE_CONSUMED else None
+
+
+async def test_a_delivery_whose_events_nats_does_not_take_goes_out_once_and_its_attempt_counts_once(tmp_path):
+    """The events stream answers nothing for a while (its leader gone: here its subjects taken from it, so
+    a publish finds no stream), while the inbox and the message states answer: a delivery in that while
+    counted its attempt and then failed on its delivered event, and the subscription's retries counted one
+    more attempt each for a message never handed out, until it was dead-lettered (the CI run of c5b9097:
+    one of 300 messages, a node of three killed). Now the message goes out at once, as attempt 1, and its
+    delivered event is recorded before its consumption once the stream answers again."""
+    node = NatsNode(tmp_path / "nats").start()
+    try:
+        store = node.store_config(nats_namespace="evgone", path=tmp_path / "mesh.db")
+        config = replace(make_config(tmp_path, max_delivery_attempts=3), store=store)
+        async with Mesh(config) as mesh, MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client, \
+                await nats.connect(node.url) as nc:
+            lead = await client.register("lead")
+            kid = await lead.spawn("kid")
+            receipt = await lead.send(kid.agent_id, "while the record is away", message_id="m-1")
+            assert receipt.status == pb.RECEIPT_STATUS_ACCEPTED
+            js = nc.jetstream()
+            events = await js.stream_info("EVGONE_EVENTS")
+            await js.update_stream(replace(events.config, subjects=["evgone.away.>"]))  # no stream takes ev.>
+            stream = Collector(kid)
+            try:
+                [delivered] = await stream.wait_for(1)
+                assert delivered.message_id == "m-1" and delivered.delivery_attempt == 1
+                await asyncio.sleep(0.6)  # a failing round would have been retried three times by now
+                assert (await kid.status("m-1", sender=lead.agent_id)).state != pb.MESSAGE_STATE_DEAD_LETTERED
+                await js.update_stream(events.config)
+                [acked] = await kid.ack([delivered.sequence])
+                assert acked.status == pb.ACK_STATUS_CONSUMED
+                assert len(stream.messages) == 1
+            finally:
+                await stream.stop()
+            record = [e for e in await client.admin_events(agent_id=kid.agent_id, limit=1000)
+                      if e.message_id == "m-1"]
+            kinds = [ev.EventKind.Name(e.kind) for e in record]
+            assert kinds.count("EVENT_KIND_MESSAGE_DELIVERED") == 1 and kinds.count("EVENT_KIND_MESSAGE_CONSUMED") == 1
+            assert kinds.index("EVENT_KIND_MESSAGE_DELIVERED") < kinds.index("EVENT_KIND_MESSAGE_CONSUMED"), kinds
+            assert next(e for e in record if e.kind == ev.EVENT_KIND_MESSAGE_DELIVERED).detail == "attempt=1"
+    finally:
+        node.kill()

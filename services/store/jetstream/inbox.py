@@ -180,6 +180,10 @@ class InboxLog:
         self._recorded: dict[tuple[str, int], None] = {}
         """Messages whose sent and stored events this process published (oldest dropped first): their first
         delivery here need not publish copies of them."""
+        self._unrecorded: dict[tuple[str, int], list[EventRow]] = {}
+        """Deliveries handed out whose events NATS did not take (a stream without a leader a moment): by
+        (recipient, sequence), the events to publish, as copies, before the message's consumption or next
+        delivery (oldest dropped first beyond _REMEMBERED: the keeper records them from the state entries)."""
         self._recorded_elsewhere: dict[tuple[str, int], None] = {}
         """Messages whose sent and stored events another process recorded before it told us of them, by
         (recipient's subject token, sequence) (oldest dropped first): no copies of them either."""
@@ -518,31 +522,43 @@ class InboxLog:
         firsts_here: list[envelope_pb2.Envelope] = []
         seq = after_sequence + 1
         more = 1
-        while len(envelopes) + len(dead) < limit:
-            want = limit - len(envelopes) - len(dead)
-            if ahead is not None:
-                batch, more = ahead[0][:want], ahead[1] + max(0, len(ahead[0]) - want)
-                ahead = None
-            else:
-                batch, more = await self.messages.read(recipient, seq, want)
-            if not batch:
-                more = 0
-                break
-            seq = batch[-1].sequence + 1
-            firsts = await self._first_deliveries(recipient, batch, max_attempts, now_us)
-            for env, written in zip(batch, firsts):
-                if written is None:
-                    written = await self._later_delivery(recipient, env, max_attempts, now_us, dead, notices)
+        try:
+            while len(envelopes) + len(dead) < limit:
+                want = limit - len(envelopes) - len(dead)
+                if ahead is not None:
+                    batch, more = ahead[0][:want], ahead[1] + max(0, len(ahead[0]) - want)
+                    ahead = None
+                else:
+                    batch, more = await self.messages.read(recipient, seq, want)
+                if not batch:
+                    more = 0
+                    break
+                seq = batch[-1].sequence + 1
+                firsts = await self._first_deliveries(recipient, batch, max_attempts, now_us)
+                for k, (env, written) in enumerate(zip(batch, firsts)):
                     if written is None:
-                        continue
-                env.delivery_attempt = written.attempts
-                if env.delivery_attempt == 1:
-                    firsts_here.append(env)
-                rows.append(message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, now_us, recipient, env,
-                                          detail=f"attempt={env.delivery_attempt}"))
-                envelopes.append(env)
-            if not more:
-                break
+                        try:
+                            written = await self._later_delivery(recipient, env, max_attempts, now_us, dead,
+                                                                 notices)
+                        except BaseException:  # the firsts after it are not handed out: not counted either
+                            for later, counted in zip(batch[k + 1:], firsts[k + 1:]):
+                                if counted is not None:
+                                    self._unmarked.pop((recipient, later.sequence), None)
+                            raise
+                        if written is None:
+                            continue
+                    env.delivery_attempt = written.attempts
+                    if env.delivery_attempt == 1:
+                        firsts_here.append(env)
+                    rows.append(message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, now_us, recipient, env,
+                                              detail=f"attempt={env.delivery_attempt}"))
+                    envelopes.append(env)
+                if not more:
+                    break
+        except NATS_FAILURES:
+            if not envelopes and not dead:
+                raise
+            more = 1  # what was counted goes out (an attempt counts a delivery made); the rest is read again
         # The sent and stored events before delivered: an append of this process still at work records them
         # (waited for); else copies of the sender's, dropped as such, keep the record in causal order even
         # when this feed is faster than the sender's replica.
@@ -550,10 +566,27 @@ class InboxLog:
                      if (key := (recipient, env.sequence)) in self._recording}
         if appending:
             await _shared_wait(appending)
-        copies = [row for env in firsts_here if self._copies_needed(recipient, env, now_us)
-                  for row in stored_events(env, recipient, env.sequence)]
-        await self.events.publish(copies, copies=True)
-        await self.events.emit(rows)  # before the subscriber can ack: consumed always follows delivered
+        copied = {env.sequence: stored_events(env, recipient, env.sequence) for env in firsts_here
+                  if self._copies_needed(recipient, env, now_us)}
+        earlier = {env.sequence: self._unrecorded.pop((recipient, env.sequence)) for env in envelopes
+                   if (recipient, env.sequence) in self._unrecorded}
+        try:
+            await self.events.publish([*(row for rows_of in earlier.values() for row in rows_of),
+                                       *(row for rows_of in copied.values() for row in rows_of)], copies=True)
+            await self.events.emit(rows)  # before the subscriber can ack: consumed always follows delivered
+        except NATS_FAILURES as exc:
+            # The attempts are counted (a first one in memory, a later one written): the messages go out all
+            # the same, or each failed round would count one more attempt of a message never handed out, and
+            # a stream without a leader for some seconds would dead-letter it. Their events are published,
+            # as copies, before their consumption (ack_many) or next delivery; the keeper restores them
+            # from the state entries if this process dies first.
+            log.warning("delivered events of %d messages to %s not recorded yet (%r): recorded before their"
+                        " consumption", len(envelopes), recipient, exc)
+            for env, row in zip(envelopes, rows):
+                self._unrecorded[(recipient, env.sequence)] = [*earlier.get(env.sequence, ()),
+                                                               *copied.get(env.sequence, ()), row]
+            while len(self._unrecorded) > _REMEMBERED:
+                self._unrecorded.pop(next(iter(self._unrecorded)))
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
                              held_back=held_back and len(envelopes) + len(dead) >= limit,
                              # with replicas, a full batch's count of what follows is the answering replica's,
@@ -692,6 +725,10 @@ class InboxLog:
                     consumed.append(env)
                     deletes.setdefault(recipient, []).append(seq)
                     if not failed:
+                        unrecorded = self._unrecorded.pop((recipient, seq), None)
+                        if unrecorded:  # its delivery's events first (next_deliveries), as copies
+                            rows += unrecorded
+                            copies = True
                         rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, at_us, recipient, env, seq=seq,
                                                   turn=turn))
                 elif final is not None and not failed and self._recent(final, at_us):
