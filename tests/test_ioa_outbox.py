@@ -188,3 +188,34 @@ async def _outbox_notices_of(node, agent_id: str) -> list[ev.Event]:
     """Events of notices the relay stored in the agent's own inbox (there must be none for crossing ones)."""
     return [e for e in await node.client.admin_events(agent_id=agent_id)
             if e.kind == ev.EVENT_KIND_MESSAGE_STORED and e.message_id.startswith("inboxmesh:outbox:")]
+
+
+async def test_the_outbox_goes_out_when_the_network_says_the_node_is_back_not_at_the_end_of_its_back_off(
+        network, tmp_path, monkeypatch):
+    """The network tells a relay whose publishes it refused that the node is connected again (NodeBack): the
+    outbox is sent then. Its back-off here is a minute, longer than the wait below: without the word from
+    the network the entry would still be waiting."""
+    from services.ioa import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "OUTBOX_POLL_S", 60.0)
+    monkeypatch.setattr(relay_module, "OUTBOX_BACKOFF_S", 60.0)
+    alpha = await start_node(network, tmp_path, "alpha", outbox=True)
+    beta = await start_node(network, tmp_path, "beta")
+    try:
+        a, b = await _team(alpha, "a"), await _team(beta, "b")
+        b_info, b_credential, to_b = b.info, b.credential, beta.address(b)
+        await beta.stop()
+        assert (await a.send(to_b, "kept", message_id="kept")).status == pb.RECEIPT_STATUS_OUTBOXED
+        await eventually(lambda: "alpha" in network.network.waiting.get("beta", ()), timeout=5,
+                         message="the network remembers who published to beta while it was away")
+        # the outbox's own round publishes again for OFFLINE_GRACE_S: over by then, so only the network's
+        # word can wake it before its minute of back-off
+        await asyncio.sleep(relay_module.OFFLINE_GRACE_S + 1.0)
+        beta = await start_node(network, tmp_path, "beta")
+        b = beta.client.agent(b_info, b_credential)
+        assert await _texts(b, 1, timeout=15) == ["kept"]
+        assert alpha.relay.counts["node_back"] == 1
+        assert "beta" not in network.network.waiting, "told once"
+    finally:
+        for node in (alpha, beta):
+            await node.stop()

@@ -358,14 +358,26 @@ class IoaRelay:
         which = frame.WhichOneof("frame")
         if which == "batch":
             for item in frame.batch.items:
-                if item.WhichOneof("item") == "result":
+                kind = item.WhichOneof("item")
+                if kind == "result":
                     self._result(item.result)
-                else:
+                elif kind == "node_back":
+                    self._node_back(item.node_back)
+                elif kind == "message":
                     await self._arrived(item.message)
         elif which == "result":
             self._result(frame.result)
         elif which == "message":
             await self._arrived(frame.message)
+        elif which == "node_back":
+            self._node_back(frame.node_back)
+
+    def _node_back(self, back: net.NodeBack) -> None:
+        """A node this relay published to while it was away is connected again: the outbox is sent now,
+        not at the end of its back-off."""
+        self.counts["node_back"] += 1
+        self._heard_from(back.node_id)
+        self.outbox_wake.set()
 
     def _result(self, result: net.PublishResult) -> None:
         future = self._published.pop(result.publish_id, None)

@@ -39,6 +39,10 @@ _NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _MAX_SPACES_PER_NODE = 1024
 _MAX_BATCH = 256
 """Frames one Batch holds at most."""
+_MAX_WAITING = 1000
+"""Nodes remembered per absent node as having published to it (NodeBack); beyond that, no more are added."""
+_MAX_ABSENT = 10_000
+"""Absent nodes remembered with such publishers; beyond that, publishes to others are not remembered."""
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """The largest frame or request the network takes (as a mesh does by default)."""
 
@@ -84,6 +88,9 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         self.config = config
         self.nodes: dict[str, _Node] = {}
         self.spaces: dict[str, collections.deque] = {}
+        self.waiting: dict[str, set[str]] = {}
+        """Per node not connected now: the nodes whose publishes to it were refused NODE_OFFLINE or
+        UNKNOWN_NODE since (each told NodeBack once it connects)."""
         self._space_seq: dict[str, int] = collections.defaultdict(int)
 
     # -- the node's stream --------------------------------------------------
@@ -133,6 +140,10 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         node.connected = True
         node.connections += 1
         log.info("node %s connected (connection %d)", node_id, node.connections)
+        for waiting in sorted(self.waiting.pop(node_id, ())):
+            other = self.nodes.get(waiting)
+            if other is not None:
+                self._enqueue(other, pb.NetworkFrame(node_back=pb.NodeBack(node_id=node_id)))
         return node, queue, stop
 
     async def _read(self, node: _Node, frames) -> None:
@@ -191,8 +202,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
 
     @staticmethod
     def _batch(first: pb.NetworkFrame, queue: asyncio.Queue) -> pb.NetworkFrame:
-        """`first` and the frames queued behind it (up to _MAX_BATCH; a node's queue holds only messages
-        and results) as one Batch frame, in order."""
+        """`first` and the frames queued behind it (up to _MAX_BATCH; a node's queue holds only messages,
+        results and NodeBack frames) as one Batch frame, in order."""
         batch = pb.Batch()
         frame = first
         while True:
@@ -228,8 +239,10 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
             node = self.nodes.get(message.direct.node)
             if node is None:
                 result.status, result.detail = pb.PUBLISH_STATUS_UNKNOWN_NODE, f"no node {message.direct.node!r}"
+                self._wait_for(message.direct.node, sender)
             elif not node.connected:
                 result.status, result.detail = pb.PUBLISH_STATUS_NODE_OFFLINE, f"node {node.node_id} is not connected"
+                self._wait_for(node.node_id, sender)
             else:
                 targets.append(node)
                 result.status = pb.PUBLISH_STATUS_OK
@@ -247,6 +260,18 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         else:
             result.status, result.detail = pb.PUBLISH_STATUS_INVALID, "a message needs a direct address or a space"
         return result, targets
+
+    def _wait_for(self, absent: str, sender: _Node) -> None:
+        """Remember that `sender` published to the absent node (bounded: _MAX_ABSENT, _MAX_WAITING)."""
+        if not _NODE_ID.fullmatch(absent):
+            return
+        waiting = self.waiting.get(absent)
+        if waiting is None:
+            if len(self.waiting) >= _MAX_ABSENT:
+                return
+            waiting = self.waiting[absent] = set()
+        if len(waiting) < _MAX_WAITING:
+            waiting.add(sender.node_id)
 
     def _deliver(self, node: _Node, message: pb.IoaMessage) -> None:
         node.recent.append(message)

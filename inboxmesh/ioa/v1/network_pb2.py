@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1einboxmesh/ioa/v1/network.proto\x12\x10inboxmesh.ioa.v1\"&\n\x07\x41\x64\x64ress\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\"\xd4\x02\n\nIoaMessage\x12\x16\n\x0eioa_message_id\x18\x01 \x01(\t\x12\'\n\x04\x66rom\x18\x02 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.Address\x12+\n\x06\x64irect\x18\x03 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.AddressH\x00\x12\x0f\n\x05space\x18\x04 \x01(\tH\x00\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x12\n\nmedia_type\x18\x07 \x01(\t\x12:\n\x07headers\x18\x08 \x03(\x0b\x32).inboxmesh.ioa.v1.IoaMessage.HeadersEntry\x12\x12\n\nsent_at_us\x18\t \x01(\x03\x12\x11\n\tspace_seq\x18\n \x01(\x04\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x04\n\x02to\")\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x02 \x01(\x08\"L\n\x07Publish\x12-\n\x07message\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessage\x12\x12\n\npublish_id\x18\x02 \x01(\x04\"<\n\x0cPublishBatch\x12,\n\tpublishes\x18\x01 \x03(\x0b\x32\x19.inboxmesh.ioa.v1.Publish\"\x1a\n\tJoinSpace\x12\r\n\x05space\x18\x01 \x01(\t\"\x1b\n\nLeaveSpace\x12\r\n\x05space\x18\x01 \x01(\t\"\x81\x02\n\tNodeFrame\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.inboxmesh.ioa.v1.HelloH\x00\x12,\n\x07publish\x18\x02 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.PublishH\x00\x12+\n\x04join\x18\x03 \x01(\x0b\x32\x1b.inboxmesh.ioa.v1.JoinSpaceH\x00\x12-\n\x05leave\x18\x04 \x01(\x0b\x32\x1c.inboxmesh.ioa.v1.LeaveSpaceH\x00\x12\x37\n\rpublish_batch\x18\x05 \x01(\x0b\x32\x1e.inboxmesh.ioa.v1.PublishBatchH\x00\x42\x07\n\x05\x66rame\"|\n\rPublishResult\x12\x12\n\npublish_id\x18\x01 \x01(\x04\x12/\n\x06status\x18\x02 \x01(\x0e\x32\x1f.inboxmesh.ioa.v1.PublishStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x16\n\x0eioa_message_id\x18\x04 \x01(\t\"0\n\x07Welcome\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0credelivering\x18\x02 \x01(\r\"\xa8\x01\n\x05\x42\x61tch\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.ioa.v1.Batch.Item\x1ar\n\x04Item\x12/\n\x07message\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessageH\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.inboxmesh.ioa.v1.PublishResultH\x00\x42\x06\n\x04item\"\xd3\x01\n\x0cNetworkFrame\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.WelcomeH\x00\x12/\n\x07message\x18\x02 \x01(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessageH\x00\x12\x31\n\x06result\x18\x03 \x01(\x0b\x32\x1f.inboxmesh.ioa.v1.PublishResultH\x00\x12(\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x17.inboxmesh.ioa.v1.BatchH\x00\x42\x07\n\x05\x66rame\"C\n\x10ReadSpaceRequest\x12\r\n\x05space\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"C\n\x11ReadSpaceResponse\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessage\"q\n\x12InjectFaultRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.inboxmesh.ioa.v1.FaultKind\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x10\n\x08\x64\x65lay_ms\x18\x04 \x01(\r\"\x15\n\x13InjectFaultResponse\"\x16\n\x14NetworkStatusRequest\"h\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0e\n\x06spaces\x18\x03 \x03(\t\x12\x11\n\tdelivered\x18\x04 \x01(\x04\x12\x13\n\x0b\x63onnections\x18\x05 \x01(\r\"D\n\x15NetworkStatusResponse\x12+\n\x05nodes\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.ioa.v1.NodeStatus*\xc5\x01\n\rPublishStatus\x12\x1e\n\x1aPUBLISH_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11PUBLISH_STATUS_OK\x10\x01\x12\x1f\n\x1bPUBLISH_STATUS_UNKNOWN_NODE\x10\x02\x12\x1f\n\x1bPUBLISH_STATUS_NODE_OFFLINE\x10\x03\x12\x1f\n\x1bPUBLISH_STATUS_NOT_A_MEMBER\x10\x04\x12\x1a\n\x16PUBLISH_STATUS_INVALID\x10\x05*\x8f\x01\n\tFaultKind\x12\x1a\n\x16\x46\x41ULT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x46\x41ULT_KIND_DROP_CONNECTION\x10\x01\x12\x18\n\x14\x46\x41ULT_KIND_DUPLICATE\x10\x02\x12\x14\n\x10\x46\x41ULT_KIND_DELAY\x10\x03\x12\x16\n\x12\x46\x41ULT_KIND_REORDER\x10\x04\x32\xec\x02\n\nIoaNetwork\x12J\n\x07\x43onnect\x12\x1b.inboxmesh.ioa.v1.NodeFrame\x1a\x1e.inboxmesh.ioa.v1.NetworkFrame(\x01\x30\x01\x12T\n\tReadSpace\x12\".inboxmesh.ioa.v1.ReadSpaceRequest\x1a#.inboxmesh.ioa.v1.ReadSpaceResponse\x12Z\n\x0bInjectFault\x12$.inboxmesh.ioa.v1.InjectFaultRequest\x1a%.inboxmesh.ioa.v1.InjectFaultResponse\x12`\n\rNetworkStatus\x12&.inboxmesh.ioa.v1.NetworkStatusRequest\x1a\'.inboxmesh.ioa.v1.NetworkStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1einboxmesh/ioa/v1/network.proto\x12\x10inboxmesh.ioa.v1\"&\n\x07\x41\x64\x64ress\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\"\xd4\x02\n\nIoaMessage\x12\x16\n\x0eioa_message_id\x18\x01 \x01(\t\x12\'\n\x04\x66rom\x18\x02 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.Address\x12+\n\x06\x64irect\x18\x03 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.AddressH\x00\x12\x0f\n\x05space\x18\x04 \x01(\tH\x00\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x12\n\nmedia_type\x18\x07 \x01(\t\x12:\n\x07headers\x18\x08 \x03(\x0b\x32).inboxmesh.ioa.v1.IoaMessage.HeadersEntry\x12\x12\n\nsent_at_us\x18\t \x01(\x03\x12\x11\n\tspace_seq\x18\n \x01(\x04\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x04\n\x02to\")\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x02 \x01(\x08\"L\n\x07Publish\x12-\n\x07message\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessage\x12\x12\n\npublish_id\x18\x02 \x01(\x04\"<\n\x0cPublishBatch\x12,\n\tpublishes\x18\x01 \x03(\x0b\x32\x19.inboxmesh.ioa.v1.Publish\"\x1a\n\tJoinSpace\x12\r\n\x05space\x18\x01 \x01(\t\"\x1b\n\nLeaveSpace\x12\r\n\x05space\x18\x01 \x01(\t\"\x81\x02\n\tNodeFrame\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.inboxmesh.ioa.v1.HelloH\x00\x12,\n\x07publish\x18\x02 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.PublishH\x00\x12+\n\x04join\x18\x03 \x01(\x0b\x32\x1b.inboxmesh.ioa.v1.JoinSpaceH\x00\x12-\n\x05leave\x18\x04 \x01(\x0b\x32\x1c.inboxmesh.ioa.v1.LeaveSpaceH\x00\x12\x37\n\rpublish_batch\x18\x05 \x01(\x0b\x32\x1e.inboxmesh.ioa.v1.PublishBatchH\x00\x42\x07\n\x05\x66rame\"|\n\rPublishResult\x12\x12\n\npublish_id\x18\x01 \x01(\x04\x12/\n\x06status\x18\x02 \x01(\x0e\x32\x1f.inboxmesh.ioa.v1.PublishStatus\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x16\n\x0eioa_message_id\x18\x04 \x01(\t\"0\n\x07Welcome\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0credelivering\x18\x02 \x01(\r\"\xda\x01\n\x05\x42\x61tch\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.ioa.v1.Batch.Item\x1a\xa3\x01\n\x04Item\x12/\n\x07message\x18\x01 \x01(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessageH\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.inboxmesh.ioa.v1.PublishResultH\x00\x12/\n\tnode_back\x18\x03 \x01(\x0b\x32\x1a.inboxmesh.ioa.v1.NodeBackH\x00\x42\x06\n\x04item\"\x1b\n\x08NodeBack\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x84\x02\n\x0cNetworkFrame\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.inboxmesh.ioa.v1.WelcomeH\x00\x12/\n\x07message\x18\x02 \x01(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessageH\x00\x12\x31\n\x06result\x18\x03 \x01(\x0b\x32\x1f.inboxmesh.ioa.v1.PublishResultH\x00\x12(\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x17.inboxmesh.ioa.v1.BatchH\x00\x12/\n\tnode_back\x18\x05 \x01(\x0b\x32\x1a.inboxmesh.ioa.v1.NodeBackH\x00\x42\x07\n\x05\x66rame\"C\n\x10ReadSpaceRequest\x12\r\n\x05space\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"C\n\x11ReadSpaceResponse\x12.\n\x08messages\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.ioa.v1.IoaMessage\"q\n\x12InjectFaultRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.inboxmesh.ioa.v1.FaultKind\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x10\n\x08\x64\x65lay_ms\x18\x04 \x01(\r\"\x15\n\x13InjectFaultResponse\"\x16\n\x14NetworkStatusRequest\"h\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x0e\n\x06spaces\x18\x03 \x03(\t\x12\x11\n\tdelivered\x18\x04 \x01(\x04\x12\x13\n\x0b\x63onnections\x18\x05 \x01(\r\"D\n\x15NetworkStatusResponse\x12+\n\x05nodes\x18\x01 \x03(\x0b\x32\x1c.inboxmesh.ioa.v1.NodeStatus*\xc5\x01\n\rPublishStatus\x12\x1e\n\x1aPUBLISH_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11PUBLISH_STATUS_OK\x10\x01\x12\x1f\n\x1bPUBLISH_STATUS_UNKNOWN_NODE\x10\x02\x12\x1f\n\x1bPUBLISH_STATUS_NODE_OFFLINE\x10\x03\x12\x1f\n\x1bPUBLISH_STATUS_NOT_A_MEMBER\x10\x04\x12\x1a\n\x16PUBLISH_STATUS_INVALID\x10\x05*\x8f\x01\n\tFaultKind\x12\x1a\n\x16\x46\x41ULT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x46\x41ULT_KIND_DROP_CONNECTION\x10\x01\x12\x18\n\x14\x46\x41ULT_KIND_DUPLICATE\x10\x02\x12\x14\n\x10\x46\x41ULT_KIND_DELAY\x10\x03\x12\x16\n\x12\x46\x41ULT_KIND_REORDER\x10\x04\x32\xec\x02\n\nIoaNetwork\x12J\n\x07\x43onnect\x12\x1b.inboxmesh.ioa.v1.NodeFrame\x1a\x1e.inboxmesh.ioa.v1.NetworkFrame(\x01\x30\x01\x12T\n\tReadSpace\x12\".inboxmesh.ioa.v1.ReadSpaceRequest\x1a#.inboxmesh.ioa.v1.ReadSpaceResponse\x12Z\n\x0bInjectFault\x12$.inboxmesh.ioa.v1.InjectFaultRequest\x1a%.inboxmesh.ioa.v1.InjectFaultResponse\x12`\n\rNetworkStatus\x12&.inboxmesh.ioa.v1.NetworkStatusRequest\x1a\'.inboxmesh.ioa.v1.NetworkStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_IOAMESSAGE_HEADERSENTRY']._loaded_options = None
   _globals['_IOAMESSAGE_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_PUBLISHSTATUS']._serialized_start=1973
-  _globals['_PUBLISHSTATUS']._serialized_end=2170
-  _globals['_FAULTKIND']._serialized_start=2173
-  _globals['_FAULTKIND']._serialized_end=2316
+  _globals['_PUBLISHSTATUS']._serialized_start=2101
+  _globals['_PUBLISHSTATUS']._serialized_end=2298
+  _globals['_FAULTKIND']._serialized_start=2301
+  _globals['_FAULTKIND']._serialized_end=2444
   _globals['_ADDRESS']._serialized_start=52
   _globals['_ADDRESS']._serialized_end=90
   _globals['_IOAMESSAGE']._serialized_start=93
@@ -60,25 +60,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WELCOME']._serialized_start=1061
   _globals['_WELCOME']._serialized_end=1109
   _globals['_BATCH']._serialized_start=1112
-  _globals['_BATCH']._serialized_end=1280
-  _globals['_BATCH_ITEM']._serialized_start=1166
-  _globals['_BATCH_ITEM']._serialized_end=1280
-  _globals['_NETWORKFRAME']._serialized_start=1283
-  _globals['_NETWORKFRAME']._serialized_end=1494
-  _globals['_READSPACEREQUEST']._serialized_start=1496
-  _globals['_READSPACEREQUEST']._serialized_end=1563
-  _globals['_READSPACERESPONSE']._serialized_start=1565
-  _globals['_READSPACERESPONSE']._serialized_end=1632
-  _globals['_INJECTFAULTREQUEST']._serialized_start=1634
-  _globals['_INJECTFAULTREQUEST']._serialized_end=1747
-  _globals['_INJECTFAULTRESPONSE']._serialized_start=1749
-  _globals['_INJECTFAULTRESPONSE']._serialized_end=1770
-  _globals['_NETWORKSTATUSREQUEST']._serialized_start=1772
-  _globals['_NETWORKSTATUSREQUEST']._serialized_end=1794
-  _globals['_NODESTATUS']._serialized_start=1796
-  _globals['_NODESTATUS']._serialized_end=1900
-  _globals['_NETWORKSTATUSRESPONSE']._serialized_start=1902
-  _globals['_NETWORKSTATUSRESPONSE']._serialized_end=1970
-  _globals['_IOANETWORK']._serialized_start=2319
-  _globals['_IOANETWORK']._serialized_end=2683
+  _globals['_BATCH']._serialized_end=1330
+  _globals['_BATCH_ITEM']._serialized_start=1167
+  _globals['_BATCH_ITEM']._serialized_end=1330
+  _globals['_NODEBACK']._serialized_start=1332
+  _globals['_NODEBACK']._serialized_end=1359
+  _globals['_NETWORKFRAME']._serialized_start=1362
+  _globals['_NETWORKFRAME']._serialized_end=1622
+  _globals['_READSPACEREQUEST']._serialized_start=1624
+  _globals['_READSPACEREQUEST']._serialized_end=1691
+  _globals['_READSPACERESPONSE']._serialized_start=1693
+  _globals['_READSPACERESPONSE']._serialized_end=1760
+  _globals['_INJECTFAULTREQUEST']._serialized_start=1762
+  _globals['_INJECTFAULTREQUEST']._serialized_end=1875
+  _globals['_INJECTFAULTRESPONSE']._serialized_start=1877
+  _globals['_INJECTFAULTRESPONSE']._serialized_end=1898
+  _globals['_NETWORKSTATUSREQUEST']._serialized_start=1900
+  _globals['_NETWORKSTATUSREQUEST']._serialized_end=1922
+  _globals['_NODESTATUS']._serialized_start=1924
+  _globals['_NODESTATUS']._serialized_end=2028
+  _globals['_NETWORKSTATUSRESPONSE']._serialized_start=2030
+  _globals['_NETWORKSTATUSRESPONSE']._serialized_end=2098
+  _globals['_IOANETWORK']._serialized_start=2447
+  _globals['_IOANETWORK']._serialized_end=2811
 # @@protoc_insertion_point(module_scope)

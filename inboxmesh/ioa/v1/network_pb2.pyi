@@ -143,27 +143,37 @@ class Welcome(_message.Message):
 class Batch(_message.Message):
     __slots__ = ("items",)
     class Item(_message.Message):
-        __slots__ = ("message", "result")
+        __slots__ = ("message", "result", "node_back")
         MESSAGE_FIELD_NUMBER: _ClassVar[int]
         RESULT_FIELD_NUMBER: _ClassVar[int]
+        NODE_BACK_FIELD_NUMBER: _ClassVar[int]
         message: IoaMessage
         result: PublishResult
-        def __init__(self, message: _Optional[_Union[IoaMessage, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ...) -> None: ...
+        node_back: NodeBack
+        def __init__(self, message: _Optional[_Union[IoaMessage, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ..., node_back: _Optional[_Union[NodeBack, _Mapping]] = ...) -> None: ...
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[Batch.Item]
     def __init__(self, items: _Optional[_Iterable[_Union[Batch.Item, _Mapping]]] = ...) -> None: ...
 
+class NodeBack(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
 class NetworkFrame(_message.Message):
-    __slots__ = ("welcome", "message", "result", "batch")
+    __slots__ = ("welcome", "message", "result", "batch", "node_back")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_BACK_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     message: IoaMessage
     result: PublishResult
     batch: Batch
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., message: _Optional[_Union[IoaMessage, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    node_back: NodeBack
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., message: _Optional[_Union[IoaMessage, _Mapping]] = ..., result: _Optional[_Union[PublishResult, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., node_back: _Optional[_Union[NodeBack, _Mapping]] = ...) -> None: ...
 
 class ReadSpaceRequest(_message.Message):
     __slots__ = ("space", "after_seq", "limit")
