@@ -182,10 +182,17 @@ async def test_a_message_is_a_task_whose_states_follow_the_record(setup, binding
         assert {e.sender for e in events if e.kind == ev.EVENT_KIND_MESSAGE_STORED} == {"a2a:client/alice"}
         consumed = [m for m in answerer.consumed if m.message_id == task.id]
         assert len(consumed) == 1 and consumed[0].headers["inboxmesh-a2a-message-id"] == message_id
-        # the answer: the agent's reply, stored in the gateway agent's inbox and consumed there
-        replies = [e for e in await client.admin_events(kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED])
-                   if e.in_reply_to == task.id]
-        assert len(replies) == 1 and replies[0].sender == exposed.agent_id
+        # the answer: the agent's reply, stored in the gateway agent's inbox and consumed there (the gateway
+        # completes the task and then acks the reply, so a crash between loses no answer: the consumption
+        # may be recorded a moment after the client saw the task completed)
+        async def replies() -> list[ev.Event]:
+            return [e for e in await client.admin_events(kinds=[ev.EVENT_KIND_MESSAGE_CONSUMED])
+                    if e.in_reply_to == task.id]
+
+        [reply] = await eventually(replies, timeout=10, message="the reply consumed by the gateway")
+        assert reply.sender == exposed.agent_id
+        await asyncio.sleep(0.2)
+        assert len(await replies()) == 1, "consumed once"
         # a retry with the same messageId: the same task, nothing stored twice
         [again] = [r async for r in sdk.send_message(request("hello", message_id), context=auth())]
         assert again.task.id == task.id and again.task.status.state == a2a.TASK_STATE_COMPLETED
