@@ -105,20 +105,22 @@ def test_commands_load_only_what_they_use():
     """Every `inboxmesh` process builds the whole parser, `run` and `host` included: their arguments come from
     inboxmesh/cli/host_args.py, so `up`, `send`, `events` and the rest start without the agent host and the
     OpenAI client (which cost each process about 0.7 s of CPU here)."""
-    probe = ("import sys; from inboxmesh.cli.main import build_parser; build_parser();"
-             " print(sorted(m for m in sys.modules if m == 'openai' or m.startswith(('openai.', 'agent_host.host',"
-             " 'agent_host.runner', 'inboxmesh.cli.run', 'inboxmesh.cli.host')) and m != 'inboxmesh.cli.host_args'))")
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
-                            check=True).stdout.strip()
-    assert loaded == "[]", loaded
+    def loaded(probe: str) -> str:
+        """What a fresh interpreter running `probe` prints (its list of unwanted modules loaded)."""
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()
+
+    found = loaded("import sys; from inboxmesh.cli.main import build_parser; build_parser();"
+                   " print(sorted(m for m in sys.modules if m == 'openai' or m.startswith(('openai.',"
+                   " 'agent_host.host', 'agent_host.runner', 'inboxmesh.cli.run', 'inboxmesh.cli.host'))"
+                   " and m != 'inboxmesh.cli.host_args'))")
+    assert found == "[]", found
     # and an agent host (inboxmesh run, inboxmesh host) loads the OpenAI client only for a model that speaks
     # it, and the metrics server (aiohttp, the Prometheus exporter) only with --metrics-port
-    probe = ("import sys, inboxmesh.cli.run, inboxmesh.cli.host;"
-             " print(sorted(m for m in ('openai', 'aiohttp', 'prometheus_client', 'agent_host.metrics')"
-             " if m in sys.modules))")
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
-                            check=True).stdout.strip()
-    assert loaded == "[]", loaded
+    found = loaded("import sys, inboxmesh.cli.run, inboxmesh.cli.host;"
+                   " print(sorted(m for m in ('openai', 'aiohttp', 'prometheus_client', 'agent_host.metrics')"
+                   " if m in sys.modules))")
+    assert found == "[]", found
 
 
 def test_up_runs_the_demo_exchange(tmp_path):

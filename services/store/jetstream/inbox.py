@@ -148,6 +148,11 @@ def _remember_keys(table: dict[tuple[str, int], None], keys: Iterable[tuple[str,
     """Add the keys to a table of remembered messages, the oldest dropped beyond _REMEMBERED."""
     for key in keys:
         table[key] = None
+    _trim(table)
+
+
+def _trim(table: dict[tuple[str, int], Any]) -> None:
+    """Drop a table's oldest entries beyond _REMEMBERED."""
     while len(table) > _REMEMBERED:
         table.pop(next(iter(table)))
 
@@ -585,8 +590,7 @@ class InboxLog:
             for env, row in zip(envelopes, rows):
                 self._unrecorded[(recipient, env.sequence)] = [*earlier.get(env.sequence, ()),
                                                                *copied.get(env.sequence, ()), row]
-            while len(self._unrecorded) > _REMEMBERED:
-                self._unrecorded.pop(next(iter(self._unrecorded)))
+            _trim(self._unrecorded)
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
                              held_back=held_back and len(envelopes) + len(dead) >= limit,
                              # with replicas, a full batch's count of what follows is the answering replica's,
