@@ -1,16 +1,20 @@
 """The event record: listing it, and following it live.
 
 Live watchers are fed from memory: after each commit the store hands over
-the event rows it just wrote (with their ids), and every watcher keeps the
-ones its filter matches in a bounded buffer. A watcher reads the store
-instead when it starts behind (replay), when its buffer overflowed, when
-events appear that this process did not write (another process on the
-same store: the ids then show a gap), and once per poll interval (another
-process's events that no commit of ours follows). A read that such a
-request overtook does not count as done: the watcher reads again before it
-takes from the buffer, or it would skip the other process's events below
-the buffered ids. Ids are one total order, so a watcher never yields an
-event twice or skips one.
+the event rows it just wrote (with their ids), and, on a store shared by
+several processes that tell each other what they record (JetStream,
+`others_events_told`), the rows the other processes recorded. Rows are
+handed to the watchers in id order: a row above a gap (an id not handed over
+yet) is held until the gap fills, for at most GAP_WAIT_S; every watcher
+keeps the rows its filter matches in a bounded buffer. A watcher reads the
+store instead when it starts behind (replay), when its buffer overflowed,
+when a gap did not fill in time (another process on the same store that
+tells nothing, a notice lost, a process that died between its write and its
+notice), and once per poll interval (another process's events that no row
+handed over here follows). A read that such a request overtook does not
+count as done: the watcher reads again before it takes from the buffer, or
+it would skip the other process's events below the buffered ids. Ids are one
+total order, so a watcher never yields an event twice or skips one.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ from services.validation import check_text, fitting, page_size, stored_int
 _PAGE = 1000
 RUNTIME_KINDS = frozenset(k for k in ev.EventKind.values() if k >= ev.EVENT_KIND_AGENT_SPAWNED)
 _BUFFER_LIMIT = 10_000
+GAP_WAIT_S = 0.05
+"""How long rows above a gap in the ids are held for the other processes' notices to fill it (stores whose
+processes tell each other their events), before every watcher reads the store instead."""
+_HELD_LIMIT = 10_000
+"""Rows held above a gap at most: beyond, the watchers read the store at once."""
 EventBatch = list[ev.Event]
 """Events in id order (named here: the service's method `list` hides the builtin inside the class)."""
 
@@ -80,7 +89,14 @@ class EventsService:
         self._directory = directory
         self._poll_interval_s = poll_interval_s
         self._watchers: set[_Watcher] = set()
-        self._last_seen = -1  # highest event id handed over by this process's commits
+        self._last_seen = -1
+        """Every event id up to this one was handed to the watchers, or left to their reads of the store."""
+        self._held: dict[int, EventRow] = {}
+        """Rows above a gap, by id, until it fills."""
+        self._gap_wait_s = GAP_WAIT_S if store.others_events_told else 0.0
+        self._gap_timer: asyncio.TimerHandle | None = None
+        self.gaps_read = 0
+        """Gaps that did not fill in time (each made every watcher read the store)."""
         self.closing = False
         self._poll: asyncio.TimerHandle | None = None
         store.add_commit_listener(self._on_commit)
@@ -93,22 +109,53 @@ class EventsService:
         self._poll = asyncio.get_running_loop().call_later(self._poll_interval_s, self._poll_store)
 
     def _on_commit(self, first_id: int, rows: list[EventRow]) -> None:
-        gap = self._last_seen >= 0 and first_id != self._last_seen + 1
-        self._last_seen = first_id + len(rows) - 1
+        if self._last_seen < 0:  # the first rows since start: a watcher's first read may have ended below them
+            self._last_seen = first_id - 1
+            self._read_store()
+        for offset, row in enumerate(rows):
+            if first_id + offset > self._last_seen:  # (not below: left to the watchers' reads)
+                self._held[first_id + offset] = row
+        while self._held:
+            row_or_none = self._held.pop(self._last_seen + 1, None)
+            if row_or_none is None:
+                break
+            self._last_seen += 1
+            for watcher in self._watchers:
+                if watcher.matches(row_or_none):
+                    watcher.offer(self._last_seen, row_or_none)
+        if not self._held:
+            if self._gap_timer is not None:
+                self._gap_timer.cancel()
+                self._gap_timer = None
+        elif self._gap_wait_s <= 0 or len(self._held) > _HELD_LIMIT:
+            self._gap_not_filled()
+        elif self._gap_timer is None:
+            self._gap_timer = asyncio.get_running_loop().call_later(self._gap_wait_s, self._gap_not_filled)
+
+    def _gap_not_filled(self) -> None:
+        """The ids below the held rows were not handed over: every watcher reads the store, which has them
+        (an id is handed over once its event is stored, and ids are given in order), and the held rows."""
+        if self._gap_timer is not None:
+            self._gap_timer.cancel()
+            self._gap_timer = None
+        if not self._held:
+            return
+        self.gaps_read += 1
+        self._last_seen = max(self._held)
+        self._held.clear()
+        self._read_store()
+
+    def _read_store(self) -> None:
         for watcher in self._watchers:
-            if gap:  # someone else wrote events in between
-                watcher.buffer.clear()
-                watcher.reread()
-                continue
-            for offset, row in enumerate(rows):
-                if watcher.matches(row):
-                    watcher.offer(first_id + offset, row)
+            watcher.buffer.clear()
+            watcher.reread()
 
     def shutdown(self) -> None:
         self.closing = True
-        if self._poll is not None:
-            self._poll.cancel()
-            self._poll = None
+        for timer in (self._poll, self._gap_timer):
+            if timer is not None:
+                timer.cancel()
+        self._poll = self._gap_timer = None
         for watcher in self._watchers:
             watcher.wake.set()
 

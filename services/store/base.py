@@ -508,6 +508,12 @@ class OutboxStore(abc.ABC):
 class EventStore(abc.ABC):
     """The event record: what happened to every message, agent and run."""
 
+    others_events_told = False
+    """Whether the commit listeners also get the events other processes on this store record (as those
+    processes tell them: each at most once, in no order across processes, one now and then never, a
+    notice lost), so a listener that sees a gap in the ids may wait a moment for it to fill before it
+    reads the store."""
+
     @abc.abstractmethod
     async def list_events(self, query: EventQuery) -> list[EventRecord]: ...
 
@@ -525,8 +531,9 @@ class EventStore(abc.ABC):
     @abc.abstractmethod
     def add_commit_listener(self, callback: CommitListener) -> None:
         """Call `callback(first_event_id, rows)` on the event loop after every
-        commit that recorded events, rows with contiguous ids from first_event_id. Events written by another process
-        are not reported; watchers find them by reading the store."""
+        commit that recorded events, rows with contiguous ids from first_event_id. Events written by another
+        process are reported only where `others_events_told` (then as they are told: see there); watchers find
+        the others by reading the store."""
 
 
 class Store(AgentStore, InboxStore, RunStore, OutboxStore, EventStore):

@@ -124,13 +124,64 @@ class Recorded(NamedTuple):
     duplicate: bool
 
 
+TOLD_BYTES = 256 * 1024
+"""A notice of recorded events carries at most about this many bytes of them (NATS refuses a message over
+its max_payload, 1 MiB by default): more go as several notices."""
+
+
 class EventLog:
-    """Publishes event rows and reads them back; tells this process's commit listeners."""
+    """Publishes event rows and reads them back; tells this process's commit listeners of the events it
+    records, and the other processes of them (core NATS notices on `<ns>.evtold`, each a
+    ListEventsResponse of the events with their ids), whose listeners it tells in turn."""
 
     def __init__(self, conn: JetStreamConnection):
         self.conn = conn
         self.listeners: list[CommitListener] = []
         self._pending: set[asyncio.Task[list[int]]] = set()
+        self.told_in = 0
+        """Events other processes told this one of."""
+
+    @property
+    def told_subject(self) -> str:
+        return f"{self.conn.ns}.evtold"
+
+    async def start(self) -> None:
+        """Follow the events the other processes record (this connection does not get its own notices:
+        `no_echo`)."""
+        await self.conn.nc.subscribe(self.told_subject, cb=self._on_told)
+
+    async def _on_told(self, msg: Any) -> None:
+        try:
+            events = ev.ListEventsResponse.FromString(msg.data).events
+        except Exception:  # not a notice of this version: the listeners read the store for what they miss
+            return
+        self.told_in += len(events)
+        for event in events:
+            self._tell(event.event_id, EventRow.of(event))
+
+    def _tell(self, event_id: int, row: EventRow) -> None:
+        for callback in self.listeners:
+            try:
+                callback(event_id, [row])
+            except Exception:  # a listener's bug must not fail the write that was made
+                log.exception("event listener failed")
+
+    async def _tell_others(self, events: list[EventRecord]) -> None:
+        """Tell the other processes of events this one recorded, at most once each (core NATS: a notice
+        lost, to a process reconnecting say, is an id its listeners do not get; they read the store)."""
+        chunks: list[list[EventRecord]] = [[]]
+        size = 0
+        for event in events:
+            if size >= TOLD_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(event)
+            size += event.ByteSize()
+        try:
+            for chunk in filter(None, chunks):
+                await self.conn.nc.publish(self.told_subject, ev.ListEventsResponse(events=chunk).SerializeToString())
+        except Exception as exc:  # the connection gone: the events are stored; the notice is only a hint
+            log.debug("events recorded but not told to the other processes: %r", exc)
 
     async def publish(self, rows: list[EventRow], *, copies: bool = False) -> list[Recorded]:
         """Publish event rows in order and tell this process's listeners of the new ones; for each, its id
@@ -141,7 +192,9 @@ class EventLog:
         time at once."""
         if not rows:
             return []
-        return self._told(rows, await self._store(self._messages(rows), copies))
+        recorded = self._told(rows, await self._store(self._messages(rows), copies))
+        await self._tell_others([row.event(done.seq) for done, row in zip(recorded, rows) if not done.duplicate])
+        return recorded
 
     def _messages(self, rows: list[EventRow]) -> list[tuple[str, bytes, dict[str, str]]]:
         messages = []
@@ -154,13 +207,8 @@ class EventLog:
     def _told(self, rows: list[EventRow], recorded: list[Recorded]) -> list[Recorded]:
         """Tell this process's listeners of the rows recorded (not copies)."""
         for done, row in zip(recorded, rows):
-            if done.duplicate:
-                continue
-            for callback in self.listeners:
-                try:
-                    callback(done.seq, [row])
-                except Exception:  # a listener's bug must not fail the write that was made
-                    log.exception("event listener failed")
+            if not done.duplicate:
+                self._tell(done.seq, row)
         return recorded
 
     async def _store(self, messages: list[tuple[str, bytes, dict[str, str]]], copies: bool) -> list[Recorded]:
@@ -193,7 +241,9 @@ class EventLog:
         writes = self.conn.event_writes.enqueue(self._messages(rows))
 
         async def told() -> list[int]:
-            return [done.seq for done in self._told(rows, self._recorded(await SharedWrites.answers(writes)))]
+            recorded = self._told(rows, self._recorded(await SharedWrites.answers(writes)))
+            await self._tell_others([row.event(done.seq) for done, row in zip(recorded, rows) if not done.duplicate])
+            return [done.seq for done in recorded]
 
         task = asyncio.create_task(told())
         self._pending.add(task)

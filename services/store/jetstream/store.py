@@ -63,6 +63,7 @@ from services.store.ordering import append_in_order
 
 class JetStreamStore(base.Store):
     fresh_delivery = False
+    others_events_told = True
 
     def __init__(self, config: StoreConfig):
         self.config = config
@@ -82,6 +83,7 @@ class JetStreamStore(base.Store):
     async def start(self) -> None:
         await self.conn.open()
         self.agent_cache.start()
+        await self.events.start()
         await self.inbox.start()
         self.keeper.start()
 
