@@ -259,3 +259,51 @@ async def test_a_watcher_reads_the_store_for_events_nobody_told_it_of(tmp_path):
             await asyncio.gather(watcher, return_exceptions=True)
         assert [e.message_id for e in seen] == [*untold_ids, told]
         assert b.services.events.gaps_read >= 1
+
+
+async def test_the_keeper_is_told_of_every_event_and_publishes_no_copies_without_reading_the_record(tmp_path):
+    """The keeper (one mesh process at a time) rolls every message state forward and publishes the events
+    a state implies that it was not told of lately. Told of its own process's events as they are recorded and
+    of the other's from their notices, it publishes none where both processes recorded theirs, and reads
+    nothing of the events stream (before, it read every event back: about a tenth of a mesh process's CPU
+    at 64 in flight)."""
+    _jetstream_only("it counts what the JetStream store's keeper reads and publishes")
+    count = 20
+    async with _two_meshes(tmp_path) as (a, b, on_a, on_b):
+        stores = [s for s in (a.store, b.store) if isinstance(s, JetStreamStore)]
+        assert len(stores) == 2
+        event_reads: list[str] = []
+        copies: list[str] = []
+        for store in stores:
+            direct_batch, unrecorded = store.conn.direct_batch, store.keeper._unrecorded
+
+            async def read(stream, *args, _direct_batch=direct_batch, **kwargs):
+                if stream == stores[0].conn.event_stream:
+                    event_reads.append(stream)
+                return await _direct_batch(stream, *args, **kwargs)
+
+            def unrecorded_rows(rows, _unrecorded=unrecorded):
+                found = _unrecorded(rows)
+                copies.extend(f"{row.kind}:{row.message_id}" for row in found)
+                return found
+
+            store.conn.direct_batch = read  # type: ignore[method-assign]
+            store.keeper._unrecorded = unrecorded_rows  # type: ignore[method-assign]
+        await eventually(lambda: any(s.keeper._holding for s in stores), timeout=15, message="a keeper holds the lease")
+        lead = await on_a.register("lead")
+        x, y = await lead.spawn("x"), await lead.spawn("y")
+        y_on_b = on_b.agent(y.info, y.credential)
+        for i in range(count):  # stored through A, consumed through B
+            await x.send(y.agent_id, f"m{i}")
+        consumed = 0
+        async for response in y_on_b.subscribe(64):
+            if response.WhichOneof("event") == "deliveries":
+                acks = await y_on_b.ack(m.sequence for m in response.deliveries.messages)
+                consumed += len(acks)
+                if consumed >= count:
+                    break
+        rolled = sum(s.keeper.replayed for s in stores)
+        await eventually(lambda: sum(s.keeper.replayed for s in stores) >= rolled + count, timeout=15,
+                         message="the keeper rolled the consumptions forward")
+        assert copies == [], f"the keeper published {len(copies)} events again"
+        assert event_reads == [], f"{len(event_reads)} reads of the events stream"

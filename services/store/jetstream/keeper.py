@@ -22,12 +22,16 @@ record, its index entries and its events. So:
 
 The keeper reads a write only once it is `LAG_S` old, so the event the
 changing process publishes normally lands first and keeps its place in
-the record. It also follows the events stream itself (batched direct gets,
-one request per `events.READ_BATCH` events) and publishes only the implied
-events whose identity it has not read there in the last `SEEN_S`: where
-the writer finished, that is none, and the keeper costs one read per few
-hundred events instead of a publish per event (the duplicate window would
-drop the copies too, but each copy is a request for both sides). It also keeps
+the record. It is told of the events recorded meanwhile, as the watchers
+are (events.py: this process's as it records them, the other processes'
+from their notices), and publishes only the implied events whose identity
+it was not told of in the last `SEEN_S`: where the writer finished, that is
+none. An event it was not told of (a notice lost, a process killed between
+its write and its notice) is published again and dropped by the duplicate
+window, a request for both sides. Until 2026-12-07 it read the events
+stream back instead (batched direct gets of every event): about a tenth of
+a mesh process's CPU at 64 in flight went to that and to parsing the
+headers of what it read. It also keeps
 the idempotency records of final messages: nats-server forgets the
 `Nats-Msg-Id` of a deleted message when it restarts or a stream's leader
 changes (its duplicate tracking is rebuilt from the stored messages), so a
@@ -66,7 +70,7 @@ from services.store.jetstream.connection import (
     REPLAY_HORIZON_US,
     JetStreamConnection,
 )
-from services.store.jetstream.events import READ_BATCH, EventLog, dedup_id, implied_events
+from services.store.jetstream.events import EventLog, dedup_id, implied_events
 from services.store.jetstream.kv import CasResult, MessageState
 from services.store.jetstream.runs import Runs
 
@@ -77,14 +81,11 @@ LAG_S = 1.0
 _BATCH = 256
 _KEY = "event-keeper"
 SEEN_S = 30.0
-"""How long the identity of an event read from the events stream is remembered (the keeper does not
-publish it again meanwhile)."""
+"""How long the identity of an event the keeper was told of is remembered (it does not publish it again
+meanwhile)."""
 IDEM_SEEN = 200_000
 """Idempotency records seen written that the keeper remembers until their message is final (oldest
 forgotten first: a record forgotten is created again, which changes nothing)."""
-_SEEN_BATCHES = 64
-"""Batched reads of the events stream per tick at most (the rest the next tick: meanwhile the keeper
-publishes copies, which the duplicate window drops)."""
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,10 @@ class EventKeeper:
         """Events the keeper published that were not there yet."""
         self.too_old = 0
         self._seen: dict[str, float] = {}
-        """Identities (dedup_id) of events read from the events stream, and when (oldest first)."""
-        self._events_next = 0
-        """The events stream sequence `_read_recorded` reads from next (0: from the end, at the first tick)."""
+        """Identities (dedup_id) of the events told of while this process holds the lease, and when (oldest
+        first)."""
+        self._holding = False
+        events.listeners.append(self._told)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._idem_seen: dict[tuple[str, int], None] = {}
@@ -182,9 +184,10 @@ class EventKeeper:
                 if cursors is None:
                     for source in self._sources:
                         await source.drop()  # another process keeps the store
-                    self._seen, self._events_next = {}, 0
+                    self._seen, self._holding = {}, False
                 else:
-                    await self._read_recorded()
+                    self._holding = True
+                    self._forget_seen()
                     done = {s.name: await self._replay(s, cursors[s.name]) for s in self._sources}
                     if done != cursors:
                         await self._lease(done)
@@ -215,22 +218,19 @@ class EventKeeper:
             return None  # another process took it just now
         return cursors
 
-    async def _read_recorded(self) -> None:
-        """Remember the identities of the events recorded since the last tick (forget those read more
-        than SEEN_S ago)."""
-        now = time.monotonic()
-        if not self._events_next:
-            self._events_next = await self.events.last_event_id() + 1
-        for _ in range(_SEEN_BATCHES):
-            batch, more = await self.conn.direct_batch(self.conn.event_stream, f"{self.conn.ns}.ev.>",
-                                                       self._events_next, READ_BATCH)
-            for msg in batch:
-                ident = msg.headers.get("Nats-Msg-Id")
+    def _told(self, event_id: int, rows: list[EventRow]) -> None:
+        """An event recorded (EventLog's listener): its identity is remembered while this process keeps the
+        store."""
+        if self._holding:
+            now = time.monotonic()
+            for row in rows:
+                ident = dedup_id(row)
                 if ident:
                     self._seen[ident] = now
-                self._events_next = int(msg.headers["Nats-Sequence"]) + 1
-            if not batch or not more:
-                break
+
+    def _forget_seen(self) -> None:
+        """Forget the identities told of more than SEEN_S ago."""
+        now = time.monotonic()
         while self._seen:
             oldest = next(iter(self._seen))
             if now - self._seen[oldest] <= SEEN_S:
@@ -238,8 +238,8 @@ class EventKeeper:
             del self._seen[oldest]
 
     def _unrecorded(self, rows: list[EventRow]) -> list[EventRow]:
-        """The implied events to publish: not read from the stream lately, and not so old that a copy
-        would be recorded twice."""
+        """The implied events to publish: not told of lately, and not so old that a copy would be recorded
+        twice."""
         oldest = int(time.time() * 1_000_000) - REPLAY_HORIZON_US
         return [row for row in rows if row.at_us >= oldest and (dedup_id(row) or "") not in self._seen]
 
