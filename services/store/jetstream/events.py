@@ -127,6 +127,9 @@ class Recorded(NamedTuple):
 TOLD_BYTES = 256 * 1024
 """A notice of recorded events carries at most about this many bytes of them (NATS refuses a message over
 its max_payload, 1 MiB by default): more go as several notices."""
+TOLD_PENDING_MSGS, TOLD_PENDING_BYTES = 10_000, 64 * 1024 * 1024
+"""Notices of other processes waiting for this one at most: beyond, NATS drops them (a slow consumer, logged
+once a minute at most), and the watchers read the record for the gap they leave."""
 
 
 class EventLog:
@@ -148,7 +151,8 @@ class EventLog:
     async def start(self) -> None:
         """Follow the events the other processes record (this connection does not get its own notices:
         `no_echo`)."""
-        await self.conn.nc.subscribe(self.told_subject, cb=self._on_told)
+        await self.conn.nc.subscribe(self.told_subject, cb=self._on_told, pending_msgs_limit=TOLD_PENDING_MSGS,
+                                     pending_bytes_limit=TOLD_PENDING_BYTES)
 
     async def _on_told(self, msg: Any) -> None:
         try:
