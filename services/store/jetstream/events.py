@@ -196,16 +196,18 @@ class EventLog:
         time at once."""
         if not rows:
             return []
-        recorded = self._told(rows, await self._store(self._messages(rows), copies))
-        await self._tell_others([row.event(done.seq) for done, row in zip(recorded, rows) if not done.duplicate])
+        events = [row.event(0) for row in rows]
+        recorded = self._told(rows, await self._store(self._messages(rows, events), copies))
+        await self._tell_others(_with_ids(events, recorded))
         return recorded
 
-    def _messages(self, rows: list[EventRow]) -> list[tuple[str, bytes, dict[str, str]]]:
+    def _messages(self, rows: list[EventRow], events: list[EventRecord]) -> list[tuple[str, bytes, dict[str, str]]]:
+        """The NATS messages of the rows (`events`: their Event messages, ids not set yet)."""
         messages = []
-        for row in rows:
+        for row, event in zip(rows, events):
             ident = dedup_id(row)
             messages.append((f"{self.conn.ns}.ev.{kv.token(row.agent_id or '_')}.{kv.token(row.sender or '_')}",
-                             row.event(0).SerializeToString(), {"Nats-Msg-Id": ident} if ident else {}))
+                             event.SerializeToString(), {"Nats-Msg-Id": ident} if ident else {}))
         return messages
 
     def _told(self, rows: list[EventRow], recorded: list[Recorded]) -> list[Recorded]:
@@ -242,11 +244,12 @@ class EventLog:
         this process publishes after the call (the shared writes are in order)."""
         if not rows:
             return
-        writes = self.conn.event_writes.enqueue(self._messages(rows))
+        events = [row.event(0) for row in rows]
+        writes = self.conn.event_writes.enqueue(self._messages(rows, events))
 
         async def told() -> list[int]:
             recorded = self._told(rows, self._recorded(await SharedWrites.answers(writes)))
-            await self._tell_others([row.event(done.seq) for done, row in zip(recorded, rows) if not done.duplicate])
+            await self._tell_others(_with_ids(events, recorded))
             return [done.seq for done in recorded]
 
         task = asyncio.create_task(told())
@@ -329,6 +332,16 @@ class EventLog:
                 found[msg.seq] = event
             seq = msg.seq + 1
         return found
+
+
+def _with_ids(events: list[EventRecord], recorded: list[Recorded]) -> list[EventRecord]:
+    """The events recorded (not copies), each given its id."""
+    told = []
+    for event, done in zip(events, recorded):
+        if not done.duplicate:
+            event.event_id = done.seq
+            told.append(event)
+    return told
 
 
 def _matches(event: EventRecord, query: EventQuery) -> bool:
