@@ -141,8 +141,6 @@ class EventLog:
         self.conn = conn
         self.listeners: list[CommitListener] = []
         self._pending: set[asyncio.Task[list[int]]] = set()
-        self.told_in = 0
-        """Events other processes told this one of."""
 
     @property
     def told_subject(self) -> str:
@@ -159,7 +157,6 @@ class EventLog:
             events = ev.ListEventsResponse.FromString(msg.data).events
         except Exception:  # not a notice of this version: the listeners read the store for what they miss
             return
-        self.told_in += len(events)
         for event in events:
             self._tell(event.event_id, EventRow.of(event))
 
