@@ -354,23 +354,24 @@ class IoaRelay:
             await asyncio.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)) * (0.5 + random.random() / 2))
 
     async def _on_frame(self, frame: net.NetworkFrame) -> None:
-        """A frame of the connection after its welcome: results of this relay's publishes, messages for it."""
+        """A frame of the connection after its welcome: results of this relay's publishes, messages for it,
+        NodeBack, alone or as the items of a Batch (whose item fields are named as the frame's)."""
         which = frame.WhichOneof("frame")
         if which == "batch":
             for item in frame.batch.items:
                 kind = item.WhichOneof("item")
-                if kind == "result":
-                    self._result(item.result)
-                elif kind == "node_back":
-                    self._node_back(item.node_back)
-                elif kind == "message":
-                    await self._arrived(item.message)
-        elif which == "result":
-            self._result(frame.result)
-        elif which == "message":
-            await self._arrived(frame.message)
-        elif which == "node_back":
-            self._node_back(frame.node_back)
+                if kind is not None:
+                    await self._on_part(kind, getattr(item, kind))
+        elif which is not None:
+            await self._on_part(which, getattr(frame, which))
+
+    async def _on_part(self, kind: str, part: Any) -> None:
+        if kind == "result":
+            self._result(part)
+        elif kind == "node_back":
+            self._node_back(part)
+        elif kind == "message":
+            await self._arrived(part)
 
     def _node_back(self, back: net.NodeBack) -> None:
         """A node this relay published to while it was away is connected again: the outbox is sent now,

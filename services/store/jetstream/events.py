@@ -194,9 +194,7 @@ class EventLog:
         if not rows:
             return []
         events = [row.event(0) for row in rows]
-        recorded = self._told(rows, await self._store(self._messages(rows, events), copies))
-        await self._tell_others(_with_ids(events, recorded))
-        return recorded
+        return await self._told(rows, events, await self._store(self._messages(rows, events), copies))
 
     def _messages(self, rows: list[EventRow], events: list[EventRecord]) -> list[tuple[str, bytes, dict[str, str]]]:
         """The NATS messages of the rows (`events`: their Event messages, ids not set yet)."""
@@ -207,11 +205,14 @@ class EventLog:
                              event.SerializeToString(), {"Nats-Msg-Id": ident} if ident else {}))
         return messages
 
-    def _told(self, rows: list[EventRow], recorded: list[Recorded]) -> list[Recorded]:
-        """Tell this process's listeners of the rows recorded (not copies)."""
+    async def _told(self, rows: list[EventRow], events: list[EventRecord], recorded: list[Recorded]
+                    ) -> list[Recorded]:
+        """Tell this process's listeners, then the other processes, of the rows recorded (not copies);
+        `events`: their Event messages, given their ids here."""
         for done, row in zip(recorded, rows):
             if not done.duplicate:
                 self._tell(done.seq, row)
+        await self._tell_others(_with_ids(events, recorded))
         return recorded
 
     async def _store(self, messages: list[tuple[str, bytes, dict[str, str]]], copies: bool) -> list[Recorded]:
@@ -245,8 +246,7 @@ class EventLog:
         writes = self.conn.event_writes.enqueue(self._messages(rows, events))
 
         async def told() -> list[int]:
-            recorded = self._told(rows, self._recorded(await SharedWrites.answers(writes)))
-            await self._tell_others(_with_ids(events, recorded))
+            recorded = await self._told(rows, events, self._recorded(await SharedWrites.answers(writes)))
             return [done.seq for done in recorded]
 
         task = asyncio.create_task(told())
