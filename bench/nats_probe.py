@@ -11,6 +11,8 @@ are read against (docs/benchmarks.md, "Stores: SQLite and JetStream"):
   through the store's own JetStreamConnection: the latency of one call, and messages/s with 1 and 8 calls
   in flight, for 2, 8, 32, 128 and 400 messages a call (why the store batches only from BATCH_MIN messages
   up, and what a batch costs whatever its size);
+- the capacity count of 64 inboxes at once: a batched direct get each against the JetStream API's stream
+  info (why the store counts by direct get with one replica);
 - fast batches (nats-server 2.14+, `allow_batched`: not atomic, the server acking every N messages and the
   commit) against atomic batches and pipelined publishes, raw nats-py on a stream of its own: why the store
   does not use them (on a one-replica file stream each message is still written and fsynced on its own,
@@ -141,6 +143,47 @@ async def atomic_batches(node: NatsNode, data: Path, seconds: float = 2.0) -> di
     return result
 
 
+async def capacity_counts(node: NatsNode, data: Path, rounds: int = 30) -> dict[str, Any]:
+    """The store's capacity count (InboxMessages.unconsumed) of 64 inboxes at once, in an inbox stream of 1,000
+    inboxes holding 3 messages each: one batched direct get each (the inbox's first message and how many
+    follow it; what the store does with one replica) against the JetStream API's stream info with a subject
+    filter (what it does with more, and did always before): the time for all 64, and this client's CPU a
+    count."""
+    from services.store.jetstream.connection import JetStreamConnection
+
+    conn = JetStreamConnection(node.store_config(nats_namespace="count", path=data / "count.db",
+                                                 nats_accept_lazy_fsync=not node.durable))
+    await conn.open()
+    result: dict[str, Any] = {}
+    try:
+        subjects = [f"count.inbox.a{i}" for i in range(1000)]
+        await asyncio.gather(*(conn.publish_each([(subject, PAYLOAD, {})] * 3) for subject in subjects))
+        wanted = subjects[::15][:64]
+
+        async def by_direct_get(subject: str) -> int:
+            first, following = await conn.direct_batch(conn.inbox_stream, subject, 1, 1)
+            return len(first) + following
+
+        async def by_stream_info(subject: str) -> int:
+            info = await conn.js.stream_info(conn.inbox_stream, subjects_filter=subject)
+            return int((info.state.subjects or {}).get(subject, 0))
+
+        for way, count in (("direct get", by_direct_get), ("stream info", by_stream_info)):
+            took = []
+            cpu = time.process_time()
+            for _ in range(rounds):
+                started = time.perf_counter()
+                counts = await asyncio.gather(*(count(subject) for subject in wanted))
+                took.append((time.perf_counter() - started) * 1000)
+                assert counts == [3] * len(wanted), counts
+            result[f"64 capacity counts at once, {way}"] = {
+                "p50_ms": round(statistics.median(took), 2),
+                "client_cpu_us_a_count": round((time.process_time() - cpu) / rounds / len(wanted) * 1e6)}
+    finally:
+        await conn.close()
+    return result
+
+
 async def fast_batches(url: str) -> dict[str, Any]:
     """One call's latency (median of 15) for a fast batch (gap mode "fail", committed by its last message,
     answered once all are stored), an atomic batch and pipelined publishes, of 2 to 128 messages."""
@@ -208,6 +251,7 @@ def main() -> None:
             NatsNode(Path(data) / "nats", durable=not args.lazy_fsync) as node:
         result = asyncio.run(probe(node.url, args.count))
         result.update(asyncio.run(atomic_batches(node, Path(data))))
+        result.update(asyncio.run(capacity_counts(node, Path(data))))
         result.update(asyncio.run(fast_batches(node.url)))
     for name, value in result.items():
         print(f"{name:<40} {value}")

@@ -79,3 +79,38 @@ async def test_sends_at_once_to_a_small_inbox_share_their_settle_and_fill_it_exa
         assert {m.message_id for m in delivered} == accepted
     finally:
         await held.stop()
+
+
+async def test_with_one_replica_the_capacity_count_is_a_direct_get_and_agrees_with_the_stream(jetstream_mesh,
+                                                                                             monkeypatch):
+    """The count a send into a limited inbox settles against comes from one batched direct get (the inbox's
+    first message and how many follow it), not from the JetStream API's stream info; it is the stream's own
+    count, empty, full, and after a message left the inbox."""
+    mesh, client = jetstream_mesh
+    lead = await client.register("lead")
+    sink = await lead.spawn("sink", inbox_capacity=3)
+    messages = mesh.store.inbox.messages
+    js = mesh.store.conn.js
+
+    async def stream_count(agent_id: str) -> int:
+        info = await js.stream_info(mesh.store.conn.inbox_stream, subjects_filter=messages.subject(agent_id))
+        return int((info.state.subjects or {}).get(messages.subject(agent_id), 0))
+
+    assert await messages.unconsumed(sink.agent_id) == 0 == await stream_count(sink.agent_id)
+    infos: list[object] = []
+    real_info = js.stream_info
+
+    async def counted_info(*args, **kwargs):
+        infos.append(args)
+        return await real_info(*args, **kwargs)
+
+    monkeypatch.setattr(js, "stream_info", counted_info)
+    receipts = [await lead.send(sink.agent_id, f"m{i}") for i in range(4)]
+    assert [r.status for r in receipts] == [pb.RECEIPT_STATUS_ACCEPTED] * 3 + [pb.RECEIPT_STATUS_INBOX_FULL]
+    assert infos == [], "the sends into a limited inbox asked the JetStream API for the count"
+    monkeypatch.setattr(js, "stream_info", real_info)
+    assert await messages.unconsumed(sink.agent_id) == 3 == await stream_count(sink.agent_id)
+    await messages.delete(receipts[0].sequence)  # the front message leaves, as a consumed one does
+    assert await messages.unconsumed(sink.agent_id) == 2 == await stream_count(sink.agent_id)
+    assert (await lead.send(sink.agent_id, "room again")).status == pb.RECEIPT_STATUS_ACCEPTED
+    assert await messages.unconsumed(sink.agent_id) == 3 == await stream_count(sink.agent_id)

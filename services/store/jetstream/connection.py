@@ -88,15 +88,43 @@ def _pub_ack(msg: Any) -> Any:
     return PubAck.from_response(reply)
 
 
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    """Mark a future's outcome as seen (asyncio logs an exception nobody retrieved)."""
-    if not future.cancelled():
-        future.exception()
+class _Answers:
+    """The answers of one request_many: each kept in its place, and `ended` set when the last has come."""
+
+    __slots__ = ("answers", "ended", "missing")
+
+    def __init__(self, answers: list[Any], ended: asyncio.Future[Any]) -> None:
+        self.answers, self.ended, self.missing = answers, ended, len(answers)
+
+    def answer(self, index: int, msg: Any) -> None:
+        if self.answers[index] is None:
+            self.answers[index] = msg
+            self.missing -= 1
+            if not self.missing and not self.ended.done():
+                self.ended.set_result(None)
 
 
-def _settle(future: asyncio.Future[Any], msg: Any) -> None:
-    if not future.done():
-        future.set_result(msg)
+def _gather_direct(found: list[Any], ended: asyncio.Future[int], stream: str, msg: Any) -> None:
+    """One answer of a batched direct get (JetStreamConnection.direct_get): a message is kept; the end of the
+    batch (204, with how many more follow) or nothing (more) on the subject (404) ends it; any other status
+    fails it."""
+    if ended.done():
+        return
+    status = msg.headers.get("Status") if msg.headers else None
+    if status is None:
+        found.append(msg)
+    elif status == "204":  # end of the batch
+        ended.set_result(int(msg.headers.get("Nats-Num-Pending", "0")))
+    elif status == "404":  # nothing (more)
+        ended.set_result(0)
+    else:
+        ended.set_exception(nats.errors.Error(f"direct get from {stream}: status {status}"
+                                              f" {msg.headers.get('Description', '')}"[:200]))
+
+
+def _time_out(ended: asyncio.Future[Any]) -> None:
+    if not ended.done():
+        ended.set_exception(nats.errors.TimeoutError())
 
 
 def nats_call(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
@@ -324,23 +352,27 @@ class JetStreamConnection:
 
     async def request_many(self, requests: list[tuple[str, bytes, dict[str, str] | None]]) -> list[Any]:
         """Send the requests at once, pipelined on one reply subscription, and wait (one timeout for all)
-        for each one's answer, in order. Cheaper for both sides than a request each (nc.request)."""
-        futures: list[asyncio.Future[Any]] = []
+        for each one's answer, in order. Cheaper for both sides than a request each (nc.request). The
+        answers are gathered by the reply handler and the caller wakes once, when the last comes (before,
+        a future each and a gather of them)."""
+        if not requests:
+            return []
+        answers: list[Any] = [None] * len(requests)
+        ended: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiting = _Answers(answers, ended)
         tokens = []
         try:
-            for subject, payload, headers in requests:
+            for index, (subject, payload, headers) in enumerate(requests):
                 token = str(next(self._tokens))
-                future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-                self._replies[token] = functools.partial(_settle, future)
+                self._replies[token] = functools.partial(waiting.answer, index)
                 tokens.append(token)
-                futures.append(future)
                 await self.nc.publish(subject, payload, reply=f"{self._reply_prefix}.{token}", headers=headers)
-            answers = asyncio.gather(*futures)
-            answers.add_done_callback(_retrieved)  # cancelled by the timeout: nothing to report twice
+            timer = asyncio.get_running_loop().call_later(self.config.nats_timeout_s, _time_out, ended)
             try:
-                return list(await asyncio.wait_for(answers, self.config.nats_timeout_s))
-            except TimeoutError:
-                raise nats.errors.TimeoutError from None
+                await ended
+            finally:
+                timer.cancel()
+            return answers
         finally:
             for token in tokens:
                 self._replies.pop(token, None)
@@ -390,29 +422,23 @@ class JetStreamConnection:
 
     async def direct_get(self, stream: str, request: dict[str, Any]) -> tuple[list[Any], int]:
         """The messages a batched direct get of `stream` answers (a batch from a sequence on a subject, or
-        the last message of each of several subjects: `multi_last`), and how many more follow them."""
+        the last message of each of several subjects: `multi_last`), and how many more follow them. The
+        answers are gathered by the reply subscription's handler and the caller wakes once, at the end of
+        the batch (one timeout for all of it): before, each answer went through a queue and a wait of its
+        own, which made a count of one inbox (its first message and the end of the batch) cost as much
+        client CPU as the JetStream API's stream info (bench/nats_probe.py)."""
         token = str(next(self._tokens))
-        answers: asyncio.Queue[Any] = asyncio.Queue()
-        self._replies[token] = answers.put_nowait
+        found: list[Any] = []
+        ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._replies[token] = functools.partial(_gather_direct, found, ended, stream)
         try:
             await self.nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(),
                                   reply=f"{self._reply_prefix}.{token}")
-            found: list[Any] = []
-            while True:
-                try:
-                    msg = await asyncio.wait_for(answers.get(), self.config.nats_timeout_s)
-                except TimeoutError:
-                    raise nats.errors.TimeoutError from None
-                status = msg.headers.get("Status") if msg.headers else None
-                if status is None:
-                    found.append(msg)
-                elif status == "204":  # end of the batch
-                    return found, int(msg.headers.get("Nats-Num-Pending", "0"))
-                elif status == "404":  # nothing (more)
-                    return found, 0
-                else:
-                    raise nats.errors.Error(f"direct get from {stream}: status {status}"
-                                            f" {msg.headers.get('Description', '')}"[:200])
+            timer = asyncio.get_running_loop().call_later(self.config.nats_timeout_s, _time_out, ended)
+            try:
+                return found, await ended
+            finally:
+                timer.cancel()
         finally:
             self._replies.pop(token, None)
 

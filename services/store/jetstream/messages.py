@@ -151,8 +151,18 @@ class InboxMessages:
         return True
 
     async def unconsumed(self, recipient: str) -> int:
-        info = await self.conn.js.stream_info(self.conn.inbox_stream, subjects_filter=self.subject(recipient))
-        return int((info.state.subjects or {}).get(self.subject(recipient), 0))
+        """How many messages the recipient's inbox holds now (the capacity count). With one replica, one
+        batched direct get of the inbox's first message, which says how many follow it: the stream answers
+        it itself, in half the time and client CPU of the JetStream API's stream info that counted before
+        (a settle of 64 recipients at once 6.5-8.5 against 16-17 ms here; the many-agent benchmark makes a
+        count for nearly every message). With more replicas a follower may answer a direct get a moment
+        behind its leader and count short, so the leader counts, through the stream info."""
+        subject = self.subject(recipient)
+        if self.conn.config.nats_replicas == 1:
+            first, following = await self.conn.direct_batch(self.conn.inbox_stream, subject, 1, 1)
+            return len(first) + following
+        info = await self.conn.js.stream_info(self.conn.inbox_stream, subjects_filter=subject)
+        return int((info.state.subjects or {}).get(subject, 0))
 
     async def publish(self, recipient: str, envelope: envelope_pb2.Envelope, capacity: int, *,
                       tell: bool = True) -> Published:
