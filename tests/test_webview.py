@@ -292,10 +292,11 @@ async def test_snapshot_and_message_pages_agree_with_the_record_in_the_sibling_s
             assert (agents["parent"]["mode"], agents["parent"]["parent_id"]) == ("main", "")
             for child in ("A", "B"):
                 assert (agents[child]["mode"], agents[child]["parent_id"]) == ("async", run.parent)
-            record = await all_events(client)  # the hosts are gone: nothing more is recorded
+            # the record as far as the board had read it: a late marker may be recorded after the snapshot
+            record = [e for e in await all_events(client) if e.event_id <= shot["last_event_id"]]
             for name, agent in agents.items():
-                assert agent["state"] == expected_state(record[:shot["last_event_id"]], agent["id"]), name
-                assert agent["depth"] == expected_depth(record[:shot["last_event_id"]], agent["id"]) == 0, name
+                assert agent["state"] == expected_state(record, agent["id"]), name
+                assert agent["depth"] == expected_depth(record, agent["id"]) == 0, name
                 assert agent["done"], f"{name} completed its task"
             assert [e["id"] for e in shot["events"]] == [e.event_id for e in record][-len(shot["events"]):]
 
