@@ -16,6 +16,7 @@ from inboxmesh.client.mesh import MeshClient, envelope
 from inboxmesh.events.v1 import events_pb2 as ev
 from services.config import RunsConfig
 from services.server import Mesh
+from services.store.jetstream import inbox as inbox_module
 from services.store.jetstream.store import JetStreamStore
 from tests.fixtures import ADMIN_TOKEN, STORE, consumed_event_ids, eventually, make_config
 
@@ -307,3 +308,59 @@ async def test_the_keeper_is_told_of_every_event_and_publishes_no_copies_without
                          message="the keeper rolled the consumptions forward")
         assert copies == [], f"the keeper published {len(copies)} events again"
         assert event_reads == [], f"{len(event_reads)} reads of the events stream"
+
+
+async def test_a_first_deliverys_event_rides_with_the_consumption_and_stays_before_it(tmp_path, monkeypatch):
+    """On JetStream a first delivery's delivered event is not written before the message goes out: it is
+    recorded with the consumed event when the ack comes through the same process before the delivery's
+    state entry is written (one write for both), else with that entry. Acks through the other process keep
+    the order too: one before the entry is written finds no delivery, and the delivering process records
+    none after the consumption; one after it records a copy of the delivered event first. Every message:
+    sent, stored, at most one delivered, then one consumed, in that order."""
+    _jetstream_only("it checks when the delivered events of first deliveries are written")
+    monkeypatch.setattr(inbox_module, "MARK_DELAY_S", 2.0)  # long enough that no ack below is late by chance
+    async with _two_meshes(tmp_path) as (a, b, on_a, on_b):
+        lead = await on_a.register("lead")
+        receiver = await lead.spawn("receiver")
+        assert isinstance(a.store, JetStreamStore)
+        events = a.store.inbox.events
+        publish = events.publish
+        calls: list[list[tuple[str, int]]] = []
+
+        async def counted(rows, **kwargs):
+            calls.append([(row.message_id, row.kind) for row in rows])
+            return await publish(rows, **kwargs)
+
+        events.publish = counted  # type: ignore[method-assign]
+        here, early, late = ([f"{part}{i}" for i in range(5)] for part in ("here", "early", "late"))
+        got: dict[str, int] = {}
+        subscription = receiver.subscribe(64)
+        try:
+            async def until(ids: list[str]) -> None:
+                while not all(i in got for i in ids):
+                    response = await subscription.read()
+                    if response.WhichOneof("event") == "deliveries":
+                        got.update((m.message_id, m.sequence) for m in response.deliveries.messages)
+
+            over_b = on_b.agent(receiver.info, receiver.credential)
+            await lead.send_batch([envelope(receiver.agent_id, i, message_id=i) for i in here])
+            await asyncio.wait_for(until(here), 30)
+            await receiver.ack(got[i] for i in here)  # through A, which delivered them
+            await lead.send_batch([envelope(receiver.agent_id, i, message_id=i) for i in early + late])
+            await asyncio.wait_for(until(early + late), 30)
+            await over_b.ack(got[i] for i in early)  # through B, before A writes the deliveries
+            await asyncio.sleep(2.5)  # A writes the deliveries of `late` (and loses those of `early`)
+            await over_b.ack(got[i] for i in late)  # through B, after
+            await asyncio.sleep(0.3)
+        finally:
+            subscription.cancel()
+            del events.publish
+        D, C = ev.EVENT_KIND_MESSAGE_DELIVERED, ev.EVENT_KIND_MESSAGE_CONSUMED
+        for message_id in here:  # its delivered event went with its consumed one, in one write
+            assert [(message_id, D), (message_id, C)] in [[r for r in call if r[0] == message_id] for call in calls]
+        record = [e for e in await on_a.admin_events(limit=1000) if e.recipient == receiver.agent_id]
+        for message_id in here + early + late:
+            kinds = [e.kind for e in record if e.message_id == message_id]
+            expected = [ev.EVENT_KIND_MESSAGE_SENT, ev.EVENT_KIND_MESSAGE_STORED] + ([] if message_id in early
+                                                                                   else [D]) + [C]
+            assert kinds == expected, (message_id, kinds)

@@ -220,9 +220,10 @@ async def test_an_ack_of_50_agents_is_one_write(tmp_path):
                 for message in response.deliveries.messages:
                     delivered.setdefault(message.recipient, []).append(message.sequence)
 
-        async def marked() -> bool:  # the lazy delivered markers are written: nothing else is queued
+        async def marked() -> bool:  # the lazy delivered markers and events are written: nothing else is queued
             records = [await mesh.store.get_message_by_inbox(a, s) for a, seqs in delivered.items() for s in seqs]
-            return all(r is not None and r.state == DELIVERED for r in records)
+            recorded = [e for e in await client.admin_events(limit=1000) if e.kind == ev.EVENT_KIND_MESSAGE_DELIVERED]
+            return all(r is not None and r.state == DELIVERED for r in records) and len(recorded) == len(sent)
 
         await eventually(marked, message="delivery recorded")
         entries = [pb.AckRequest(agent_id=a.agent_id, sequences=delivered[a.agent_id], request_id=i + 1, turn=3)

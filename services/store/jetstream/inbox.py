@@ -125,7 +125,8 @@ consumed state instead: one write for both, as the SQLite store's delivered mark
 commit. A mesh process that dies meanwhile loses the count of that one attempt (the message is delivered
 again as a first attempt); its delivered event is recorded either way."""
 _UNMARKED_MAX = 10_000
-"""First deliveries waiting to be written at most; beyond, they are written at once."""
+"""First deliveries waiting to be written at most; beyond, they are written at once (with their delivered
+events, InboxLog._deferred)."""
 
 _TELL_AGAIN_S = 0.1
 """A notice of another process's append wakes the agent's feed at once and again this much later."""
@@ -155,6 +156,22 @@ def _trim(table: dict[tuple[str, int], Any]) -> None:
     """Drop a table's oldest entries beyond _REMEMBERED."""
     while len(table) > _REMEMBERED:
         table.pop(next(iter(table)))
+
+
+def _delivered_copy(before: MessageState, recipient: str, env: envelope_pb2.Envelope,
+                    seq: int, now_us: int) -> EventRow | None:
+    """A copy of the first delivery's event of a message consumed through this process and not delivered by
+    it (`before`: its written state before the ack), to be recorded before its consumed event: the process
+    that delivered it records that event once the delivery's state entry is written (InboxLog._mark), and
+    may not have yet; the copy keeps the record's causal order (theirs is dropped as a copy). Copied while
+    the duplicate window would drop the copy of one recorded. A later attempt's event was recorded before
+    it went out (next_deliveries): not copied. No state entry (a first delivery not written yet, or none):
+    no copy, and the delivering process, whose write of the state then loses to this consumption, records
+    no delivered event after it."""
+    if before.attempts != 1 or before.delivered_at_us < now_us - REPLAY_HORIZON_US:
+        return None
+    return message_event(ev.EVENT_KIND_MESSAGE_DELIVERED, before.delivered_at_us, recipient, env, seq=seq,
+                         detail="attempt=1")
 
 
 class InboxLog:
@@ -189,6 +206,13 @@ class InboxLog:
         """Deliveries handed out whose events NATS did not take (a stream without a leader a moment): by
         (recipient, sequence), the events to publish, as copies, before the message's consumption or next
         delivery (oldest dropped first beyond _REMEMBERED: the keeper records them from the state entries)."""
+        self._deferred: dict[tuple[str, int], list[EventRow]] = {}
+        """The delivered events of first deliveries not written yet (_unmarked), by (recipient, sequence):
+        they ride with the message's consumed event when the ack comes through this process first
+        (ack_many), or with its dead-lettering, or are recorded once its state entry is written (_mark;
+        dropped when that write loses to a consumption elsewhere, which recorded no delivery), as the SQLite
+        store's ride with its next commit. Before (until 2026-12-07) a delivery waited for its delivered
+        events' write before handing the messages out: one write more a message, on the chain."""
         self._recorded_elsewhere: dict[tuple[str, int], None] = {}
         """Messages whose sent and stored events another process recorded before it told us of them, by
         (recipient's subject token, sequence) (oldest dropped first): no copies of them either."""
@@ -575,10 +599,16 @@ class InboxLog:
                   if self._copies_needed(recipient, env, now_us)}
         earlier = {env.sequence: self._unrecorded.pop((recipient, env.sequence)) for env in envelopes
                    if (recipient, env.sequence) in self._unrecorded}
+        # A first delivery whose state entry is not written yet records its event with it (_deferred); any
+        # other is recorded before it goes out, after what this process deferred of the message.
+        deferring = {env.sequence for env in envelopes if (recipient, env.sequence) in self._unmarked}
+        pending = {env.sequence: self._deferred.pop((recipient, env.sequence), []) for env in envelopes
+                   if env.sequence not in deferring}
         try:
             await self.events.publish([*(row for rows_of in earlier.values() for row in rows_of),
                                        *(row for rows_of in copied.values() for row in rows_of)], copies=True)
-            await self.events.emit(rows)  # before the subscriber can ack: consumed always follows delivered
+            await self.events.emit([event for env, row in zip(envelopes, rows) if env.sequence not in deferring
+                                    for event in (*pending[env.sequence], row)])
         except NATS_FAILURES as exc:
             # The attempts are counted (a first one in memory, a later one written): the messages go out all
             # the same, or each failed round would count one more attempt of a message never handed out, and
@@ -589,13 +619,58 @@ class InboxLog:
                         " consumption", len(envelopes), recipient, exc)
             for env, row in zip(envelopes, rows):
                 self._unrecorded[(recipient, env.sequence)] = [*earlier.get(env.sequence, ()),
-                                                               *copied.get(env.sequence, ()), row]
+                                                               *copied.get(env.sequence, ()),
+                                                               *pending.get(env.sequence, ()),
+                                                               *self._deferred.pop((recipient, env.sequence), ()), row]
             _trim(self._unrecorded)
+        else:
+            await self._defer(recipient, [(env.sequence, row) for env, row in zip(envelopes, rows)
+                                          if env.sequence in deferring])
         return DeliveryBatch(envelopes, dead, recipient_open=True, notices=notices,
                              held_back=held_back and len(envelopes) + len(dead) >= limit,
                              # with replicas, a full batch's count of what follows is the answering replica's,
                              # which may be behind its leader: not known to be drained then
                              drained=more == 0 and self.conn.config.nats_replicas == 1)
+
+    async def _defer(self, recipient: str, firsts: list[tuple[int, EventRow]]) -> None:
+        """Leave the delivered events of first deliveries to be recorded with their state entries (_mark);
+        those whose entries were written meanwhile are recorded now. The others' writes failed or lost to
+        a consumption elsewhere: kept to go before their consumption through this process (_unrecorded),
+        which never comes in the second case (nothing is recorded after a consumption elsewhere)."""
+        writing = {self._marking[key] for seq, _ in firsts if (key := (recipient, seq)) in self._marking}
+        if writing:
+            await _shared_wait(writing)
+        late = []
+        for seq, row in firsts:
+            key = (recipient, seq)
+            if key in self._unmarked:
+                self._deferred[key] = [*self._deferred.pop(key, ()), row]
+            elif key in self._delivered:
+                late.append(row)
+            else:
+                self._unrecorded[key] = [*self._unrecorded.pop(key, ()), row]
+        _trim(self._unrecorded)
+        await self._record_delivered(late)
+
+    async def _record_delivered(self, rows: list[EventRow]) -> None:
+        """Record delivered events; when NATS does not take them, keep them to be published, as copies,
+        before their messages' consumption or next delivery (_unrecorded)."""
+        if not rows:
+            return
+        try:
+            await self.events.publish(rows)
+        except NATS_FAILURES as exc:
+            log.warning("delivered events of %d messages not recorded yet (%r): recorded before their"
+                        " consumption", len(rows), exc)
+            for row in rows:
+                key = (row.recipient, row.seq)
+                self._unrecorded[key] = [*self._unrecorded.pop(key, ()), row]
+            _trim(self._unrecorded)
+
+    def _recorded_before(self, recipient: str, seq: int) -> list[EventRow]:
+        """The events of a message this process has not recorded yet (a failed write's, then a deferred
+        delivered one), taken to be published before its dead-lettering."""
+        return [*self._unrecorded.pop((recipient, seq), ()), *self._deferred.pop((recipient, seq), ())]
 
     async def _first_deliveries(self, recipient: str, batch: list[envelope_pb2.Envelope], max_attempts: int,
                                 now_us: int) -> list[MessageState | None]:
@@ -636,7 +711,8 @@ class InboxLog:
             log.warning("first deliveries not written (their attempts are not counted): %r", task.exception())
 
     async def _mark(self, keys: list[tuple[str, int]]) -> None:
-        """Write the state entries of the first deliveries of `keys` that are still unmarked."""
+        """Write the state entries of the first deliveries of `keys` that are still unmarked, then record
+        their delivered events (_deferred); an ack waiting for them (_marking) waits for both."""
         todo = [(key, self._unmarked.pop(key)) for key in keys if key in self._unmarked]
         if not todo:
             return
@@ -644,11 +720,24 @@ class InboxLog:
         for key, _ in todo:
             self._marking[key] = done
         try:
-            revisions = await kv.write_many(self.conn, "msgs", [(kv.state_key(*key), first.encode(), 0)
-                                                                for key, first in todo])
+            try:
+                revisions = await kv.write_many(self.conn, "msgs", [(kv.state_key(*key), first.encode(), 0)
+                                                                    for key, first in todo])
+            except NATS_FAILURES:  # the attempts are not counted; their events go before their consumption
+                for key, _ in todo:
+                    if key in self._deferred:
+                        self._unrecorded[key] = [*self._unrecorded.pop(key, ()), *self._deferred.pop(key)]
+                _trim(self._unrecorded)
+                raise
+            rows: list[EventRow] = []
             for (key, first), revision in zip(todo, revisions):
-                if revision:  # else somebody wrote first (an ack elsewhere, a close): theirs stands
+                deferred = self._deferred.pop(key, ())
+                if revision:
                     self._remember(*key, kv.Entry(first, revision))
+                    rows += deferred
+                # else somebody wrote first (an ack elsewhere, a close): theirs stands, and its record has
+                # no delivery of this attempt before its consumption; none is recorded after it
+            await self._record_delivered(rows)
         finally:
             for key, _ in todo:
                 self._marking.pop(key, None)
@@ -656,7 +745,7 @@ class InboxLog:
                 done.set_result(None)
 
     async def flush_marks(self) -> None:
-        """Write every first delivery not written yet (the store closes)."""
+        """Write every first delivery not written yet, with its delivered event (the store closes)."""
         if self._mark_timer is not None:
             self._mark_timer.cancel()
             self._mark_timer = None
@@ -723,7 +812,7 @@ class InboxLog:
                 if isinstance(result, BaseException):
                     failed = True  # what follows is recorded by the retry (its copies), after this one
                     continue
-                outcome, env, final = result
+                outcome, env, final, before = result
                 by_seq[seq] = (outcome, env)
                 if env is not None:
                     consumed.append(env)
@@ -733,9 +822,17 @@ class InboxLog:
                         if unrecorded:  # its delivery's events first (next_deliveries), as copies
                             rows += unrecorded
                             copies = True
+                        rows += self._deferred.pop((recipient, seq), ())  # its delivered events, deferred
+                        copy = (None if before is None or unrecorded
+                                else _delivered_copy(before, recipient, env, seq, at_us))
+                        if copy is not None:
+                            rows.append(copy)
+                            copies = True
                         rows.append(message_event(ev.EVENT_KIND_MESSAGE_CONSUMED, at_us, recipient, env, seq=seq,
                                                   turn=turn))
                 elif final is not None and not failed and self._recent(final, at_us):
+                    # a delivery of ours deferred is not recorded after its consumption elsewhere (_mark)
+                    self._deferred.pop((recipient, seq), None)
                     rows += implied_events(final, seq)
                     copies = True
             if failure is None:
@@ -803,21 +900,25 @@ class InboxLog:
             if revision:
                 env = new.envelope_pb()
                 results[k] = (AckOutcome(acks[k][1], env.message_id, inbox_pb2.ACK_STATUS_CONSUMED,
-                                         env.trace.traceparent, env), env, None)
+                                         env.trace.traceparent, env), env, None, None)
         slow = [k for k, result in enumerate(results) if result is None]
         for k, result in zip(slow, await asyncio.gather(*(self._consume(*acks[k][:2], at_us, acks[k][2])
                                                           for k in slow), return_exceptions=True)):
             results[k] = result
         return results
 
-    async def _consume(self, recipient: str, seq: int, at_us: int,
-                       turn: int) -> tuple[AckOutcome, envelope_pb2.Envelope | None, MessageState | None]:
+    async def _consume(self, recipient: str, seq: int, at_us: int, turn: int) -> tuple[
+            AckOutcome, envelope_pb2.Envelope | None, MessageState | None, MessageState | None]:
         """The outcome of acking one message (its state entry set to consumed by compare-and-set), the
-        envelope when this ack consumed it (ack_many deletes it from the stream), and the state when the
-        message was final already (ack_many records copies of the events it stands for)."""
+        envelope when this ack consumed it (ack_many deletes it from the stream), the state when the
+        message was final already (ack_many records copies of the events it stands for), and, for a message
+        consumed now that this process does not remember delivering, its state before (QUEUED when it had
+        no entry): another process may have delivered it and not recorded that yet (ack_many records a copy
+        of a first delivery's event first, _delivered_copy)."""
         msgs = self.conn.msgs
         key = kv.state_key(recipient, seq)
         remembered = self._delivered.pop((recipient, seq), None)
+        ours = remembered is not None
         for _ in range(kv.MAX_CAS_TRIES):
             found, remembered = remembered or await kv.get(msgs, key, kv.MESSAGE_STATE), None
             if found is not None:
@@ -825,23 +926,24 @@ class InboxLog:
                 if state.state in (CONSUMED, DEAD_LETTERED):  # ack_many records copies of its events
                     status = (inbox_pb2.ACK_STATUS_ALREADY_CONSUMED if state.state == CONSUMED
                               else inbox_pb2.ACK_STATUS_DEAD_LETTERED)
-                    return AckOutcome(seq, state.message_id, status), None, state
+                    return AckOutcome(seq, state.message_id, status), None, state, None
                 if state.state == REJECTED:
-                    return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None, None
+                    return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None, None, None
                 new = state.consumed(at_us, turn)
                 if await kv.write(msgs, key, new.encode(), found.revision) is CasResult.LOST:
+                    ours = False
                     continue
                 env = new.envelope_pb()
             else:
                 fresh = await self.messages.envelope_at(recipient, seq)
                 if fresh is None:
-                    return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None, None
+                    return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None, None, None
                 env = fresh
-                if not await kv.create(msgs, key, MessageState.first(env, QUEUED).consumed(at_us, turn),
-                                       kv.MESSAGE_STATE):
+                state = MessageState.first(env, QUEUED)
+                if not await kv.create(msgs, key, state.consumed(at_us, turn), kv.MESSAGE_STATE):
                     continue
             return (AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env,
-                    None)
+                    None, None if ours else state)
         raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason=Reason.CONTENTION)
 
     async def _recorded_final(self, state: MessageState, seq: int, now_us: int) -> None:
@@ -875,7 +977,8 @@ class InboxLog:
         await kv.cas(msgs, f"dr.{kv.token(recipient)}", lambda cur: [*(cur or []), env.sequence], kv.JSON)
         await kv.cas(msgs, f"ds.{kv.token(env.sender)}", lambda cur: [*(cur or []), [recipient, env.sequence]],
                      kv.JSON)
-        await self.events.emit([dead_event(at_us, recipient, env, reason)])
+        await self.events.emit([*self._recorded_before(recipient, env.sequence), dead_event(at_us, recipient, env,
+                                                                                             reason)])
         notice = None
         if notices_of.wanted(env, recipient):
             if notices_of.crosses(env):  # to an IOA sender: through the outbox, which the relay sends
