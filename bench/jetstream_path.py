@@ -38,7 +38,7 @@ STEPS = [  # (what the step is, the object, its method): in the order a message 
     ("send: the publish (write)", lambda s: s.inbox.messages, "publish_many"),
     ("send: settle, target and count (reads)", lambda s: s.inbox.messages, "settle"),
     ("send: idempotency records (write, with the settle; other key writes too)", lambda s: kv, "write_many"),
-    ("events (write): a send's sent and stored, a delivery's delivered", lambda s: s.inbox.events, "emit"),
+    ("events (write): a send's sent and stored", lambda s: s.inbox.events, "emit"),
     ("send: the whole append", lambda s: s.inbox, "append_many"),
     ("deliver: the messages (read)", lambda s: s.inbox.messages, "read"),
     ("deliver: which have state entries (read)", lambda s: s.inbox._has_state, "get"),

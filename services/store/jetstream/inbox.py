@@ -607,8 +607,10 @@ class InboxLog:
         try:
             await self.events.publish([*(row for rows_of in earlier.values() for row in rows_of),
                                        *(row for rows_of in copied.values() for row in rows_of)], copies=True)
-            await self.events.emit([event for env, row in zip(envelopes, rows) if env.sequence not in deferring
-                                    for event in (*pending[env.sequence], row)])
+            redelivered = [event for env, row in zip(envelopes, rows) if env.sequence not in deferring
+                           for event in (*pending[env.sequence], row)]
+            if redelivered:
+                await self.events.emit(redelivered)
         except NATS_FAILURES as exc:
             # The attempts are counted (a first one in memory, a later one written): the messages go out all
             # the same, or each failed round would count one more attempt of a message never handed out, and
