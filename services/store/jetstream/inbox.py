@@ -620,10 +620,9 @@ class InboxLog:
             log.warning("delivered events of %d messages to %s not recorded yet (%r): recorded before their"
                         " consumption", len(envelopes), recipient, exc)
             for env, row in zip(envelopes, rows):
-                self._unrecorded[(recipient, env.sequence)] = [*earlier.get(env.sequence, ()),
-                                                               *copied.get(env.sequence, ()),
-                                                               *pending.get(env.sequence, ()),
-                                                               *self._deferred.pop((recipient, env.sequence), ()), row]
+                self._keep_unrecorded((recipient, env.sequence), [
+                    *earlier.get(env.sequence, ()), *copied.get(env.sequence, ()), *pending.get(env.sequence, ()),
+                    *self._deferred.pop((recipient, env.sequence), ()), row])
             _trim(self._unrecorded)
         else:
             await self._defer(recipient, [(env.sequence, row) for env, row in zip(envelopes, rows)
@@ -650,7 +649,7 @@ class InboxLog:
             elif key in self._delivered:
                 late.append(row)
             else:
-                self._unrecorded[key] = [*self._unrecorded.pop(key, ()), row]
+                self._keep_unrecorded(key, [row])
         _trim(self._unrecorded)
         await self._record_delivered(late)
 
@@ -665,9 +664,13 @@ class InboxLog:
             log.warning("delivered events of %d messages not recorded yet (%r): recorded before their"
                         " consumption", len(rows), exc)
             for row in rows:
-                key = (row.recipient, row.seq)
-                self._unrecorded[key] = [*self._unrecorded.pop(key, ()), row]
+                self._keep_unrecorded((row.recipient, row.seq), [row])
             _trim(self._unrecorded)
+
+    def _keep_unrecorded(self, key: tuple[str, int], rows: list[EventRow]) -> None:
+        """Keep events NATS did not take, after those of the message kept already, to be published as
+        copies before its consumption or next delivery (the caller trims _unrecorded)."""
+        self._unrecorded[key] = [*self._unrecorded.pop(key, ()), *rows]
 
     def _recorded_before(self, recipient: str, seq: int) -> list[EventRow]:
         """The events of a message this process has not recorded yet (a failed write's, then a deferred
@@ -728,7 +731,7 @@ class InboxLog:
             except NATS_FAILURES:  # the attempts are not counted; their events go before their consumption
                 for key, _ in todo:
                     if key in self._deferred:
-                        self._unrecorded[key] = [*self._unrecorded.pop(key, ()), *self._deferred.pop(key)]
+                        self._keep_unrecorded(key, self._deferred.pop(key))
                 _trim(self._unrecorded)
                 raise
             rows: list[EventRow] = []
@@ -914,13 +917,13 @@ class InboxLog:
         """The outcome of acking one message (its state entry set to consumed by compare-and-set), the
         envelope when this ack consumed it (ack_many deletes it from the stream), the state when the
         message was final already (ack_many records copies of the events it stands for), and, for a message
-        consumed now that this process does not remember delivering, its state before (QUEUED when it had
-        no entry): another process may have delivered it and not recorded that yet (ack_many records a copy
-        of a first delivery's event first, _delivered_copy)."""
+        consumed now, its state before (QUEUED when it had no entry): this one-by-one path is for messages
+        this process does not remember delivering (_consume_many takes those), so another process may have
+        delivered it and not recorded that yet (ack_many records a copy of a first delivery's event first,
+        _delivered_copy; a copy of a recorded one is dropped)."""
         msgs = self.conn.msgs
         key = kv.state_key(recipient, seq)
         remembered = self._delivered.pop((recipient, seq), None)
-        ours = remembered is not None
         for _ in range(kv.MAX_CAS_TRIES):
             found, remembered = remembered or await kv.get(msgs, key, kv.MESSAGE_STATE), None
             if found is not None:
@@ -933,7 +936,6 @@ class InboxLog:
                     return AckOutcome(seq, "", inbox_pb2.ACK_STATUS_NOT_FOUND), None, None, None
                 new = state.consumed(at_us, turn)
                 if await kv.write(msgs, key, new.encode(), found.revision) is CasResult.LOST:
-                    ours = False
                     continue
                 env = new.envelope_pb()
             else:
@@ -945,7 +947,7 @@ class InboxLog:
                 if not await kv.create(msgs, key, state.consumed(at_us, turn), kv.MESSAGE_STATE):
                     continue
             return (AckOutcome(seq, env.message_id, inbox_pb2.ACK_STATUS_CONSUMED, env.trace.traceparent, env), env,
-                    None, None if ours else state)
+                    None, state)
         raise errors.Unavailable(f"too much contention acking {seq} in {recipient}'s inbox", reason=Reason.CONTENTION)
 
     async def _recorded_final(self, state: MessageState, seq: int, now_us: int) -> None:
