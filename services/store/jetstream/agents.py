@@ -1,6 +1,7 @@
 """Agents and scopes on JetStream: the record (bucket agents, key `a.<agent_id>`) changed by
-compare-and-set, index entries by scope, name and parent, and what a close sets off (the dead letters of
-the closed inboxes, the end of their runs, the close of descendants)."""
+compare-and-set, index entries by scope, name and parent (one key an entry, `x.<index>.<agent>`), and
+what a close sets off (the dead letters of the closed inboxes, the end of their runs, the close of
+descendants)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from services.store.jetstream.runs import Runs
 
 
 def _index_keys(record: AgentRecord) -> list[str]:
-    """The index entries naming the agent: its scope's, its name's in the scope, its parent's children."""
+    """The indexes naming the agent: its scope's, its name's in the scope, its parent's children."""
     keys = [f"s.{kv.token(record.scope_id)}", f"n.{kv.token(record.scope_id)}.{kv.token(record.name)}"]
     if record.parent_id:
         keys.append(f"c.{kv.token(record.parent_id)}")
@@ -65,22 +66,11 @@ class Agents:
             self.cache.learn(record)
         return record
 
-    async def _index_add(self, key: str, values: list[str]) -> None:
-        """Add the values the index does not hold yet: one round of read and write."""
-        def added(cur: list[str] | None) -> list[str] | None:
-            held = set(cur or ())
-            missing = [v for v in dict.fromkeys(values) if v not in held]
-            return [*(cur or []), *missing] if missing else None
-
-        await kv.cas(self.conn.agents, key, added, kv.JSON)
-
-    async def _index(self, key: str) -> list[str]:
-        found = await kv.get(self.conn.agents, key, kv.JSON)
-        return list(found.value) if found else []
+    async def _index(self, index: str) -> list[str]:
+        return await kv.index_members(self.conn, "agents", index)
 
     async def _index_record(self, record: AgentRecord) -> None:
-        for key in _index_keys(record):
-            await self._index_add(key, [record.agent_id])
+        await kv.index_add(self.conn, "agents", [(index, record.agent_id) for index in _index_keys(record)])
 
     async def create(self, record: AgentRecord) -> AgentRecord:
         if record.parent_id:
@@ -108,16 +98,11 @@ class Agents:
         when the parent is closed; for a closed agent, its queued messages
         dead-lettered (senders told), its run ended, its open descendants
         closed. Every step can be repeated. The events the records stand for.
-        Each index key is read and written once for all of them: a thousand
-        children of one parent read its children index once, not a thousand
-        times (each read as long as the index)."""
+        Their index entries go in one pipelined round of create-if-absent writes."""
         found = await asyncio.gather(*(self.get(a) for a in dict.fromkeys(agent_ids)))
         records = [r for r in found if r is not None]
-        adding: dict[str, list[str]] = {}
-        for record in records:
-            for key in _index_keys(record):
-                adding.setdefault(key, []).append(record.agent_id)
-        await asyncio.gather(*(self._index_add(key, values) for key, values in adding.items()))
+        await kv.index_add(self.conn, "agents", [(index, record.agent_id) for record in records
+                                                 for index in _index_keys(record)], check=True)
         parent_ids = list(dict.fromkeys(r.parent_id for r in records if r.is_open and r.parent_id))
         parents = dict(zip(parent_ids, await asyncio.gather(*(self.get(p) for p in parent_ids))))
         rows: list[EventRow] = []

@@ -28,6 +28,8 @@ from services.store.base import CONSUMED, DEAD_LETTERED, DELIVERED, AgentRecord,
 T = TypeVar("T")
 _SAFE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 MAX_CAS_TRIES = 100
+MULTI_LAST_MAX = 1024
+"""Keys one batched direct get of their last entries asks for at most (nats-server's limit)."""
 
 
 def token(value: str) -> str:
@@ -139,9 +141,10 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
                 for key, value, revision in writes]
     if not messages:
         return []
-    # the msgs bucket's writes shared with those other calls make at the same time, in atomic batches
-    # when there are many (shared_writes.py); each a PubAck or the APIError JetStream answered
-    acks = await (conn.msgs_writes.publish(messages) if bucket == "msgs" else conn.publish_each(messages))
+    # the writes into the msgs, agents and runs buckets shared with those other calls make at the same time,
+    # in atomic batches when there are many (shared_writes.py); each a PubAck or the APIError JetStream answered
+    shared = conn.shared_writes.get(bucket)
+    acks = await (shared.publish(messages) if shared is not None else conn.publish_each(messages))
     revisions = []
     for ack in acks:
         if isinstance(ack, APIError) and ack.err_code in _WRONG_LAST:
@@ -173,13 +176,73 @@ async def last_many(conn: Any, bucket: str, keys: list[str]) -> dict[str, Entry[
     if not keys:
         return {}
     prefix = conn.kv_subject(bucket, "")
-    found, _ = await conn.direct_get(conn.kv_stream(bucket), {"multi_last": [prefix + key for key in keys],
-                                                              "batch": len(keys)})
+    # nats-server answers at most MULTI_LAST_MAX subjects a request (413 Too Many Results beyond)
+    chunks = [keys[start:start + MULTI_LAST_MAX] for start in range(0, len(keys), MULTI_LAST_MAX)]
+    answers = await asyncio.gather(*(conn.direct_get(conn.kv_stream(bucket), {
+        "multi_last": [prefix + key for key in chunk], "batch": len(chunk)}) for chunk in chunks))
     entries = {}
-    for msg in found:
+    for msg in (msg for found, _ in answers for msg in found):
         if msg.data and not msg.headers.get("KV-Operation"):
             entries[msg.headers["Nats-Subject"][len(prefix):]] = Entry(msg.data, int(msg.headers["Nats-Sequence"]))
     return entries
+
+
+# -- indexes: one key an entry ----------------------------------------------------------
+INDEX_PAGE = 1024
+"""Entries of an index read in one batched direct get."""
+
+
+def entry_key(index: str, member: str) -> str:
+    """The key of one member's entry in an index of a bucket (its value is the member): `x.<index>.<member>`.
+    Before 2026-12-07 an index was one JSON list under the key `<index>`, read and written whole by each
+    addition: adding N members moved N squared ids in all, and a list past NATS's largest message (1 MiB,
+    about 37,000 agent ids) could not be written at all."""
+    return f"x.{index}.{token(member)}"
+
+
+async def index_add(conn: Any, bucket: str, entries: list[tuple[str, str]], *, check: bool = False) -> None:
+    """Add (index, member) entries the bucket's indexes do not hold yet: create-if-absent writes of one small
+    entry each (an entry there already is left as it is), shared with the other writes of the moment into
+    the bucket (one atomic batch when there are many, shared_writes.py). `check`: for entries that are
+    mostly there already (the keeper's roll-forward), one batched read first and only the missing ones
+    written (with one replica; with more the bucket serves no direct gets)."""
+    keys = {entry_key(index, member): member for index, member in entries}
+    if check and keys and conn.config.nats_replicas == 1:
+        held = await last_many(conn, bucket, list(keys))
+        keys = {key: member for key, member in keys.items() if key not in held}
+    await write_many(conn, bucket, [(key, member.encode(), 0) for key, member in keys.items()])
+
+
+async def index_members(conn: Any, bucket: str, index: str) -> list[str]:
+    """The members an index holds, in the order they were added: the list an earlier version kept under
+    the index's own key (read as long as such a store exists; nothing writes it any more), then the
+    entries."""
+    legacy, entries = await asyncio.gather(get(conn.bucket(bucket), index, JSON), _entries(conn, bucket, index))
+    return list(dict.fromkeys([*(legacy.value if legacy else ()), *entries]))
+
+
+async def _entries(conn: Any, bucket: str, index: str) -> list[str]:
+    """The members of an index's entries in the order they were written. With one replica, batched direct
+    gets of INDEX_PAGE entries; with more, the bucket's leader answers (a follower may be behind it, and
+    the bucket serves no direct gets then: JetStreamConnection._ensure_bucket), one request an entry."""
+    stream, subject = conn.kv_stream(bucket), conn.kv_subject(bucket, f"x.{index}.*")
+    found: list[str] = []
+    seq = 1
+    while True:
+        if conn.config.nats_replicas == 1:
+            page, following = await conn.direct_batch(stream, subject, seq, INDEX_PAGE)
+            found += [m.data.decode() for m in page if m.data and not m.headers.get("KV-Operation")]
+            if not page or not following:
+                return found
+            seq = int(page[-1].headers["Nats-Sequence"]) + 1
+        else:
+            try:
+                msg = await conn.js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                return found
+            if msg.data and not (msg.headers and msg.headers.get("KV-Operation")):
+                found.append(msg.data.decode())
+            seq = int(msg.seq) + 1
 
 
 @dataclass(eq=False)

@@ -118,8 +118,7 @@ class Runs:
         archived, its place among the sweeper's work; each can be repeated."""
         await kv.cas(self.conn.runs, f"c.{kv.token(run.child_id)}", lambda cur: run.run_id if cur is None else None,
                      kv.JSON)
-        await kv.cas(self.conn.runs, f"q.{kv.token(run.requester_id)}",
-                     lambda cur: None if cur and run.run_id in cur else [*(cur or []), run.run_id], kv.JSON)
+        await kv.index_add(self.conn, "runs", [(f"q.{kv.token(run.requester_id)}", run.run_id)])
         if not run.archived_at_us:
             await self.conn.runwork.put(kv.token(run.run_id), b"")
 
@@ -160,8 +159,7 @@ class Runs:
 
     async def list_runs(self, requester_id: str, include_archived: bool, after_key: str,
                         limit: int) -> list[RunRecord]:
-        found = await kv.get(self.conn.runs, f"q.{kv.token(requester_id)}", kv.JSON)
-        ids: list[str] = found.value if found else []
+        ids = await kv.index_members(self.conn, "runs", f"q.{kv.token(requester_id)}")
         if after_key:
             if after_key not in ids:
                 raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason=Reason.BAD_PAGE_TOKEN)
