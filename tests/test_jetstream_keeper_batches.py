@@ -96,7 +96,7 @@ async def test_an_index_longer_than_the_largest_nats_message_still_registers_lis
             assert len(ids) == 1200
             by_parent = await lead.list_agents(parent_id=lead.agent_id)  # pages of 1,000
             assert {a.agent_id for a in by_parent} == ids
-            assert [a.name for a in by_parent[:3]] == ["w0", "w1", "w2"], "in the order they were registered"
+            assert by_parent == sorted(by_parent, key=lambda a: (a.created_at_us, a.agent_id)), "registration order"
             by_scope = await lead.list_agents(scope_id=lead.agent_id)
             assert {a.agent_id for a in by_scope} == ids | {lead.agent_id}
             found = await lead.resolve("w777", scope_id=lead.agent_id)
@@ -121,8 +121,9 @@ async def test_with_three_replicas_the_leader_answers_the_index_reads(tmp_path):
             children = [g for g in got if isinstance(g, AgentHandle)]
             ids = {c.agent_id for c in children}
             assert len(ids) == 30, [g for g in got if isinstance(g, MeshError)][:1]
-            assert [a.agent_id for a in await lead.list_agents(parent_id=lead.agent_id)] == \
-                [c.agent_id for c in children], "in the order they were registered"
+            listed = await lead.list_agents(parent_id=lead.agent_id)
+            assert {a.agent_id for a in listed} == ids
+            assert listed == sorted(listed, key=lambda a: (a.created_at_us, a.agent_id)), "in registration order"
             assert {a.agent_id for a in await lead.list_agents(scope_id=lead.agent_id)} == ids | {lead.agent_id}
             assert (await lead.resolve("w17", scope_id=lead.agent_id)).agent_id == children[17].agent_id
             assert {r.child_id for r in await lead.list_runs()} == ids

@@ -73,24 +73,32 @@ class Agents:
         await kv.index_add(self.conn, "agents", [(index, record.agent_id) for index in _index_keys(record)])
 
     async def create(self, record: AgentRecord) -> AgentRecord:
+        """Store a new agent: its parent read open (a read shared with the other registrations of the moment,
+        AgentCache.fresh), its record created if absent and its index entries written (each shared with the
+        other registrations' writes into the bucket: one atomic batch when there are many), then the parent
+        read again, at the same time as the index entries: a close that raced the registration closes the
+        child too. The registered event last."""
         if record.parent_id:
-            parent = await self.get(record.parent_id)
+            parent = await self.cache.fresh(record.parent_id)
             if parent is None:
                 raise errors.NotFound(f"parent agent {record.parent_id} does not exist", reason=Reason.AGENT_NOT_FOUND)
             if not parent.is_open:
                 raise _parent_closed(record.parent_id)
-        if not await kv.create(self.conn.agents, kv.agent_key(record.agent_id), record, kv.AGENT):
+        created, = await kv.write_many(self.conn, "agents", [(kv.agent_key(record.agent_id), kv.AGENT.encode(record),
+                                                              0)])
+        if not created:
             raise errors.FailedPrecondition(f"agent {record.agent_id} exists", reason=Reason.AGENT_EXISTS)
         self.cache.learn(record)
-        await self._index_record(record)
-        if record.parent_id:
-            parent = await self.get(record.parent_id)
-            if parent is not None and not parent.is_open:  # the parent closed meanwhile: close with it
-                await self.close(record.agent_id, f"ancestor {record.parent_id} closed: {parent.close_reason}",
-                                 parent.closed_at_us)
-                raise _parent_closed(record.parent_id)
+        _, parent = await asyncio.gather(self._index_record(record), self._parent_now(record.parent_id))
+        if parent is not None and not parent.is_open:  # the parent closed meanwhile: close with it
+            await self.close(record.agent_id, f"ancestor {record.parent_id} closed: {parent.close_reason}",
+                             parent.closed_at_us)
+            raise _parent_closed(record.parent_id)
         await self.events.emit([_registered_row(record)])
         return record
+
+    async def _parent_now(self, parent_id: str) -> AgentRecord | None:
+        return await self.cache.fresh(parent_id) if parent_id else None
 
     async def roll_forward(self, agent_ids: list[str]) -> list[EventRow]:
         """Finish what writing these agents' records started, for a process that

@@ -43,9 +43,10 @@ BATCH_REFUSED = (10201, 10077)
 """Why JetStream refuses a whole atomic batch where one message at a time would store the others: a
 message id it has stored already (a retry, an event's copy), an inbox over its limit."""
 BUCKETS = ("agents", "msgs", "runs", "runwork", "misc")
-ATOMIC_BUCKETS = ("msgs", "agents", "runs")
-"""The buckets that take atomic batches: message states and idempotency records (msgs), index entries
-(agents, runs: kv.index_add)."""
+ATOMIC_BUCKETS = ("msgs", "agents", "runs", "runwork")
+"""The buckets whose writes through kv.write_many and kv.put_many are shared by the callers of the moment,
+in atomic batches when there are many (shared_writes.py): message states and idempotency records (msgs),
+new agent and run records and their index entries (agents, runs), the sweeper's work (runwork)."""
 """runwork: one key per run not archived yet, so the sweeper reads only those."""
 EVENT_DEDUP_WINDOW_S = 300.0
 """Duplicate window of the events stream: how long a replayed event is recognised (the keeper)."""
@@ -192,7 +193,7 @@ class JetStreamConnection:
         """Writes into the msgs bucket (idempotency records, message states): kv.write_many."""
         self.shared_writes = {bucket: SharedWrites(self.kv_stream(bucket), self.publish_batch, self.publish_each)
                               for bucket in ATOMIC_BUCKETS if bucket != "msgs"}
-        """The writes of kv.write_many into each of ATOMIC_BUCKETS (msgs: msgs_writes)."""
+        """The writes of kv.write_many and kv.put_many into each of ATOMIC_BUCKETS (msgs: msgs_writes)."""
         self.shared_writes["msgs"] = self.msgs_writes
 
     async def open(self) -> None:
@@ -248,8 +249,8 @@ class JetStreamConnection:
     async def _ensure_bucket(self, bucket: str, replicas: int) -> Any:
         """Create the bucket, or bind to it as it is, with the settings below. The msgs bucket allows direct
         gets (a delivery asks which of its messages have state entries in one batched direct get,
-        kv.last_many) and atomic batches (kv.write_many), and so do the agents and runs buckets for their
-        index entries (kv.index_add). With one replica every bucket is read by direct
+        kv.last_many) and atomic batches (kv.write_many), and so do the other ATOMIC_BUCKETS (new records and
+        index entries, kv.index_add). With one replica every bucket is read by direct
         gets, which the stream answers itself (0.5 ms here against 0.8 ms through the JetStream API);
         with more, a follower may answer a direct get a moment behind its leader, so the reads that settle
         races (an agent's record after a publish) go to the leader."""

@@ -141,8 +141,8 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
                 for key, value, revision in writes]
     if not messages:
         return []
-    # the writes into the msgs, agents and runs buckets shared with those other calls make at the same time,
-    # in atomic batches when there are many (shared_writes.py); each a PubAck or the APIError JetStream answered
+    # the writes into ATOMIC_BUCKETS shared with those other calls make at the same time, in atomic batches
+    # when there are many (shared_writes.py); each a PubAck or the APIError JetStream answered
     shared = conn.shared_writes.get(bucket)
     acks = await (shared.publish(messages) if shared is not None else conn.publish_each(messages))
     revisions = []
@@ -157,13 +157,15 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
 
 
 async def put_many(conn: Any, bucket: str, puts: list[tuple[str, bytes]]) -> None:
-    """Unconditional writes of several keys of a bucket (msgs: shared with the writes other calls make at the
-    same time, shared_writes.py); any failure is raised (the writes before it may have been made)."""
+    """Unconditional writes of several keys of a bucket (those of ATOMIC_BUCKETS shared with the writes other
+    calls make at the same time, shared_writes.py); any failure is raised (the writes before it may have been
+    made)."""
     if not puts:
         return
     messages: list[tuple[str, bytes, dict[str, str]]] = [(conn.kv_subject(bucket, key), value, {})
                                                           for key, value in puts]
-    acks = await (conn.msgs_writes.publish(messages) if bucket == "msgs" else conn.publish_each(messages))
+    shared = conn.shared_writes.get(bucket)
+    acks = await (shared.publish(messages) if shared is not None else conn.publish_each(messages))
     for ack in acks:
         if isinstance(ack, BaseException):
             raise ack

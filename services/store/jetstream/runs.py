@@ -105,7 +105,7 @@ class Runs:
 
     async def create(self, run: RunRecord) -> None:
         """Store the run of a child that is stored; can be repeated."""
-        created = await kv.create(self.conn.runs, _run_key(run.run_id), run, RUN)
+        created, = await kv.write_many(self.conn, "runs", [(_run_key(run.run_id), RUN.encode(run), 0)])
         self._note_run(run)
         await self._index(run)
         if created:
@@ -114,13 +114,13 @@ class Runs:
             await self.events.emit(rows)
 
     async def _index(self, run: RunRecord) -> None:
-        """The run's index entries (by child, by requester) and, until it is
-        archived, its place among the sweeper's work; each can be repeated."""
-        await kv.cas(self.conn.runs, f"c.{kv.token(run.child_id)}", lambda cur: run.run_id if cur is None else None,
-                     kv.JSON)
-        await kv.index_add(self.conn, "runs", [(f"q.{kv.token(run.requester_id)}", run.run_id)])
-        if not run.archived_at_us:
-            await self.conn.runwork.put(kv.token(run.run_id), b"")
+        """The run's index entries (by child, created if absent; by requester) and, until it is archived, its
+        place among the sweeper's work; each can be repeated. All at once, each write shared with the other
+        writes into its bucket at that moment (one atomic batch when there are many: shared_writes.py)."""
+        await asyncio.gather(
+            kv.write_many(self.conn, "runs", [(f"c.{kv.token(run.child_id)}", kv.JSON.encode(run.run_id), 0)]),
+            kv.index_add(self.conn, "runs", [(f"q.{kv.token(run.requester_id)}", run.run_id)]),
+            kv.put_many(self.conn, "runwork", [] if run.archived_at_us else [(kv.token(run.run_id), b"")]))
 
     async def roll_forward(self, run_id: str) -> list[EventRow]:
         """Finish what writing this run record started (the keeper): its
