@@ -130,7 +130,10 @@ class Agents:
         return rows
 
     async def _records(self, ids: list[str], include_closed: bool) -> list[AgentRecord]:
-        found = await asyncio.gather(*(self.get(i) for i in ids))
+        """The records of an index's agents as the bucket holds them now, in the order the store lists them:
+        read together (AgentCache.fresh: with one replica batched direct gets of many agents each, with more
+        one read of the leader an agent)."""
+        found = await asyncio.gather(*(self.cache.fresh(i) for i in ids))
         return sorted((r for r in found if r is not None and (include_closed or r.is_open)),
                       key=lambda r: (r.created_at_us, r.agent_id))
 
