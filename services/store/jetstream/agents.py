@@ -106,7 +106,7 @@ class Agents:
         when the parent is closed; for a closed agent, its queued messages
         dead-lettered (senders told), its run ended, its open descendants
         closed. Every step can be repeated. The events the records stand for.
-        Their index entries go in one pipelined round of create-if-absent writes."""
+        Their index entries: one batched read, then one write of those missing (kv.index_add)."""
         found = await asyncio.gather(*(self.get(a) for a in dict.fromkeys(agent_ids)))
         records = [r for r in found if r is not None]
         await kv.index_add(self.conn, "agents", [(index, record.agent_id) for record in records

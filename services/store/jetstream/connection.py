@@ -43,11 +43,11 @@ BATCH_REFUSED = (10201, 10077)
 """Why JetStream refuses a whole atomic batch where one message at a time would store the others: a
 message id it has stored already (a retry, an event's copy), an inbox over its limit."""
 BUCKETS = ("agents", "msgs", "runs", "runwork", "misc")
+"""runwork: one key per run not archived yet, so the sweeper reads only those."""
 ATOMIC_BUCKETS = ("msgs", "agents", "runs", "runwork")
 """The buckets whose writes through kv.write_many and kv.put_many are shared by the callers of the moment,
 in atomic batches when there are many (shared_writes.py): message states and idempotency records (msgs),
 new agent and run records and their index entries (agents, runs), the sweeper's work (runwork)."""
-"""runwork: one key per run not archived yet, so the sweeper reads only those."""
 EVENT_DEDUP_WINDOW_S = 300.0
 """Duplicate window of the events stream: how long a replayed event is recognised (the keeper)."""
 REPLAY_HORIZON_US = int((EVENT_DEDUP_WINDOW_S - 30) * 1_000_000)
@@ -189,12 +189,11 @@ class JetStreamConnection:
         """Publishes of messages into inboxes, shared by the sends at about the same time (shared_writes.py)."""
         self.event_writes = SharedWrites(self.event_stream, self.publish_batch, self.publish_each)
         """Publishes of events (not the copies: those go one at a time)."""
-        self.msgs_writes = SharedWrites(self.kv_stream("msgs"), self.publish_batch, self.publish_each)
-        """Writes into the msgs bucket (idempotency records, message states): kv.write_many."""
         self.shared_writes = {bucket: SharedWrites(self.kv_stream(bucket), self.publish_batch, self.publish_each)
-                              for bucket in ATOMIC_BUCKETS if bucket != "msgs"}
-        """The writes of kv.write_many and kv.put_many into each of ATOMIC_BUCKETS (msgs: msgs_writes)."""
-        self.shared_writes["msgs"] = self.msgs_writes
+                              for bucket in ATOMIC_BUCKETS}
+        """The writes of kv.write_many and kv.put_many into each of ATOMIC_BUCKETS."""
+        self.msgs_writes = self.shared_writes["msgs"]
+        """Writes into the msgs bucket (idempotency records, message states)."""
 
     async def open(self) -> None:
         """Connect, and create (or update) the streams and buckets."""

@@ -141,10 +141,7 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
                 for key, value, revision in writes]
     if not messages:
         return []
-    # the writes into ATOMIC_BUCKETS shared with those other calls make at the same time, in atomic batches
-    # when there are many (shared_writes.py); each a PubAck or the APIError JetStream answered
-    shared = conn.shared_writes.get(bucket)
-    acks = await (shared.publish(messages) if shared is not None else conn.publish_each(messages))
+    acks = await _publish(conn, bucket, messages)
     revisions = []
     for ack in acks:
         if isinstance(ack, APIError) and ack.err_code in _WRONG_LAST:
@@ -156,6 +153,14 @@ async def write_many(conn: Any, bucket: str, writes: list[tuple[str, bytes, int]
     return revisions
 
 
+async def _publish(conn: Any, bucket: str, messages: list[tuple[str, bytes, dict[str, str]]]) -> list[Any]:
+    """Write messages into a bucket's stream: for each a PubAck or the APIError JetStream answered. Into one of
+    ATOMIC_BUCKETS shared with the writes other calls make at the same time, in atomic batches when there
+    are many (shared_writes.py); into the others pipelined."""
+    shared = conn.shared_writes.get(bucket)
+    return await (shared.publish(messages) if shared is not None else conn.publish_each(messages))
+
+
 async def put_many(conn: Any, bucket: str, puts: list[tuple[str, bytes]]) -> None:
     """Unconditional writes of several keys of a bucket (those of ATOMIC_BUCKETS shared with the writes other
     calls make at the same time, shared_writes.py); any failure is raised (the writes before it may have been
@@ -164,9 +169,7 @@ async def put_many(conn: Any, bucket: str, puts: list[tuple[str, bytes]]) -> Non
         return
     messages: list[tuple[str, bytes, dict[str, str]]] = [(conn.kv_subject(bucket, key), value, {})
                                                           for key, value in puts]
-    shared = conn.shared_writes.get(bucket)
-    acks = await (shared.publish(messages) if shared is not None else conn.publish_each(messages))
-    for ack in acks:
+    for ack in await _publish(conn, bucket, messages):
         if isinstance(ack, BaseException):
             raise ack
 
