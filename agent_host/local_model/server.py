@@ -265,13 +265,29 @@ class LlamaServer:
                 "--ctx-size", str(self.ctx_size), "--parallel", str(self.parallel), "--no-kv-unified",
                 "--cache-ram", str(self.cache_ram_mib)]
 
+    @staticmethod
+    def environment() -> dict[str, str]:
+        """The server's environment: ours, with OpenMP's waiting threads asleep instead of spinning
+        (OMP_WAIT_POLICY=passive, unless it is set already). The server computes with OpenMP threads that
+        meet after every step of a token; by default a thread that reaches the meeting first spins until its
+        partner comes, and when another process holds the partner's core it burns its own meanwhile.
+        Measured 2026-12-07 with the sibling scenario (`python -m harness.real_llm`, about 3,050 prompt
+        tokens evaluated and 540 generated each run), with two busy processes beside it on the two cores (as
+        the test command's other lanes are): spinning 502 and 456 s, the server 475 and 432 s of CPU; asleep
+        309 and 291 s, 272 and 252 s of CPU; one thread 447 s, 271 s; spinning for at most about a
+        millisecond (GOMP_SPINCOUNT=100000) 420 s, 391 s. Alone on the machine: spinning 138 and 155 s,
+        asleep 177 and 162 s, the hour's noise about as large. OMP_WAIT_POLICY=active in our environment
+        brings the spinning back, for a machine the server has to itself."""
+        return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "passive")}
+
     async def start(self) -> LlamaServer:
         if self.process is not None:
             raise RuntimeError(f"llama-server already running as pid {self.process.pid}")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log_file:  # fork and exec off the event loop
             self.process = await asyncio.to_thread(subprocess.Popen, self.command(), stdin=subprocess.DEVNULL,
-                                                   stdout=log_file, stderr=subprocess.STDOUT)
+                                                   stdout=log_file, stderr=subprocess.STDOUT,
+                                                   env=self.environment())
         started = time.monotonic()
         try:
             await self._wait_until_healthy(started + self.startup_timeout_s)
