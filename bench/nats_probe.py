@@ -3,8 +3,9 @@ from harness/nats.py (file storage, `sync_interval: always`, so every write is f
 acknowledgement), driven by nats-py, the client the mesh uses. The limits the JetStream store's figures
 are read against (docs/benchmarks.md, "Stores: SQLite and JetStream"):
 
-- the latency of one request at a time: a key-value read, an fsynced publish, an fsynced key-value
-  create, a batched direct get;
+- the latency of one request at a time, and this client's CPU a request: a key-value read, an fsynced
+  publish, an fsynced key-value create, a batched direct get, and one publish through the store's own
+  JetStreamConnection;
 - the rate of fsynced publishes with 64 in flight, into one stream and spread over three streams (the
   store writes to three: the inboxes, the message states, the events);
 - atomic batches (nats-server 2.12+) against the same messages published one at a time, pipelined,
@@ -43,13 +44,19 @@ PAYLOAD = b"x" * 400
 
 
 async def _latency(n: int, call: Any) -> dict[str, float]:
+    """One call at a time, n of them: p50 and p99 of each, and this client's CPU a call (what a request one
+    after the other costs the mesh's side of it: every turn of the event loop, nats-py's tasks, the system
+    calls)."""
     took = []
+    cpu = time.process_time()
     for i in range(n):
         started = time.perf_counter()
         await call(i)
         took.append((time.perf_counter() - started) * 1000)
+    cpu_us = (time.process_time() - cpu) / n * 1e6
     took.sort()
-    return {"p50_ms": round(statistics.median(took), 3), "p99_ms": round(took[int(len(took) * 0.99) - 1], 3)}
+    return {"p50_ms": round(statistics.median(took), 3), "p99_ms": round(took[int(len(took) * 0.99) - 1], 3),
+            "client_cpu_us": round(cpu_us)}
 
 
 async def _rate(js: Any, subjects: list[str], count: int, in_flight: int) -> float:
@@ -127,6 +134,9 @@ async def atomic_batches(node: NatsNode, data: Path, seconds: float = 2.0) -> di
             await asyncio.gather(*(worker() for _ in range(in_flight)))
             return round(done * size / (time.perf_counter() - started))
 
+        # one request, as the store makes most of its requests at 1 in flight (its own reply subscription)
+        result["1 message through the store's connection (publish_each): one call"] = await _latency(
+            1000, lambda i: conn.publish_each([("probe.ev.one.b", PAYLOAD, {})]))
         for size in (2, 8, 32, 128, 400):
             def messages(i: int, size: int = size) -> list[tuple[str, bytes, dict[str, str]]]:
                 return [(f"probe.ev.a{i % 50}.b", PAYLOAD, {})] * size
