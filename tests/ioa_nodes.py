@@ -104,8 +104,10 @@ async def start_node(network, tmp_path, node_id, **ioa) -> Node:
 
 @pytest.fixture
 async def network():
-    """A reference IOA network (recent history 20) for the test."""
-    async with NetworkServer(NetworkConfig(history=20)) as server:
+    """A reference IOA network (recent history 20) for the test, without the grace after its start in which an
+    unknown node counts as not connected yet (tests/test_ioa.py tests that grace): a node that does not exist
+    is UNKNOWN_TARGET at once."""
+    async with NetworkServer(NetworkConfig(history=20, reconnect_grace_s=0)) as server:
         yield server
 
 

@@ -119,7 +119,7 @@ class World:
     async def start(self) -> None:
         tmp_path = self._tmp.mktemp("fuzz")
         (tmp_path / "routing.yaml").write_text(ROUTING)
-        self.network = NetworkServer(NetworkConfig(history=20))
+        self.network = NetworkServer(NetworkConfig(history=20, reconnect_grace_s=0))  # no node: at once
         await self.network.start()
         config = replace(make_config(tmp_path), routing=tmp_path / "routing.yaml",
                          ioa=IoaConfig(node_id=NODE, network=self.network.address, receipt_timeout_s=2),

@@ -16,9 +16,29 @@ pytestmark = pytest.mark.store_independent
 
 @pytest.fixture
 async def network():
-    async with NetworkServer(NetworkConfig(history=5)) as server:
+    async with NetworkServer(NetworkConfig(history=5, reconnect_grace_s=0)) as server:
         async with grpc.aio.insecure_channel(server.address) as channel:
             yield server, channel
+
+
+async def test_a_node_the_network_does_not_know_is_not_connected_yet_within_its_grace_after_starting():
+    """reconnect_grace_s after the network started: a node it does not know is NODE_OFFLINE (a relay tries
+    again; a restarted network's nodes reconnect one by one), and its publisher is told NodeBack when it
+    comes; after the grace, UNKNOWN_NODE."""
+    async with NetworkServer(NetworkConfig(reconnect_grace_s=600)) as server:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            a, late = NodeClient(channel, "a"), NodeClient(channel, "late")
+            await a.connect()
+            refused = await a.publish("m1", to=("late", "x"))
+            assert refused.status == net.PUBLISH_STATUS_NODE_OFFLINE, refused
+            assert "started" in refused.detail and "may still be reconnecting" in refused.detail
+            await late.connect()
+            back = await a.next("node_back")
+            assert back.node_id == "late"
+            server.network.started -= 600  # the grace is over
+            assert (await a.publish("m2", to=("never", "x"))).status == net.PUBLISH_STATUS_UNKNOWN_NODE
+            a.close()
+            late.close()
 
 
 async def test_routing_refusals_and_spaces(network):

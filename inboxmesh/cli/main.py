@@ -150,7 +150,7 @@ async def _ioa_server(args) -> int:
     try:
         config = NetworkConfig(host=args.host, port=args.port, history=args.history,
                                tls=settings.server_tls(vars(args), os.environ), insecure=bool(args.insecure),
-                               faults=bool(args.faults))
+                               faults=bool(args.faults), reconnect_grace_s=args.reconnect_grace_s)
         server = NetworkServer(config)
         await server.start()
     except errors.MeshError as exc:
@@ -513,6 +513,16 @@ async def _a2a(args) -> int:
     return 0
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text[:40]}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inboxmesh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -624,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
     ioa.add_argument("--port", type=int, default=7500, help="0 = any free port")
     ioa.add_argument("--history", type=int, default=50, help="recent messages a reconnecting node gets again")
     tls_server_args(ioa)
+    ioa.add_argument("--reconnect-grace-s", type=_non_negative_float, default=30.0,
+                     help="for this long after it starts, a message to a node the network does not know is"
+                          " refused as 'not connected' (its sender retries), not 'no such node' (final): nodes"
+                          " reconnect to a restarted network one by one (0: no grace)")
     ioa.add_argument("--faults", action="store_true",
                      help="allow InjectFault (dropped connections, duplicates, delays, reordering: for tests)")
     ioa.set_defaults(run=_ioa_server)

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -63,6 +64,13 @@ class NetworkConfig:
     """Allow plaintext on an address that is not a loopback one."""
     faults: bool = True
     """Whether InjectFault works (tests); `ioa-server` turns it on only with --faults."""
+    reconnect_grace_s: float = 30.0
+    """For this long after it starts, the network answers a message to a node it does not know NODE_OFFLINE
+    (not connected: the relay tries again, and its sender gets UNAVAILABLE, retry), not UNKNOWN_NODE (no
+    such node: the sender's receipt is UNKNOWN_TARGET, final). The network keeps its nodes in memory: once
+    restarted it knows each again only when it has reconnected, and a node whose relay is still reconnecting
+    is not one that does not exist (the chaos soak's far senders got UNKNOWN_TARGET for the near node so,
+    after a restart of the network, before they had ever heard from it). 0: no grace."""
 
 
 @dataclass
@@ -92,6 +100,8 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         """Per node not connected now: the nodes whose publishes to it were refused NODE_OFFLINE or
         UNKNOWN_NODE since (each told NodeBack once it connects)."""
         self._space_seq: dict[str, int] = collections.defaultdict(int)
+        self.started = time.monotonic()
+        """When the network started taking connections (NetworkServer.start): reconnect_grace_s counts from it."""
 
     # -- the node's stream --------------------------------------------------
     async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -238,7 +248,14 @@ class IoaNetwork(network_pb2_grpc.IoaNetworkServicer):
         if target == "direct":
             node = self.nodes.get(message.direct.node)
             if node is None:
-                result.status, result.detail = pb.PUBLISH_STATUS_UNKNOWN_NODE, f"no node {message.direct.node!r}"
+                age = time.monotonic() - self.started
+                if age < self.config.reconnect_grace_s and _NODE_ID.fullmatch(message.direct.node):
+                    result.status = pb.PUBLISH_STATUS_NODE_OFFLINE
+                    result.detail = (f"node {message.direct.node!r} is not connected: this network started"
+                                     f" {age:.0f}s ago and its nodes may still be reconnecting")
+                else:
+                    result.status = pb.PUBLISH_STATUS_UNKNOWN_NODE
+                    result.detail = f"no node {message.direct.node!r}"[:200]
                 self._wait_for(message.direct.node, sender)
             elif not node.connected:
                 result.status, result.detail = pb.PUBLISH_STATUS_NODE_OFFLINE, f"node {node.node_id} is not connected"
@@ -330,6 +347,7 @@ class NetworkServer:
     async def start(self) -> int:
         self.server, self.port = create_network_server(self.config, self.network)
         await self.server.start()
+        self.network.started = time.monotonic()
         log.info("ioa network listening on %s", self.address)
         return self.port
 
