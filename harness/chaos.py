@@ -423,7 +423,7 @@ async def _check(address: str, work: Path, plan: Plan) -> Report:
         record = await Record.read(client)
         lines = _log_lines(work, plan)
         accepted = {_as_seen(state, line[1], line[2]): line[3] for line in lines if line[0] == "r"}
-        refused = {_as_seen(state, line[1], line[2]): line[4] for line in lines if line[0] == "x"}
+        refused = {_as_seen(state, line[1], line[2]): " ".join(line[4:-1]) for line in lines if line[0] == "x"}
         consumed: collections.Counter[tuple[str, str]] = collections.Counter()
         order: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
         announces: collections.Counter[str] = collections.Counter()
@@ -630,7 +630,8 @@ async def host(state: dict[str, Any], index: int, hosts: int, target: str, work:
                     if receipt.status == inbox_pb2.RECEIPT_STATUS_INBOX_FULL:
                         await asyncio.sleep(0.5)
                         continue
-                    log.write("x", agent_id, n, recipient, inbox_pb2.ReceiptStatus.Name(receipt.status))
+                    log.write("x", agent_id, n, recipient, inbox_pb2.ReceiptStatus.Name(receipt.status),
+                              "_".join(receipt.detail[:160].split()) or "-")  # why, for the report's examples
                     break
 
         consumer = asyncio.create_task(consume())

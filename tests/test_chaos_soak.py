@@ -24,6 +24,7 @@ def test_a_soak_with_processes_and_nats_nodes_killed_loses_duplicates_and_reorde
     report = soak(Plan(seed=11, agents=20, messages=1000, hosts=4, far_agents=2, far_messages=50,
                        fault_every_s=3.0, min_faults=8, duration_s=300, drain_s=90, pace_s=60,
                        work_dir=tmp_path / "soak"))
+    print(report)  # whole, with each refusal's receipt detail (an assertion's message is cut short)
     assert report.accepted == 1100, ("every message was accepted in the end (retried by id through the faults)",
                                      report.examples["refused"])
     assert report.accepted_over_ioa == 100, "the far agents' crossed the IOA network"
