@@ -51,6 +51,36 @@ async def _outbox_events(node, agent_id: str) -> list[ev.Event]:
             if e.kind in (ev.EVENT_KIND_IOA_OUTBOXED, ev.EVENT_KIND_IOA_OUTBOX_DONE)]
 
 
+async def test_a_first_send_into_the_outbox_is_recorded_when_the_pump_lists_the_outbox_meanwhile(network, tmp_path):
+    """The outbox's pump lists the outbox now and then and learns its entries from it; when it does so while a
+    send's entry is being added, the send is still a first one, recorded IOA_OUTBOXED once (a CI run under
+    load recorded none for m1: the relay took the entry the pump had just learned of for a retry's)."""
+    alpha = await start_node(network, tmp_path, "alpha")
+    beta = await start_node(network, tmp_path, "beta")
+    try:
+        a, b = await _team(alpha, "a"), await _team(beta, "b")
+        to_b = beta.address(b)
+        await beta.stop()
+        relay = alpha.mesh.relay
+        real_add = relay._outbox.outbox_add
+
+        async def add_then_pump_lists(entries, limit):
+            numbers = await real_add(entries, limit)
+            await relay._pump_round()  # the pump's round, in the gap before the send goes on
+            return numbers
+
+        relay._outbox.outbox_add = add_then_pump_lists
+        kept = await a.send(to_b, "m1", message_id="m1", ioa_delivery=OUTBOX)
+        again = await a.send(to_b, "m1", message_id="m1", ioa_delivery=OUTBOX)
+        assert (kept.status, again.status) == (pb.RECEIPT_STATUS_OUTBOXED,) * 2 and kept.sequence == again.sequence
+        assert "kept in" in kept.detail and "already in" in again.detail
+        events = await _outbox_events(alpha, a.agent_id)
+        assert [(e.kind, e.message_id) for e in events] == [(ev.EVENT_KIND_IOA_OUTBOXED, "m1")], events
+    finally:
+        for node in (alpha, beta):
+            await node.stop()
+
+
 async def test_a_node_out_of_reach_gets_its_messages_from_the_outbox_in_order_and_the_sender_is_told(
         network, tmp_path):
     alpha = await start_node(network, tmp_path, "alpha")
