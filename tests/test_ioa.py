@@ -162,6 +162,25 @@ async def test_a_relay_that_goes_away_loses_nothing_that_was_accepted(network, t
             await node.mesh.stop(grace=0.2)
 
 
+async def _restart_network(first: NetworkServer, second: NetworkServer, node) -> None:
+    """Stop the network `first` and start `second` on its port; return once `node`'s relay is connected again."""
+    reconnects = node.relay.reconnects
+    await first.stop(grace=0.1)
+    await second.start()
+    await eventually(lambda: node.relay.reconnects > reconnects and node.relay.connected.is_set(),
+                     message=f"{node.relay.node_id} connected to the restarted network")
+
+
+async def _received(agent, count: int) -> list[str]:
+    """The texts of the first `count` messages the agent's inbox delivers (acked)."""
+    sub = Collector(agent, auto_ack=True)
+    try:
+        got = await sub.wait_for(count)
+    finally:
+        await sub.stop()
+    return [m.content.text for m in got]
+
+
 async def test_a_node_the_restarted_network_does_not_know_yet_is_unavailable_not_unknown(tmp_path):
     """A network that restarted knows a node again only once it has reconnected: a send meanwhile to a node
     the relay has heard from is UNAVAILABLE (retry), not the final UNKNOWN_TARGET; the retry is accepted
@@ -179,11 +198,7 @@ async def test_a_node_the_restarted_network_does_not_know_yet_is_unavailable_not
         assert (await a.send(beta.address(b), "before")).status == pb.RECEIPT_STATUS_ACCEPTED  # beta's receipt
         b_agent, b_credential = b.info, b.credential
         await beta.stop()
-        reconnects = alpha.relay.reconnects
-        await first.stop(grace=0.1)
-        await second.start()
-        await eventually(lambda: alpha.relay.reconnects > reconnects and alpha.relay.connected.is_set(),
-                         message="alpha connected to the restarted network")
+        await _restart_network(first, second, alpha)
         with pytest.raises(errors.Unavailable) as raised:
             await a.send(beta.address(b), "meanwhile", message_id="meanwhile")
         assert raised.value.reason == errors.Reason.IOA_PUBLISH_STATUS_UNKNOWN_NODE, raised.value
@@ -193,12 +208,7 @@ async def test_a_node_the_restarted_network_does_not_know_yet_is_unavailable_not
         beta = await start_node(second, tmp_path, "beta")
         retried = await a.send(beta.address(b), "meanwhile", message_id="meanwhile")
         assert retried.status == pb.RECEIPT_STATUS_ACCEPTED and retried.sequence == 2
-        sub = Collector(beta.client.agent(b_agent, b_credential), auto_ack=True)
-        try:
-            got = await sub.wait_for(2)
-        finally:
-            await sub.stop()
-        assert [m.content.text for m in got] == ["before", "meanwhile"]
+        assert await _received(beta.client.agent(b_agent, b_credential), 2) == ["before", "meanwhile"]
     finally:
         for node in (alpha, beta):
             await node.stop()
@@ -222,11 +232,7 @@ async def test_a_node_no_relay_heard_from_is_unavailable_while_the_restarted_net
         _, b = await _team(beta, "b")  # alpha has not heard from beta: nothing went between them yet
         b_agent, b_credential = b.info, b.credential
         await beta.stop()
-        reconnects = alpha.relay.reconnects
-        await first.stop(grace=0.1)
-        await second.start()
-        await eventually(lambda: alpha.relay.reconnects > reconnects and alpha.relay.connected.is_set(),
-                         message="alpha connected to the restarted network")
+        await _restart_network(first, second, alpha)
         with pytest.raises(errors.Unavailable) as raised:
             await a.send(beta.address(b), "meanwhile", message_id="meanwhile")
         assert raised.value.reason == errors.Reason.IOA_PUBLISH_STATUS_NODE_OFFLINE, raised.value
@@ -236,12 +242,7 @@ async def test_a_node_no_relay_heard_from_is_unavailable_while_the_restarted_net
         beta = await start_node(second, tmp_path, "beta")
         retried = await a.send(beta.address(b), "meanwhile", message_id="meanwhile")
         assert retried.status == pb.RECEIPT_STATUS_ACCEPTED and retried.sequence == 1
-        sub = Collector(beta.client.agent(b_agent, b_credential), auto_ack=True)
-        try:
-            got = await sub.wait_for(1)
-        finally:
-            await sub.stop()
-        assert [m.content.text for m in got] == ["meanwhile"]
+        assert await _received(beta.client.agent(b_agent, b_credential), 1) == ["meanwhile"]
     finally:
         for node in (alpha, beta):
             await node.stop()
