@@ -3,6 +3,7 @@ records (agent_cache.py), kept by a watch of the agents bucket. The copy may be 
 made by another process is never overtaken all the same (the target is read again once the message is
 published, and the sender is always read from the bucket)."""
 
+import time
 import uuid
 from dataclasses import replace
 
@@ -10,8 +11,11 @@ import pytest
 
 from harness.nats import NatsNode
 from inboxmesh.client.mesh import MeshClient
+from inboxmesh.common.v1 import envelope_pb2
 from inboxmesh.inbox.v1 import inbox_pb2 as pb
+from services.clock import now_us
 from services.server import Mesh
+from services.store.base import ACCEPTED, NOT_PERMITTED, AppendItem
 from services.store.jetstream.store import JetStreamStore
 from tests.fixtures import ADMIN_TOKEN, eventually, make_config
 
@@ -65,3 +69,33 @@ async def test_a_send_on_a_stale_copy_is_refused_when_the_sender_or_target_close
     assert await a.store.inbox.messages.unconsumed(z.agent_id) == 0, "x's message was taken back"
     again = await x.send(z.agent_id, "after my close", message_id=from_x.message_id)
     assert again.status == pb.RECEIPT_STATUS_NOT_PERMITTED, "a retry is refused too, not a duplicate"
+
+
+async def test_a_send_takes_the_read_of_its_sender_made_beside_its_frontier_and_no_older_one(two_processes):
+    """A send's frontier and its sender's record are read together (one round trip), once the mesh took
+    the request (AppendItem.taken_at), and the append takes that read rather than making its own. A read
+    made before a close another process made is never taken: the append reads again, and refuses."""
+    a, b, on_a, on_b = two_processes
+    lead = await on_a.register("lead")
+    x, z = await lead.spawn("x"), await lead.spawn("z")
+    store = a.store
+    reads = store.agent_cache._fresh  # the reads of records as the bucket holds them now
+
+    def envelope(message_id: str) -> envelope_pb2.Envelope:
+        return envelope_pb2.Envelope(message_id=message_id, recipient=z.agent_id, sender=x.agent_id)
+
+    def sender_read_began() -> float:
+        return reads._recent.done[x.agent_id][0]  # when the last read of x that ended began
+
+    taken_at = time.monotonic()
+    await store.get_frontier(x.agent_id)
+    began = sender_read_began()
+    assert began >= taken_at, "the frontier's read reads the sender too"
+    outcome, = await store.append(x.agent_id, [AppendItem(envelope("m1"), taken_at=taken_at)], now_us())
+    assert outcome.status == ACCEPTED
+    assert sender_read_began() == began, "the append took that read, and made none of the sender"
+
+    await on_b.agent(lead.info, lead.credential).close(x.agent_id, "sender gone")
+    outcome, = await store.append(x.agent_id, [AppendItem(envelope("m2"), taken_at=time.monotonic())], now_us())
+    assert outcome.status == NOT_PERMITTED, "the read before the close was not taken"
+    assert sender_read_began() > began

@@ -4,6 +4,7 @@ asked, and callers that come while a read is in flight share the next one."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -135,3 +136,26 @@ async def test_a_failed_batched_read_fails_its_callers_only():
     with pytest.raises(ConnectionError):
         await first
     assert await second == ("b", 0)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+async def test_a_caller_naming_a_moment_takes_a_read_begun_since_in_flight_or_done(batched):
+    """`since`: a read of the key begun at that moment or later serves the caller as it is (in flight: its
+    answer; done: its value, without a new read); one begun before does not, nor does any without it."""
+    source = ManySource()
+    reads: SharedReads[tuple[str, int]] | BatchedReads[tuple[str, int]] = (
+        BatchedReads(source.read_many, ("none", -1)) if batched else SharedReads(source.read))
+    before = time.monotonic()
+    first = asyncio.ensure_future(reads.get("a"))
+    await _turns()
+    source.value = 1
+    joined = asyncio.ensure_future(reads.get("a", since=before))  # the read in flight began since: taken
+    fresh = asyncio.ensure_future(reads.get("a"))  # no moment: the next read
+    source.gate.set()
+    assert await first == ("a", 0) and await joined == ("a", 0)
+    assert await fresh == ("a", 1)
+    assert reads.reads == 2
+    assert await reads.get("a", since=before) == ("a", 1) and reads.reads == 2, "the last read done: no new one"
+    source.value = 2
+    assert await reads.get("a", since=time.monotonic()) == ("a", 2), "every read done began before: a new one"
+    assert reads.reads == 3

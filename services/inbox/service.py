@@ -9,6 +9,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -218,10 +219,11 @@ class InboxService:
                    outbox: bool | None = None) -> list[SendOutcome]:
         """Store the messages in order (IOA recipients through the relay, `outbox` as ForwardToIoa takes
         it); one outcome each. Malformed input fails the whole call before anything is stored."""
+        taken_at = time.monotonic()
         sender = await self._checked(caller, envelopes)
         if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
-            return await self._send_local(caller, sender, envelopes)
-        return await self._send_via_ioa(caller, sender, envelopes, outbox)
+            return await self._send_local(caller, sender, envelopes, taken_at)
+        return await self._send_via_ioa(caller, sender, envelopes, outbox, taken_at)
 
     async def send_requests(self, senders: StreamSenders, requests: Sequence[pb.SendRequest]
                             ) -> tuple[list[list[SendOutcome]], errors.MeshError | None]:
@@ -300,6 +302,7 @@ class InboxService:
             answered.extend([next(outcomes) for items in parts for _ in items] for parts in taken)
 
         failure: errors.MeshError | None = None
+        taken_at = time.monotonic()  # the requests are here: a read of a sender begun since serves them
         try:
             frontiers = await self._frontiers_of(senders.named_senders(requests))
             for request in requests:
@@ -315,7 +318,7 @@ class InboxService:
                 parts = [(part_caller, await self._checked(part_caller, run, first_index, frontiers), run)
                          for part_caller, first_index, run in self._by_sender(senders, caller, envelopes)]
                 if not any(e.recipient.startswith(IOA_PREFIX) for e in envelopes):
-                    unstored.append([await self._local_items(part_caller, sender, run)
+                    unstored.append([await self._local_items(part_caller, sender, run, taken_at)
                                      for part_caller, sender, run in parts])
                     continue
                 if unstored:
@@ -330,7 +333,7 @@ class InboxService:
                 await receipts()
                 outcomes: list[SendOutcome] = []
                 for part_caller, sender, run in parts:
-                    outcomes += await self._send_via_ioa(part_caller, sender, run, outbox)
+                    outcomes += await self._send_via_ioa(part_caller, sender, run, outbox, taken_at)
                 answered.append(outcomes)
         except errors.MeshError as exc:
             failure = exc
@@ -389,12 +392,12 @@ class InboxService:
         return dict(zip(unknown, await asyncio.gather(*(self._frontier(agent_id) for agent_id in unknown))))
 
     async def _send_via_ioa(self, caller: Caller, sender: AgentRecord, envelopes: list[envelope_pb2.Envelope],
-                            outbox: bool | None = None) -> list[SendOutcome]:
+                            outbox: bool | None, taken_at: float) -> list[SendOutcome]:
         outcomes: list[SendOutcome] = []
         for via_ioa, group in itertools.groupby(envelopes, key=lambda e: e.recipient.startswith(IOA_PREFIX)):
             run = list(group)
             if not via_ioa:
-                outcomes += await self._send_local(caller, sender, run)
+                outcomes += await self._send_local(caller, sender, run, taken_at)
             elif self._forward_to_ioa is None:
                 outcomes += [SendOutcome(e.message_id, e.recipient, UNKNOWN_TARGET,
                                          detail="this mesh has no IOA relay (start it with --ioa-network)")
@@ -404,12 +407,14 @@ class InboxService:
                 outcomes += await forwarding.outcomes()
         return outcomes
 
-    async def _send_local(self, caller: Caller, sender: AgentRecord,
-                          envelopes: list[envelope_pb2.Envelope]) -> list[SendOutcome]:
-        return await self._writer.store([await self._local_items(caller, sender, envelopes)], now_us())
+    async def _send_local(self, caller: Caller, sender: AgentRecord, envelopes: list[envelope_pb2.Envelope],
+                          taken_at: float) -> list[SendOutcome]:
+        return await self._writer.store([await self._local_items(caller, sender, envelopes, taken_at)], now_us())
 
-    async def _local_items(self, caller: Caller, sender: AgentRecord,
-                           envelopes: list[envelope_pb2.Envelope]) -> list[AppendItem]:
+    async def _local_items(self, caller: Caller, sender: AgentRecord, envelopes: list[envelope_pb2.Envelope],
+                           taken_at: float) -> list[AppendItem]:
+        """The messages as the store takes them; `taken_at`: when the mesh took their request
+        (AppendItem.taken_at)."""
         now = now_us()
         items = []
         budget = self._limits.conversation_budget
@@ -419,7 +424,7 @@ class InboxService:
             env.origin.CopyFrom(_LOCAL)
             env.sequence = env.stored_at_us = env.delivery_attempt = 0
             rejection = await self._precheck(sender.agent_id, caller, env)
-            items.append(AppendItem(env, rejection, conversation_budget=budget))
+            items.append(AppendItem(env, rejection, conversation_budget=budget, taken_at=taken_at))
         return items
 
     # -- loop guard -------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import cast
@@ -99,6 +100,10 @@ class AppendItem:
     rejection: tuple[int, str] | None = None
     conversation_budget: int = 0
     """Most messages its conversation may hold (loop guard); 0 = no limit."""
+    taken_at: float = math.inf
+    """When the mesh took the send's request (time.monotonic()): a store that checks the sender is open
+    with a read may take one begun since then (the JetStream store's, made beside the sender's frontier).
+    inf: only a read begun once the store is asked."""
 
 
 @dataclass(frozen=True)
@@ -425,7 +430,9 @@ class InboxStore(abc.ABC):
 
     @abc.abstractmethod
     async def get_frontier(self, agent_id: str) -> Frontier | None:
-        """The agent's Frontier as its last consuming ack left it (None: it never consumed anything)."""
+        """The agent's Frontier as its last consuming ack left it (None: it never consumed anything). A
+        send asks for it once the mesh took the request, before the store is asked to append
+        (AppendItem.taken_at)."""
 
     @abc.abstractmethod
     async def get_message_by_sender(self, sender: str, message_id: str) -> MessageRecord | None: ...

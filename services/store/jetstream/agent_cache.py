@@ -17,13 +17,16 @@ and that is starting again), and is trusted only as far as that is safe:
 The copy holds at most AGENTS_HELD records (beyond that, records not held are read each time).
 
 Reads that must see the bucket as it is now (a send's sender before the publish, its target after:
-`fresh`) are shared by the sends that want the same agent at about the same time (shared_reads.py).
+`fresh`) are shared by the sends that want the same agent at about the same time (shared_reads.py). A
+send's sender is read beside its frontier (JetStreamStore.get_frontier), once the mesh took the request,
+and the append takes that read (`since`): one round trip before the publish, not two.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 from nats.js.api import DeliverPolicy
@@ -124,10 +127,11 @@ class AgentCache:
             self.learn(record)
         return record
 
-    async def fresh(self, agent_id: str) -> AgentRecord | None:
-        """The agent's record as the bucket holds it now: read after this call began (None: no such
-        agent). The record read is held, as a write seen by the watch is."""
-        return await self._fresh.get(agent_id)
+    async def fresh(self, agent_id: str, since: float = math.inf) -> AgentRecord | None:
+        """The agent's record as the bucket holds it now: read after this call began, or at `since`
+        (time.monotonic()) or later (None: no such agent). The record read is held, as a write seen by the
+        watch is."""
+        return await self._fresh.get(agent_id, since)
 
     def held(self, agent_id: str) -> AgentRecord | None:
         return self._records.get(agent_id)

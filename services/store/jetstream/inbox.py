@@ -17,6 +17,7 @@ import enum
 import functools
 import json
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -275,9 +276,13 @@ class InboxLog:
                                      if not sender_id.startswith(base.EXTERNAL_PREFIXES)))
         recipients = list(dict.fromkeys(item.envelope.recipient for _, item in entries))
         # each sender as the bucket holds it now (a close another process made a moment ago refuses this
-        # send, and nothing of it is ever delivered); every target as last seen, read when not held (a
-        # target closed since is settled after the publish: messages.settle)
-        found = await asyncio.gather(*(self.agents.fresh(sender_id) for sender_id in senders),
+        # send, and nothing of it is ever delivered): read since the mesh took the request (the read made
+        # beside the sender's frontier, JetStreamStore.get_frontier); every target as last seen, read
+        # when not held (a target closed since is settled after the publish: messages.settle)
+        taken: dict[str, float] = {}
+        for sender_id, item in entries:
+            taken[sender_id] = min(taken.get(sender_id, math.inf), item.taken_at)
+        found = await asyncio.gather(*(self.agents.fresh(sender_id, taken[sender_id]) for sender_id in senders),
                                      *(self.agents.get(rid) for rid in recipients))
         sender_open = {sender_id: record is not None and record.is_open
                        for sender_id, record in zip(senders, found)}

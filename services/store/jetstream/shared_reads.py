@@ -3,16 +3,60 @@ time, as the SQLite writer shares a commit: at most one read per key is in fligh
 come while it is wait for the next one, which starts when it ends. Every caller so gets a read that
 began after it asked (a close, an ack, a write made before the call is seen), and sixty-four sends at
 once from one agent read its record a few times, not 64 times (`bench/nats_requests.py --in-flight 64`).
-A lone call waits for nothing: its read starts at once."""
+A lone call waits for nothing: its read starts at once.
+
+A caller may instead name a moment (`since`, time.monotonic()) after which any read serves it: then a
+read of its key begun since, in flight or done, is taken as it is (a send takes the read of its sender
+made beside its frontier's, both begun after the mesh took the send's request: services.inbox.service).
+The last RECENT_KEPT reads done are kept for that."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
+import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+RECENT_KEPT = 4096
+"""Reads done whose values are kept (with when they began) for callers that name a moment."""
+
+
+class _Recent(Generic[T]):
+    """The reads in flight and the last reads done, each with the time.monotonic() it began at."""
+
+    def __init__(self) -> None:
+        self.flying: dict[str, tuple[float, asyncio.Future[T]]] = {}
+        self.done: collections.OrderedDict[str, tuple[float, T]] = collections.OrderedDict()
+
+    def begun(self, key: str, waiting: asyncio.Future[T]) -> None:
+        self.flying[key] = (time.monotonic(), waiting)
+
+    def ended(self, key: str, waiting: asyncio.Future[T]) -> None:
+        began, _ = self.flying.pop(key, (0.0, None))
+        if waiting.cancelled() or waiting.exception() is not None:
+            return
+        self.done[key] = (began, waiting.result())
+        self.done.move_to_end(key)
+        while len(self.done) > RECENT_KEPT:
+            self.done.popitem(last=False)
+
+    def since(self, key: str, since: float) -> asyncio.Future[T] | None:
+        """A read of `key` begun at `since` or later (done: its value as a future), or None."""
+        if since == math.inf:
+            return None
+        flying = self.flying.get(key)
+        if flying is not None and flying[0] >= since:
+            return flying[1]
+        done = self.done.get(key)
+        if done is not None and done[0] >= since:
+            found: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            found.set_result(done[1])
+            return found
+        return None
 
 
 class SharedReads(Generic[T]):
@@ -25,8 +69,13 @@ class SharedReads(Generic[T]):
         """Per key, the read the calls that came while one was in flight wait for."""
         self.reads = 0
         """Reads made (each serves every call that waited for it)."""
+        self._recent: _Recent[T] = _Recent()
 
-    async def get(self, key: str) -> T:
+    async def get(self, key: str, since: float = math.inf) -> T:
+        """A read of `key` begun after this call, or one begun at `since` (time.monotonic()) or later."""
+        earlier = self._recent.since(key, since)
+        if earlier is not None:
+            return await asyncio.shield(earlier)
         waiting = self._next.get(key)
         if waiting is None:
             waiting = asyncio.get_running_loop().create_future()
@@ -38,6 +87,7 @@ class SharedReads(Generic[T]):
     def _start(self, key: str) -> None:
         result = self._next.pop(key)
         self._reading.add(key)
+        self._recent.begun(key, result)
         self.reads += 1
         task = asyncio.ensure_future(self._read(key))
         task.add_done_callback(lambda done: self._done(key, result, done))
@@ -45,6 +95,7 @@ class SharedReads(Generic[T]):
     def _done(self, key: str, result: asyncio.Future[T], done: asyncio.Future[T]) -> None:
         self._reading.discard(key)
         _hand_over(result, done, lambda value: value, self._seen)
+        self._recent.ended(key, result)
         if key in self._next:
             self._start(key)
 
@@ -73,8 +124,13 @@ class BatchedReads(Generic[T]):
         self._next: dict[str, asyncio.Future[T]] = {}
         """The keys the next read asks for, and where their callers wait."""
         self.reads = 0
+        self._recent: _Recent[T] = _Recent()
 
-    async def get(self, key: str) -> T:
+    async def get(self, key: str, since: float = math.inf) -> T:
+        """A read of `key` begun after this call, or one begun at `since` (time.monotonic()) or later."""
+        earlier = self._recent.since(key, since)
+        if earlier is not None:
+            return await asyncio.shield(earlier)
         waiting = self._next.get(key)
         if waiting is None:
             waiting = asyncio.get_running_loop().create_future()
@@ -87,6 +143,8 @@ class BatchedReads(Generic[T]):
     def _start(self) -> None:
         keys = list(self._next)[:BATCH_KEYS]
         batch = {key: self._next.pop(key) for key in keys}
+        for key, waiting in batch.items():
+            self._recent.begun(key, waiting)
         self._reading = True
         self.reads += 1
         task = asyncio.ensure_future(self._read_many(keys))
@@ -99,6 +157,7 @@ class BatchedReads(Generic[T]):
         self._reading = False
         for key, result in batch.items():
             _hand_over(result, done, functools.partial(self._value, key), self._seen)
+            self._recent.ended(key, result)
         if self._next:
             self._start()
 

@@ -235,8 +235,12 @@ class JetStreamStore(base.Store):
 
     @nats_call
     async def get_frontier(self, agent_id: str) -> Frontier | None:
+        """The frontier, and beside it (pipelined, one round trip for both) the agent's record as the bucket
+        holds it now: asked for by a send before its append, which takes that read of its sender
+        (AppendItem.taken_at) instead of making its own one round trip later."""
         self.conn.require_open()
-        return await self.inbox.frontier(agent_id)
+        frontier, _ = await asyncio.gather(self.inbox.frontier(agent_id), self.inbox.agents.fresh(agent_id))
+        return frontier
 
     # -- the IOA outbox (outbox.py) ---------------------------------------------------
     @nats_call
