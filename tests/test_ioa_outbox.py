@@ -65,9 +65,9 @@ async def test_a_first_send_into_the_outbox_is_recorded_when_the_pump_lists_the_
         real_add = relay._outbox.outbox_add
 
         async def add_then_pump_lists(entries, limit):
-            numbers = await real_add(entries, limit)
+            added = await real_add(entries, limit)
             await relay._pump_round()  # the pump's round, in the gap before the send goes on
-            return numbers
+            return added
 
         relay._outbox.outbox_add = add_then_pump_lists
         kept = await a.send(to_b, "m1", message_id="m1", ioa_delivery=OUTBOX)

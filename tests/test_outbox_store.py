@@ -2,9 +2,11 @@
 retry of a sender's message id finds its entry, a limit refuses past it, removal, and nothing lost across
 a restart of the mesh."""
 
+import asyncio
+
 from inboxmesh.common.v1 import envelope_pb2
 from services.server import Mesh
-from services.store.base import OutboxEntry
+from services.store.base import OutboxAdded, OutboxEntry
 
 
 def _entry(sender: str, message_id: str, at: int = 1_000) -> OutboxEntry:
@@ -16,10 +18,13 @@ def _entry(sender: str, message_id: str, at: int = 1_000) -> OutboxEntry:
 async def test_entries_in_order_retries_found_a_limit_and_a_restart(mesh_config):
     async with Mesh(mesh_config) as mesh:
         store = mesh.store
-        numbers = await store.outbox_add([_entry("agt_a", "m1"), _entry("agt_a", "m2"), _entry("agt_b", "m1")], 3)
+        added = await store.outbox_add([_entry("agt_a", "m1"), _entry("agt_a", "m2"), _entry("agt_b", "m1")], 3)
+        numbers = [a.number for a in added]
         assert all(numbers) and numbers == sorted(numbers) and len(set(numbers)) == 3
+        assert all(a.new for a in added)
         again = await store.outbox_add([_entry("agt_a", "m2"), _entry("agt_a", "m3")], 3)
-        assert again == [numbers[1], 0], "a retry finds its entry; past the limit, refused"
+        assert again == [OutboxAdded(numbers[1], new=False), OutboxAdded(0, new=False)], (
+            "a retry finds its entry; past the limit, refused")
         listed = await store.outbox_list(0, 10)
         assert [(e.number, e.sender, e.envelope.message_id) for e in listed] == [
             (numbers[0], "agt_a", "m1"), (numbers[1], "agt_a", "m2"), (numbers[2], "agt_b", "m1")]
@@ -31,4 +36,19 @@ async def test_entries_in_order_retries_found_a_limit_and_a_restart(mesh_config)
         left = await mesh.store.outbox_list(0, 10)
         assert [e.number for e in left] == numbers[1:]
         later = await mesh.store.outbox_add([_entry("agt_a", "m1"), _entry("agt_a", "m2")], 3)
-        assert later[1] == numbers[1] and later[0] > numbers[2], "a removed entry's id is a new entry"
+        assert later[1] == OutboxAdded(numbers[1], new=False)
+        assert later[0].new and later[0].number > numbers[2], "a removed entry's id is a new entry"
+
+
+async def test_adds_of_one_message_id_at_the_same_moment_make_one_entry(mesh_config):
+    """Two sends of one message id at once (a client's retry racing its first try): exactly one makes the
+    entry, both get its number, and the outbox holds it once."""
+    async with Mesh(mesh_config) as mesh:
+        store = mesh.store
+        for round_ in range(5):
+            first, second = await asyncio.gather(store.outbox_add([_entry("agt_a", f"same{round_}")], 100),
+                                                 store.outbox_add([_entry("agt_a", f"same{round_}")], 100))
+            assert first[0].number == second[0].number != 0
+            assert [first[0].new, second[0].new].count(True) == 1, (first, second)
+        listed = await store.outbox_list(0, 100)
+        assert sorted(e.envelope.message_id for e in listed) == [f"same{r}" for r in range(5)]

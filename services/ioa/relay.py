@@ -616,21 +616,17 @@ class IoaRelay:
         ttl_us = int(self.config.outbox_ttl_s * 1e6)
         entries = [OutboxEntry(0, sender_id, envelopes[i], min(envelopes[i].expires_at_us or at + ttl_us,
                                                                at + ttl_us), at) for i in indexes]
-        # Which entries this relay knew of before the add: those are retries (no second IOA_OUTBOXED). Taken
-        # now, not after the add: the pump lists the outbox meanwhile and learns the new entries from it (a
-        # first send taken for a retry recorded no IOA_OUTBOXED event, under load in CI).
-        known = {pair: set(self._outboxed.get(pair, ())) for pair in {(sender_id, envelopes[i].recipient)
-                                                                      for i in indexes}}
-        numbers = await self._outbox.outbox_add(entries, self.config.outbox_limit)
+        # the store says which entries this add made: the others are retries (no second IOA_OUTBOXED)
+        added = await self._outbox.outbox_add(entries, self.config.outbox_limit)
         events = []
-        for index, entry, number in zip(indexes, entries, numbers):
+        for index, entry, (number, new) in zip(indexes, entries, ((a.number, a.new) for a in added)):
             if not number:
                 raise errors.Unavailable(
                     f"node of {errors.clip(entry.envelope.recipient)} cannot be reached and the outbox holds its"
                     f" limit of {self.config.outbox_limit} messages; nothing was sent or kept, retry later",
                     reason=Reason.IOA_OUTBOX_FULL)
             env = entry.envelope
-            retry = number in known.get((sender_id, env.recipient), ())
+            retry = not new
             self._outboxed.setdefault((sender_id, env.recipient), set()).add(number)
             outcomes[index] = SendOutcome(env.message_id, env.recipient, OUTBOXED, number, at, detail=(
                 f"node {_node_of(env.recipient)!r} cannot be reached now: "

@@ -161,6 +161,17 @@ class OutboxEntry:
 
 
 @dataclass(frozen=True)
+class OutboxAdded:
+    """What OutboxStore.outbox_add did with one entry."""
+    number: int
+    """The entry's number: a new one, or that of the entry the same sender's same message id has in the
+    outbox already; 0 when refused because the outbox holds its limit."""
+    new: bool
+    """Whether this call made the entry (False: a retry, or refused). Of adds of one message id at the same
+    moment exactly one makes it, and the others get its number."""
+
+
+@dataclass(frozen=True)
 class MessageRecord:
     envelope: envelope_pb2.Envelope
     state: int
@@ -498,10 +509,10 @@ class OutboxStore(abc.ABC):
     """The IOA outbox: messages to IOA agents kept until the far side is reachable, in order."""
 
     @abc.abstractmethod
-    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[int]:
-        """Add the entries (their `number` ignored) in order. For each, its number: a new one, or the number
-        of the entry the same sender's same message id has in the outbox already (a retry); 0 for one
-        refused because the outbox holds `limit` entries."""
+    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[OutboxAdded]:
+        """Add the entries (their `number` ignored) in order. For each, its number (a new one, or the number
+        of the entry the same sender's same message id has in the outbox already: a retry; 0 for one
+        refused because the outbox holds `limit` entries) and whether it is new."""
 
     @abc.abstractmethod
     async def outbox_list(self, after: int, limit: int) -> list[OutboxEntry]:

@@ -992,8 +992,8 @@ class InboxLog:
         if notices_of.wanted(env, recipient):
             if notices_of.crosses(env):  # to an IOA sender: through the outbox, which the relay sends
                 entry = notices_of.crossing(env, recipient, reason, at_us)
-                number, = await self._outbox.add([entry], OUTBOX_LIMIT)
-                await self.events.emit(notices_of.crossing_events(entry, number, env, at_us))
+                added, = await self._outbox.add([entry], OUTBOX_LIMIT)
+                await self.events.emit(notices_of.crossing_events(entry, added.number, env, at_us))
             elif not env.sender.startswith(base.EXTERNAL_PREFIXES):
                 notice = await self._notice(env, recipient, reason, at_us)
         return written.record(), notice

@@ -42,6 +42,7 @@ from services.store.base import (
     EventRecord,
     Frontier,
     MessageRecord,
+    OutboxAdded,
     OutboxEntry,
     RunRecord,
     RunWork,
@@ -244,7 +245,7 @@ class JetStreamStore(base.Store):
 
     # -- the IOA outbox (outbox.py) ---------------------------------------------------
     @nats_call
-    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[int]:
+    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[OutboxAdded]:
         self.conn.require_open()
         return await self.outbox.add(entries, limit)
 

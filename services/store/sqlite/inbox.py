@@ -176,8 +176,8 @@ def dead_letter(conn: sqlite3.Connection, events: list[EventRow], recipient: str
             continue  # no notices about notices, nor to oneself
         if notices_of.crosses(env):  # to an IOA sender: through the outbox, in this same transaction
             entry = notices_of.crossing(env, recipient, reason, at_us)
-            number, = outbox.add(conn, events, [entry], OUTBOX_LIMIT)
-            events += notices_of.crossing_events(entry, number, env, at_us)
+            added, = outbox.add(conn, events, [entry], OUTBOX_LIMIT)
+            events += notices_of.crossing_events(entry, added.number, env, at_us)
             continue
         if env.sender not in senders:
             senders[env.sender] = Inbox.load(conn, env.sender)

@@ -5,27 +5,28 @@ from __future__ import annotations
 import sqlite3
 
 from inboxmesh.common.v1 import envelope_pb2
-from services.store.base import EventRow, OutboxEntry
+from services.store.base import EventRow, OutboxAdded, OutboxEntry
 
 
-def add(conn: sqlite3.Connection, rows: list[EventRow], entries: list[OutboxEntry], limit: int) -> list[int]:
+def add(conn: sqlite3.Connection, rows: list[EventRow], entries: list[OutboxEntry], limit: int) -> list[OutboxAdded]:
+    """(In the writer's transaction: adds of one message id at once are one after the other.)"""
     held = conn.execute("SELECT count(*) FROM outbox").fetchone()[0]
-    numbers = []
+    added = []
     for entry in entries:
         found = conn.execute("SELECT number FROM outbox WHERE sender = ? AND message_id = ?",
                              (entry.sender, entry.envelope.message_id)).fetchone()
         if found is not None:
-            numbers.append(int(found[0]))
+            added.append(OutboxAdded(int(found[0]), new=False))
         elif held >= limit:
-            numbers.append(0)
+            added.append(OutboxAdded(0, new=False))
         else:
             made = conn.execute(
                 "INSERT INTO outbox (sender, message_id, envelope, expires_at_us, added_at_us) VALUES (?, ?, ?, ?, ?)",
                 (entry.sender, entry.envelope.message_id, entry.envelope.SerializeToString(), entry.expires_at_us,
                  entry.added_at_us))
-            numbers.append(int(made.lastrowid or 0))
+            added.append(OutboxAdded(int(made.lastrowid or 0), new=True))
             held += 1
-    return numbers
+    return added
 
 
 def entries(conn: sqlite3.Connection, after: int, limit: int) -> list[OutboxEntry]:

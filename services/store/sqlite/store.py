@@ -37,6 +37,7 @@ from services.store.base import (
     EventRow,
     Frontier,
     MessageRecord,
+    OutboxAdded,
     OutboxEntry,
     RunRecord,
     RunWork,
@@ -243,7 +244,7 @@ class SqliteStore(base.Store):
             conn, recipient=recipient, sender=sender, after_id=after_id, limit=limit))
 
     # -- the IOA outbox (services.store.sqlite.outbox) -----------------------------------
-    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[int]:
+    async def outbox_add(self, entries: list[OutboxEntry], limit: int) -> list[OutboxAdded]:
         return await self.writer.run(lambda conn, rows: outbox.add(conn, rows, entries, limit))
 
     async def outbox_list(self, after: int, limit: int) -> list[OutboxEntry]:
