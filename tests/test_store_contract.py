@@ -77,6 +77,31 @@ async def test_send_deliver_ack_exactly_once_and_duplicates(client, backend):
     assert len(record.of(ev.EVENT_KIND_MESSAGE_CONSUMED, agent_id=b.agent_id)) == 5
 
 
+async def test_tries_of_one_message_at_the_same_moment_store_it_once(client, caplog):
+    """A client's retries racing its first try (several sends of one message id at once, some of them
+    of messages already in the inbox): each message is stored once, every try answers its sequence, and
+    the record has one accepted MESSAGE_SENT and one MESSAGE_STORED per message (on JetStream the sends
+    that read no idempotency record go on without waiting for its creation: services/store/jetstream)."""
+    lead = await client.register("lead")
+    a, b = await lead.spawn("a"), await lead.spawn("b")
+    earlier = await a.send(b.agent_id, "before", message_id="m-0")
+    for round_ in range(4):
+        tries = await asyncio.gather(*(a.send(b.agent_id, f"text {i}", message_id=f"m-{i}")
+                                       for i in (round_, round_ + 1) for _ in range(3)))
+        by_id: dict[str, set[int]] = {}
+        for receipt in tries:
+            assert receipt.status in (ACCEPTED, pb.RECEIPT_STATUS_DUPLICATE), receipt
+            by_id.setdefault(receipt.message_id, set()).add(receipt.sequence)
+        assert all(len(sequences) == 1 for sequences in by_id.values()), by_id
+    record = await Record.read(client)
+    stored = record.of(ev.EVENT_KIND_MESSAGE_STORED, agent_id=b.agent_id)
+    assert sorted(e.message_id for e in stored) == [f"m-{i}" for i in range(5)], "each message stored once"
+    accepted = [e for e in record.of(ev.EVENT_KIND_MESSAGE_SENT, sender=a.agent_id) if e.detail == "accepted"]
+    assert sorted(e.message_id for e in accepted) == [f"m-{i}" for i in range(5)]
+    assert next(e for e in stored if e.message_id == "m-0").sequence == earlier.sequence
+    assert "stored twice" not in caplog.text
+
+
 async def test_a_full_inbox_rejects_and_never_evicts(client):
     lead = await client.register("lead")
     small = await lead.spawn("small", inbox_capacity=3)
