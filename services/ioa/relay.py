@@ -619,14 +619,15 @@ class IoaRelay:
         # the store says which entries this add made: the others are retries (no second IOA_OUTBOXED)
         added = await self._outbox.outbox_add(entries, self.config.outbox_limit)
         events = []
-        for index, entry, (number, new) in zip(indexes, entries, ((a.number, a.new) for a in added)):
+        for index, entry, result in zip(indexes, entries, added):
+            number = result.number
             if not number:
                 raise errors.Unavailable(
                     f"node of {errors.clip(entry.envelope.recipient)} cannot be reached and the outbox holds its"
                     f" limit of {self.config.outbox_limit} messages; nothing was sent or kept, retry later",
                     reason=Reason.IOA_OUTBOX_FULL)
             env = entry.envelope
-            retry = not new
+            retry = not result.new
             self._outboxed.setdefault((sender_id, env.recipient), set()).add(number)
             outcomes[index] = SendOutcome(env.message_id, env.recipient, OUTBOXED, number, at, detail=(
                 f"node {_node_of(env.recipient)!r} cannot be reached now: "
