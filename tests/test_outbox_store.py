@@ -52,3 +52,19 @@ async def test_adds_of_one_message_id_at_the_same_moment_make_one_entry(mesh_con
             assert [first[0].new, second[0].new].count(True) == 1, (first, second)
         listed = await store.outbox_list(0, 100)
         assert sorted(e.envelope.message_id for e in listed) == [f"same{r}" for r in range(5)]
+
+
+async def test_a_removal_made_again_leaves_the_key_of_a_newer_entry_of_the_same_message_id(mesh_config):
+    """An entry removed (sent), its message id added again (a new entry), then the first removal made again
+    (a pump that retried it): a retry of the message id still finds the newer entry, and makes no third."""
+    async with Mesh(mesh_config) as mesh:
+        store = mesh.store
+        first, = await store.outbox_add([_entry("agt_a", "m1")], 10)
+        old = (await store.outbox_list(0, 10))[0]
+        await store.outbox_remove([old])
+        second, = await store.outbox_add([_entry("agt_a", "m1")], 10)
+        assert second.new and second.number > first.number
+        await store.outbox_remove([old])  # again
+        again, = await store.outbox_add([_entry("agt_a", "m1")], 10)
+        assert again == OutboxAdded(second.number, new=False)
+        assert [e.number for e in await store.outbox_list(0, 10)] == [second.number]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from nats.js.errors import KeyWrongLastSequenceError
+
 from inboxmesh.common.v1 import envelope_pb2
 from services.store.base import OutboxAdded, OutboxEntry
 from services.store.jetstream import kv
@@ -64,9 +66,18 @@ class Outbox:
         return [self._of(msg) for msg in found]
 
     async def remove(self, entries: list[OutboxEntry]) -> None:
+        """Each entry, and its message id's key while that names it (a removal made again, of an entry whose
+        message id has a newer entry since, leaves the newer one's key: a retry still finds it)."""
         for entry in entries:
             await self._delete(entry.number)
-            await self.conn.msgs.delete(_key(entry.sender, entry.envelope.message_id))
+            key = _key(entry.sender, entry.envelope.message_id)
+            found = await kv.get(self.conn.msgs, key, kv.JSON)
+            if found is None or int(found.value) != entry.number:
+                continue
+            try:
+                await self.conn.msgs.delete(key, last=found.revision)
+            except KeyWrongLastSequenceError:  # written since: it names another entry now
+                pass
 
     async def _delete(self, number: int) -> None:
         await self.conn.nc.request(f"$JS.API.STREAM.MSG.DELETE.{self.conn.outbox_stream}",
