@@ -144,7 +144,7 @@ async def test_a_caller_naming_a_moment_takes_a_read_begun_since_in_flight_or_do
     answer; done: its value, without a new read); one begun before does not, nor does any without it."""
     source = ManySource()
     reads: SharedReads[tuple[str, int]] | BatchedReads[tuple[str, int]] = (
-        BatchedReads(source.read_many, ("none", -1)) if batched else SharedReads(source.read))
+        BatchedReads(source.read_many, ("none", -1), recent=True) if batched else SharedReads(source.read, recent=True))
     before = time.monotonic()
     first = asyncio.ensure_future(reads.get("a"))
     await _turns()

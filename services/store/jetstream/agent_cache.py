@@ -55,8 +55,8 @@ class AgentCache:
         """Records read from the bucket because the copy did not hold them."""
         learn = self._learn_fresh
         self._fresh: SharedReads[AgentRecord | None] | BatchedReads[AgentRecord | None] = (
-            BatchedReads(self._read_many, None, learn) if conn.config.nats_replicas == 1 else
-            SharedReads(lambda agent_id: kv.read_agent(conn.agents, agent_id), learn))
+            BatchedReads(self._read_many, None, learn, recent=True) if conn.config.nats_replicas == 1 else
+            SharedReads(lambda agent_id: kv.read_agent(conn.agents, agent_id), learn, recent=True))
         """Reads of the bucket as it is now (`fresh`): with one replica, the agents asked for at about the same
         time in one batched direct get; with more, one read of the leader per agent (a direct get may be
         answered by a follower behind it)."""

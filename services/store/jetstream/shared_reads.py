@@ -8,7 +8,7 @@ A lone call waits for nothing: its read starts at once.
 A caller may instead name a moment (`since`, time.monotonic()) after which any read serves it: then a
 read of its key begun since, in flight or done, is taken as it is (a send takes the read of its sender
 made beside its frontier's, both begun after the mesh took the send's request: services.inbox.service).
-The last RECENT_KEPT reads done are kept for that."""
+The last RECENT_KEPT reads done are kept for that, by the readers made with `recent=True` (the agent copy's)."""
 
 from __future__ import annotations
 
@@ -28,14 +28,20 @@ RECENT_KEPT = 4096
 class _Recent(Generic[T]):
     """The reads in flight and the last reads done, each with the time.monotonic() it began at."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        """Whether reads are kept at all (only for a user that names moments: no work for the others)."""
         self.flying: dict[str, tuple[float, asyncio.Future[T]]] = {}
         self.done: collections.OrderedDict[str, tuple[float, T]] = collections.OrderedDict()
 
     def begun(self, key: str, waiting: asyncio.Future[T]) -> None:
+        if not self.keep:
+            return
         self.flying[key] = (time.monotonic(), waiting)
 
     def ended(self, key: str, waiting: asyncio.Future[T]) -> None:
+        if not self.keep:
+            return
         began, _ = self.flying.pop(key, (0.0, None))
         if waiting.cancelled() or waiting.exception() is not None:
             return
@@ -60,7 +66,8 @@ class _Recent(Generic[T]):
 
 
 class SharedReads(Generic[T]):
-    def __init__(self, read: Callable[[str], Awaitable[T]], seen: Callable[[T], None] | None = None):
+    def __init__(self, read: Callable[[str], Awaitable[T]], seen: Callable[[T], None] | None = None,
+                 recent: bool = False):
         self._read = read
         self._seen = seen
         """Called with each value read (before its callers get it)."""
@@ -69,7 +76,8 @@ class SharedReads(Generic[T]):
         """Per key, the read the calls that came while one was in flight wait for."""
         self.reads = 0
         """Reads made (each serves every call that waited for it)."""
-        self._recent: _Recent[T] = _Recent()
+        self._recent: _Recent[T] = _Recent(recent)
+        """`recent`: keep reads for callers that name a moment (`get`'s `since`)."""
 
     async def get(self, key: str, since: float = math.inf) -> T:
         """A read of `key` begun after this call, or one begun at `since` (time.monotonic()) or later."""
@@ -114,7 +122,7 @@ class BatchedReads(Generic[T]):
     first key alone made the others wait for a second one); a lone call waits for that turn only."""
 
     def __init__(self, read_many: Callable[[list[str]], Awaitable[dict[str, T]]], missing: T,
-                 seen: Callable[[T], None] | None = None):
+                 seen: Callable[[T], None] | None = None, recent: bool = False):
         self._read_many = read_many
         """The values of the keys that exist."""
         self._missing = missing
@@ -124,7 +132,8 @@ class BatchedReads(Generic[T]):
         self._next: dict[str, asyncio.Future[T]] = {}
         """The keys the next read asks for, and where their callers wait."""
         self.reads = 0
-        self._recent: _Recent[T] = _Recent()
+        self._recent: _Recent[T] = _Recent(recent)
+        """`recent`: keep reads for callers that name a moment (`get`'s `since`)."""
 
     async def get(self, key: str, since: float = math.inf) -> T:
         """A read of `key` begun after this call, or one begun at `since` (time.monotonic()) or later."""
