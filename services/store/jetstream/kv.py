@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
+import nats.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from inboxmesh.client import errors
@@ -190,6 +192,45 @@ async def last_many(conn: Any, bucket: str, keys: list[str]) -> dict[str, Entry[
         if msg.data and not msg.headers.get("KV-Operation"):
             entries[msg.headers["Nats-Subject"][len(prefix):]] = Entry(msg.data, int(msg.headers["Nats-Sequence"]))
     return entries
+
+
+LIST_PAGE = 1024
+"""Keys list_keys takes from its consumer in one fetch."""
+
+
+async def list_keys(conn: Any, bucket: str) -> list[str]:
+    """The keys a bucket holds now (deleted ones left out), in the order they were last written: a pull
+    consumer of the last entry of each key, headers only, read to its end, then deleted.
+
+    Not nats-py's KeyValue.keys(): (1) it decides that there is nothing to list from the consumer's
+    count of messages still to send, taken after the server may have sent them, so under load it
+    answers "no keys" for a bucket that holds some (`NoKeysError`, 67 and 167 listings into two runs
+    of 2026-12-08 on a bucket of one key); (2) it leaves its consumer on the server for five minutes,
+    and after about 1,000 listings in that time nats-server refuses every new consumer on the stream
+    ("maximum consumers limit reached"). A pull consumer sends nothing before it is asked, so its count
+    at creation is exact; each entry says how many follow it; and the consumer goes at the end."""
+    stream, prefix = conn.kv_stream(bucket), conn.kv_subject(bucket, "")
+    pull = await conn.js.pull_subscribe(prefix + ">", stream=stream, config=ConsumerConfig(
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE, headers_only=True,
+        mem_storage=True, inactive_threshold=60.0))
+    name = ""
+    try:
+        info = await pull.consumer_info()
+        name, left = info.name, int(info.num_pending or 0)
+        keys: list[str] = []
+        while left:
+            for msg in await pull.fetch(min(left, LIST_PAGE), timeout=conn.config.nats_timeout_s):
+                left = int(msg.metadata.num_pending)
+                if not (msg.headers and msg.headers.get("KV-Operation")):
+                    keys.append(msg.subject[len(prefix):])
+        return keys
+    finally:
+        await pull.unsubscribe()
+        if name:
+            try:
+                await conn.js.delete_consumer(stream, name)
+            except (nats.errors.Error, TimeoutError):  # it goes anyway after its inactive threshold
+                pass
 
 
 # -- indexes: one key an entry ----------------------------------------------------------

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from nats.js.errors import NoKeysError
-
 from inboxmesh.client import errors
 from inboxmesh.client.errors import Reason
 from inboxmesh.events.v1 import events_pb2 as ev
@@ -168,10 +166,7 @@ class Runs:
         return [r for r in runs if include_archived or not r.archived_at_us][:limit]
 
     async def work(self, now_us: int, limit: int) -> RunWork:
-        try:
-            keys = await self.conn.runwork.keys()
-        except NoKeysError:
-            keys = []
+        keys = await kv.list_keys(self.conn, "runwork")
         runs = [r for r in await asyncio.gather(*(self.get(run_id=k) for k in keys))
                 if r is not None and not r.archived_at_us]
         runs.sort(key=lambda r: r.created_at_us)

@@ -1,0 +1,64 @@
+"""The run sweeper's listing of its work on JetStream (kv.list_keys over the runwork bucket). nats-py's own
+KeyValue.keys(), which it used before, answered "no keys" for a bucket holding some when the client was
+slow to take what the server had sent (the sweeper then saw no work and slept its whole interval: a run
+closed under load was announced a minute late), and left a consumer on the stream for five minutes after
+each listing, until nats-server refused new ones on it."""
+
+import uuid
+from dataclasses import replace
+
+import pytest
+
+from harness.nats import NatsNode
+from inboxmesh.client.mesh import MeshClient
+from inboxmesh.runs.v1 import runs_pb2 as runs
+from services.clock import now_us
+from services.server import Mesh
+from services.store.jetstream import kv
+from services.store.jetstream.store import JetStreamStore
+from tests.fixtures import ADMIN_TOKEN, make_config
+from tests.test_runs import spec
+
+pytestmark = [pytest.mark.store_independent, pytest.mark.timeout(120)]
+
+LISTINGS = 300
+
+
+@pytest.fixture
+async def mesh(tmp_path):
+    with NatsNode(tmp_path / "nats") as node:
+        config = replace(make_config(tmp_path), store=node.store_config(nats_namespace=f"l{uuid.uuid4().hex[:12]}"))
+        async with Mesh(config) as mesh:
+            assert isinstance(mesh.store, JetStreamStore)
+            yield mesh
+
+
+async def _consumers(store: JetStreamStore) -> int:
+    info = await store.conn.js.stream_info(store.conn.kv_stream("runwork"))
+    return int(info.state.consumer_count)
+
+
+async def test_every_listing_names_every_key_held_in_write_order_and_leaves_no_consumer(mesh):
+    store = mesh.store
+    await kv.put_many(store.conn, "runwork", [(f"r{i}", b"") for i in range(40)])
+    for i in range(0, 40, 4):
+        await store.conn.runwork.delete(f"r{i}")
+    await kv.put_many(store.conn, "runwork", [("r8", b"")])  # written again: listed last
+    held = [f"r{i}" for i in range(40) if i % 4 and i != 8] + ["r8"]
+    before = await _consumers(store)
+    for _ in range(LISTINGS):
+        assert await kv.list_keys(store.conn, "runwork") == held
+    assert await _consumers(store) == before
+
+
+async def test_the_sweeper_finds_a_closed_childs_run_in_every_pass(mesh):
+    async with MeshClient(mesh.address, admin_token=ADMIN_TOKEN) as client:
+        lead = await client.register("lead")
+        child = await lead.spawn("worker", run=spec("long job"))
+        await mesh.services.runs.stop()  # no sweeper settles it meanwhile: each pass below sees it pending
+        await lead.close(child.agent_id, reason="not needed any more")
+        run = await client.admin_run(run_id=child.run_id)
+        assert run.status == runs.RUN_STATUS_CLOSED and run.announce_state == runs.ANNOUNCE_STATE_PENDING
+        for _ in range(LISTINGS):
+            assert (await mesh.store.run_work(now_us(), 500)).pending == [child.run_id]
+        assert await _consumers(mesh.store) == 0
