@@ -49,10 +49,12 @@ from inboxmesh.events.v1 import events_pb2 as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "real-llm"
-BUDGET = Budget(max_model_requests=40, max_wall_time_s=600, max_output_tokens=320, max_requests_per_reply=3,
+BUDGET = Budget(max_model_requests=40, max_wall_time_s=600, max_output_tokens=192, max_requests_per_reply=3,
                 max_turns_per_agent=12)
 """600 s of wall time: on this project's shared 2-core machines the 1.5B model generates 3-9 tokens/s
-(measured 2026-12-01), and the parent's first answer alone can take 320 tokens: a run takes 2-6 minutes."""
+(measured 2026-12-01): a run takes 2-6 minutes. 192 output tokens a request: the parent's first answer (and the
+configured lead's) is its three calls, about 150 tokens, and then repeats of them until the limit, which the host
+skips (the turn ended with its wait); every other answer of the two scenarios took 12-97 tokens (2026-12-08)."""
 TOOLS = {"parent": ("spawn_agent", "finish", "wait"), "A": ("send_message", "finish", "wait"),
          "B": ("reply", "finish", "wait")}
 ROLES = {
