@@ -60,7 +60,8 @@ async def test_a_batch_of_children_restores_the_missing_index_entries_in_one_rea
             monkeypatch.setattr(agents_module.kv, "write_many", counted_writes)
             every = ids + [r.agent_id for r in lost]
             rows = await store.agents.roll_forward(every + ids[:5])  # a record written twice: rolled forward once
-            assert reads == [3 * len(every)], "one batched read of every entry the records stand for"
+            assert reads == [len(every), 3 * len(every), 1], \
+                "one batched read of the records, one of every entry they stand for, one of their parent"
             assert writes == [3 * len(lost)], "one write of the missing entries: scope, name, parent's children"
             children_index = f"c.{kv.token(lead.agent_id)}"
             assert sorted(await store.agents._index(children_index)) == sorted(every), "the lost entries restored"
