@@ -204,8 +204,8 @@ async def list_keys(conn: Any, bucket: str) -> list[str]:
 
     Not nats-py's KeyValue.keys(): (1) it decides that there is nothing to list from the consumer's
     count of messages still to send, taken after the server may have sent them, so under load it
-    answers "no keys" for a bucket that holds some (`NoKeysError`, 67 and 167 listings into two runs
-    of 2026-12-08 on a bucket of one key); (2) it leaves its consumer on the server for five minutes,
+    answers "no keys" for a bucket that holds some (3 listings of 1,000 beside two busy processes on
+    2026-12-08, `bench/kv_listing_probe.py`); (2) it leaves its consumer on the server for five minutes,
     and after about 1,000 listings in that time nats-server refuses every new consumer on the stream
     ("maximum consumers limit reached"). A pull consumer sends nothing before it is asked, so its count
     at creation is exact; each entry says how many follow it; and the consumer goes at the end."""
@@ -225,12 +225,12 @@ async def list_keys(conn: Any, bucket: str) -> list[str]:
                     keys.append(msg.subject[len(prefix):])
         return keys
     finally:
-        await pull.unsubscribe()
-        if name:
-            try:
+        try:
+            await pull.unsubscribe()
+            if name:
                 await conn.js.delete_consumer(stream, name)
-            except (nats.errors.Error, TimeoutError):  # it goes anyway after its inactive threshold
-                pass
+        except (nats.errors.Error, TimeoutError):  # NATS away: the consumer goes after its inactive threshold
+            pass
 
 
 # -- indexes: one key an entry ----------------------------------------------------------
