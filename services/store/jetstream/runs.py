@@ -165,10 +165,19 @@ class Runs:
         runs = [r for r in await asyncio.gather(*(self.get(run_id=i) for i in ids)) if r is not None]
         return [r for r in runs if include_archived or not r.archived_at_us][:limit]
 
+    async def _read_runs(self, run_ids: list[str]) -> list[RunRecord]:
+        """The runs that exist of these, as the bucket holds them now, in this order: with one replica in
+        batched direct gets (kv.last_many, 1,024 runs a request); with more, one read of the leader a run (a
+        follower may answer a direct get a moment behind it). One request a run, as before 2026-12-08, made a
+        sweeper pass over 2,000 runs cost the mesh 0.7-0.9 s of CPU and 2,000 requests, and a pass runs after
+        every close of a child."""
+        if self.conn.config.nats_replicas != 1:
+            return [r for r in await asyncio.gather(*(self.get(run_id=i) for i in run_ids)) if r is not None]
+        entries = await kv.last_many(self.conn, "runs", [_run_key(i) for i in run_ids])
+        return [RUN.decode(entries[key].value) for i in run_ids if (key := _run_key(i)) in entries]
+
     async def work(self, now_us: int, limit: int) -> RunWork:
-        keys = await kv.list_keys(self.conn, "runwork")
-        runs = [r for r in await asyncio.gather(*(self.get(run_id=k) for k in keys))
-                if r is not None and not r.archived_at_us]
+        runs = [r for r in await self._read_runs(await kv.list_keys(self.conn, "runwork")) if not r.archived_at_us]
         runs.sort(key=lambda r: r.created_at_us)
         settled = (ANNOUNCED, REQUESTER_GONE)
         return RunWork(
