@@ -91,3 +91,22 @@ async def test_a_sweeper_pass_over_many_runs_reads_them_in_a_few_requests(mesh):
     assert sorted(work.pending) == sorted(c.run_id for c in children[:3])
     runs_reads = [s for s in requests if "DIRECT.GET" in s and "_runs" in s]
     assert len(runs_reads) == 1, f"the 8 runs read in one request, not {len(runs_reads)}"
+
+
+@pytest.mark.parametrize("max_payload", [16 * 1024, 1024 * 1024])
+def test_a_batched_read_of_many_keys_is_cut_to_fit_the_servers_largest_message(max_payload):
+    """kv.last_many asks for at most 1,024 subjects a request, and no request over the server's max_payload:
+    a request of 1,024 run keys (66 KiB) was refused on a server set to 16 KiB (MaxPayloadError), and the
+    keeper's check of 768 index entries with it, again at every try."""
+    import json
+
+    subjects = [f"$KV.pd2a8468eebc4_runs.r.run-{i:032x}" for i in range(3000)]
+    chunks = kv._request_chunks(subjects, max_payload)
+    assert [s for chunk in chunks for s in chunk] == subjects
+    for chunk in chunks:
+        assert 0 < len(chunk) <= kv.MULTI_LAST_MAX
+        assert len(json.dumps({"multi_last": chunk, "batch": len(chunk)}).encode()) <= max_payload
+    if max_payload == 1024 * 1024:
+        assert len(chunks) == 3, "cut by count alone"
+    else:
+        assert len(chunks) > 3, "cut by bytes"

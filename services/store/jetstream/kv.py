@@ -176,6 +176,24 @@ async def put_many(conn: Any, bucket: str, puts: list[tuple[str, bytes]]) -> Non
             raise ack
 
 
+def _request_chunks(subjects: list[str], max_payload: int) -> list[list[str]]:
+    """The subjects in runs that one batched direct get each may ask for: at most MULTI_LAST_MAX (nats-server
+    answers 413 Too Many Results beyond), and a request (their JSON list) within the server's largest message,
+    `max_payload` (1 MiB by default; a request over it is refused by the client, MaxPayloadError: 1,024 run
+    keys of a ListRuns page made 44 KiB against a server set to 16 KiB)."""
+    room = max_payload - 512  # the request's other fields and the list's brackets
+    chunks: list[list[str]] = [[]]
+    size = 0
+    for subject in subjects:
+        cost = len(subject) + 4  # quoted, and json.dumps's ", " (subjects are plain tokens: nothing escaped)
+        if chunks[-1] and (len(chunks[-1]) >= MULTI_LAST_MAX or size + cost > room):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(subject)
+        size += cost
+    return chunks
+
+
 async def last_many(conn: Any, bucket: str, keys: list[str]) -> dict[str, Entry[bytes]]:
     """The entries of the keys that exist (a deleted one counts as absent), in one batched direct get of
     the bucket's stream (`multi_last`). The bucket allows direct gets (JetStreamConnection.open); with
@@ -183,10 +201,9 @@ async def last_many(conn: Any, bucket: str, keys: list[str]) -> dict[str, Entry[
     if not keys:
         return {}
     prefix = conn.kv_subject(bucket, "")
-    # nats-server answers at most MULTI_LAST_MAX subjects a request (413 Too Many Results beyond)
-    chunks = [keys[start:start + MULTI_LAST_MAX] for start in range(0, len(keys), MULTI_LAST_MAX)]
     answers = await asyncio.gather(*(conn.direct_get(conn.kv_stream(bucket), {
-        "multi_last": [prefix + key for key in chunk], "batch": len(chunk)}) for chunk in chunks))
+        "multi_last": chunk, "batch": len(chunk)}) for chunk in _request_chunks(
+            [prefix + key for key in keys], int(getattr(conn.nc, "max_payload", 0) or 1024 * 1024))))
     entries = {}
     for msg in (msg for found, _ in answers for msg in found):
         if msg.data and not msg.headers.get("KV-Operation"):

@@ -162,15 +162,14 @@ class Runs:
             if after_key not in ids:
                 raise errors.InvalidArgument(f"page_token {after_key!r} is not valid", reason=Reason.BAD_PAGE_TOKEN)
             ids = ids[ids.index(after_key) + 1:]
-        runs = [r for r in await asyncio.gather(*(self.get(run_id=i) for i in ids)) if r is not None]
-        return [r for r in runs if include_archived or not r.archived_at_us][:limit]
+        return [r for r in await self._read_runs(ids) if include_archived or not r.archived_at_us][:limit]
 
     async def _read_runs(self, run_ids: list[str]) -> list[RunRecord]:
         """The runs that exist of these, as the bucket holds them now, in this order: with one replica in
         batched direct gets (kv.last_many, 1,024 runs a request); with more, one read of the leader a run (a
         follower may answer a direct get a moment behind it). One request a run, as before 2026-12-08, made a
         sweeper pass over 2,000 runs cost the mesh 0.7-0.9 s of CPU and 2,000 requests, and a pass runs after
-        every close of a child."""
+        every close of a child; a page of ListRuns read every run of the requester after the page token so."""
         if self.conn.config.nats_replicas != 1:
             return [r for r in await asyncio.gather(*(self.get(run_id=i) for i in run_ids)) if r is not None]
         entries = await kv.last_many(self.conn, "runs", [_run_key(i) for i in run_ids])
